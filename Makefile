@@ -1,0 +1,31 @@
+# The two entry points: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch==2.13.0 is a CPU build pip finds on this kind of machine; a bare `torch` would
+# pull a multi-GB CUDA build. An already-importable torch (a GPU user's) is kept.
+TORCH_PIN ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+demo: install
+	$(VENV)/bin/shardwise demo --tp 2
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+test: lint
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,26 @@
+"""Communication: parallel layout, communicators, accounting and autograd collectives."""
+
+from shardwise.comm.accounting import CommStats, OpCount
+from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, LocalCommunicator, ReduceOp
+from shardwise.comm.dims import Mesh, ParallelDims
+from shardwise.comm.regions import (
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    scatter_to_region,
+)
+
+__all__ = [
+    "CommStats",
+    "OpCount",
+    "Communicator",
+    "LocalCommunicator",
+    "ReduceOp",
+    "DEFAULT_TIMEOUT_S",
+    "Mesh",
+    "ParallelDims",
+    "copy_to_region",
+    "gather_from_region",
+    "reduce_from_region",
+    "scatter_to_region",
+]

@@ -1,0 +1,132 @@
+"""The Communicator interface every layer talks to.
+
+A Communicator is one group of ranks. Layers receive it explicitly; nothing in
+shardwise reads a global process group. Backends (torch.distributed, MPI) implement
+the underscored primitives; this base class short-circuits size-1 groups and counts
+every collective it issues in `stats`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Literal
+
+import torch
+
+from shardwise.comm.accounting import CommStats
+
+__all__ = ["Communicator", "LocalCommunicator", "ReduceOp", "DEFAULT_TIMEOUT_S"]
+
+ReduceOp = Literal["sum", "max"]
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class Communicator(ABC):
+    """A group of ranks that can run collectives on tensors.
+
+    All collectives return a new tensor (or the input itself for a size-1 group) and
+    never modify their input, so they are safe to call inside autograd functions.
+    """
+
+    name: str
+    rank: int
+    size: int
+    stats: CommStats
+    backend: str
+    timeout_s: float
+
+    # ---- public API: size-1 short-circuit + accounting ---------------------------------
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """Element-wise reduction across the group; every rank gets the result."""
+        if self.size == 1:
+            return t
+        self.stats.record("all_reduce", self.name, _nbytes(t))
+        return self._all_reduce(t, op)
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's equal-shaped `t` along `dim`, in rank order."""
+        if self.size == 1:
+            return t
+        self.stats.record("all_gather", self.name, _nbytes(t))
+        return self._all_gather(t, dim % t.dim())
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Sum across the group, then keep this rank's 1/size chunk along `dim`."""
+        if self.size == 1:
+            return t
+        dim = dim % t.dim()
+        if t.shape[dim] % self.size:
+            raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by {self.size} ranks")
+        self.stats.record("reduce_scatter", self.name, _nbytes(t))
+        return self._reduce_scatter(t, dim)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Every rank gets `src`'s tensor (the others pass a buffer of the same shape and dtype)."""
+        if self.size == 1:
+            return t
+        if not 0 <= src < self.size:
+            raise ValueError(f"broadcast src={src} is outside group {self.name!r} of size {self.size}")
+        self.stats.record("broadcast", self.name, _nbytes(t))
+        return self._broadcast(t, src)
+
+    def barrier(self) -> None:
+        if self.size == 1:
+            return
+        self.stats.record("barrier", self.name, 0)
+        self._barrier()
+
+    # ---- backend primitives ---------------------------------------------------------------
+    @abstractmethod
+    def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _barrier(self) -> None: ...
+
+    @abstractmethod
+    def split(self, groups: list[list[int]], name: str) -> Communicator:
+        """Collective: partition this group's ranks into `groups` (ranks of this group)
+        and return the communicator of the group that holds this rank."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release backend resources (the world communicator only)."""
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size}, backend={self.backend!r})"
+        )
+
+
+class LocalCommunicator(Communicator):
+    """The size-1 group: a single process with no distributed runtime at all."""
+
+    def __init__(self, name: str = "world", stats: CommStats | None = None) -> None:
+        self.name, self.rank, self.size = name, 0, 1
+        self.stats = stats if stats is not None else CommStats()
+        self.backend = "local"
+        self.timeout_s = DEFAULT_TIMEOUT_S
+
+    def _all_reduce(self, t, op):  # pragma: no cover - size 1 never reaches primitives
+        return t
+
+    _all_gather = _reduce_scatter = _broadcast = _all_reduce  # type: ignore[assignment]
+
+    def _barrier(self) -> None:  # pragma: no cover
+        pass
+
+    def split(self, groups: list[list[int]], name: str) -> Communicator:
+        if groups != [[0]]:
+            raise ValueError(f"a single process can only split into [[0]], got {groups}")
+        return LocalCommunicator(name, self.stats)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

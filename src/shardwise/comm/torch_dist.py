@@ -1,0 +1,116 @@
+"""Communicator over torch.distributed: gloo on CPU, NCCL on CUDA.
+
+This module is the only place in shardwise that calls torch.distributed collectives.
+Every process group is created with the job's timeout, so a collective whose peer has
+died or hangs raises instead of blocking forever.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm.accounting import CommStats
+from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, ReduceOp
+
+__all__ = ["TorchDistCommunicator", "init_torch_distributed"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+# torch >= 2.11 names the flat-buffer collectives *_single; older releases *_tensor.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def init_torch_distributed(
+    *,
+    rank: int,
+    world_size: int,
+    master_addr: str = "127.0.0.1",
+    master_port: int,
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> TorchDistCommunicator:
+    """Join (or create) the job's default process group and return the world communicator.
+
+    Called once per process by the launcher, at the outer edge; library code only ever
+    sees the returned communicator.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"torch.distributed backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'nccl' needs CUDA, but torch.cuda.is_available() is False")
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return TorchDistCommunicator(None, name="world", stats=CommStats(), backend=backend, timeout_s=timeout_s)
+
+
+class TorchDistCommunicator(Communicator):
+    """One torch.distributed process group (None = the default, world group)."""
+
+    def __init__(self, group, *, name: str, stats: CommStats, backend: str, timeout_s: float) -> None:
+        self.group = group
+        self.name = name
+        self.stats = stats
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        out = t.contiguous().clone()
+        dist.all_reduce(out, op=_OPS[op], group=self.group)
+        return out
+
+    def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        # Gather along dim 0 into one buffer, then move the rank axis next to `dim`.
+        t = t.contiguous()
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        _all_gather_flat(out, t, group=self.group)  # (size * d0, ...)
+        return torch.cat(out.chunk(self.size, dim=0), dim=dim) if dim else out
+
+    def _reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        # Put the chunks of `dim` in rank order along dim 0, so each rank's chunk is contiguous.
+        chunks = torch.stack(t.chunk(self.size, dim=dim)).contiguous()  # (size, *chunk_shape)
+        out = torch.empty(chunks.shape[1:], dtype=t.dtype, device=t.device)
+        _reduce_scatter_flat(out, chunks.flatten(0, 1), group=self.group)
+        return out
+
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        out = t.contiguous().clone()
+        dist.broadcast(out, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        return out
+
+    def _barrier(self) -> None:
+        # A barrier as a tiny all-reduce: it honours the group timeout on every backend.
+        device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
+        dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+
+    def split(self, groups: list[list[int]], name: str) -> Communicator:
+        _check_partition(groups, self.size)
+        mine = None
+        global_ranks = list(range(self.size)) if self.group is None else dist.get_process_group_ranks(self.group)
+        for ranks in groups:  # new_group is collective: every rank creates every group, in order
+            members = [global_ranks[r] for r in ranks]
+            pg = dist.new_group(members, timeout=timedelta(seconds=self.timeout_s), use_local_synchronization=False)
+            if self.rank in ranks:
+                mine = pg
+        return TorchDistCommunicator(mine, name=name, stats=self.stats, backend=self.backend, timeout_s=self.timeout_s)
+
+    def close(self) -> None:
+        if self.group is None and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check_partition(groups: list[list[int]], size: int) -> None:
+    flat = sorted(r for g in groups for r in g)
+    if flat != list(range(size)):
+        raise ValueError(f"groups {groups} do not partition ranks 0..{size - 1}")

@@ -1,0 +1,26 @@
+"""Tensor-parallel layers: each takes this rank's slice of an unsharded module."""
+
+from shardwise.layers.embedding import VocabParallelEmbedding, VocabParallelLMHead, VocabShard
+from shardwise.layers.fused import MergedColumnParallelLinear, QKVParallelLinear, SumReplicaGrads
+from shardwise.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardwise.layers.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from shardwise.layers.partition import HeadLayout, ShardError, divide, padded_size, shard_range, valid_tp_sizes
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "QKVParallelLinear",
+    "MergedColumnParallelLinear",
+    "SumReplicaGrads",
+    "VocabParallelEmbedding",
+    "VocabParallelLMHead",
+    "VocabShard",
+    "VocabParallelCrossEntropy",
+    "vocab_parallel_cross_entropy",
+    "HeadLayout",
+    "ShardError",
+    "divide",
+    "padded_size",
+    "shard_range",
+    "valid_tp_sizes",
+]

@@ -1,0 +1,155 @@
+"""Column- and row-parallel linear layers (Megatron-LM, Shoeybi et al., 2019).
+
+    Y = X A + b
+
+Column parallel splits A by output columns,  A = [A_1 ... A_p]:
+    each rank computes Y_i = X A_i + b_i; Y = [Y_1 ... Y_p] stays sharded unless gathered.
+Row parallel splits A by input rows,  A = [A_1; ...; A_p], X = [X_1 ... X_p]:
+    each rank computes X_i A_i; Y = sum_i X_i A_i + b needs one all-reduce.
+
+Weights keep nn.Linear's (out_features, in_features) layout, so a rank's shard is a
+slice of dim 0 (column) or dim 1 (row) of the full weight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.comm import Communicator, copy_to_region, gather_from_region, reduce_from_region
+from shardwise.layers.partition import divide, shard_range
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _init_(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
+    # nn.Linear's default init, using the *global* fan-in so every tp size draws from
+    # the same distribution.
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+    with torch.no_grad():
+        weight.uniform_(-bound, bound)
+        if bias is not None:
+            bias.uniform_(-bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X A_i + b_i, with A = [A_1 ... A_p] split by output features.
+
+    The input must be replicated across the group. Forward is purely local; backward
+    all-reduces dL/dX (copy_to_region). With gather_output=True the output is
+    all-gathered to the full width (for a final layer whose consumer needs all of it).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        comm: Communicator,
+        bias: bool = True,
+        gather_output: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.comm = comm
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        local_out = divide(out_features, comm.size, what="out_features")
+        self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))  # (out/p, in)
+        self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
+        if self.weight.device.type != "meta":
+            _init_(self.weight, self.bias, in_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, comm: Communicator, gather_output: bool = False) -> ColumnParallelLinear:
+        """This rank's column slice of an existing nn.Linear (its rows of `weight`)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            comm=comm,
+            bias=linear.bias is not None,
+            gather_output=gather_output,
+            device="meta",
+            dtype=linear.weight.dtype,
+        )
+        start, end = shard_range(linear.out_features, comm.size, comm.rank, what="out_features")
+        layer.weight = nn.Parameter(linear.weight.detach()[start:end].clone())
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach()[start:end].clone())
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_region(x, self.comm)  # (..., in)        identity fwd, all-reduce bwd
+        y = F.linear(x, self.weight, self.bias)  # (..., out/p)
+        if self.gather_output:
+            y = gather_from_region(y, self.comm)  # (..., out)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight.shape[0]}), tp={self.comm.size}, bias={self.bias is not None}, "
+            f"gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_i X_i A_i + b, with A = [A_1; ...; A_p] split by input features.
+
+    The input is already sharded along its last dim (the output of a
+    ColumnParallelLinear). Forward all-reduces the partial products
+    (reduce_from_region); the bias is replicated and added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        comm: Communicator,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.comm = comm
+        self.in_features, self.out_features = in_features, out_features
+        local_in = divide(in_features, comm.size, what="in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))  # (out, in/p)
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        if self.weight.device.type != "meta":
+            _init_(self.weight, self.bias, in_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, comm: Communicator) -> RowParallelLinear:
+        """This rank's row slice of an existing nn.Linear (its columns of `weight`)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            comm=comm,
+            bias=linear.bias is not None,
+            device="meta",
+            dtype=linear.weight.dtype,
+        )
+        start, end = shard_range(linear.in_features, comm.size, comm.rank, what="in_features")
+        layer.weight = nn.Parameter(linear.weight.detach()[:, start:end].clone())
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone())
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # (..., in/p) -> (..., out), a partial sum
+        y = reduce_from_region(y, self.comm)  # all-reduce fwd, identity bwd
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"tp={self.comm.size}, bias={self.bias is not None}"
+        )

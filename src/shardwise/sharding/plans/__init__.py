@@ -1,0 +1,5 @@
+"""Sharding plans for shardwise's own model families, written as data."""
+
+from shardwise.sharding.plans.blocks import block_plan, mlp_plan, tiny_lm_plan
+
+__all__ = ["block_plan", "mlp_plan", "tiny_lm_plan"]

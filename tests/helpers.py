@@ -1,0 +1,47 @@
+"""Shared test utilities: tolerances, and the expected shard of an unsharded gradient."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from shardwise.comm import Communicator
+from shardwise.sharding import Plan, parallelize
+
+# fp32: sharding only reorders sums, so errors stay at a few ulps of the magnitudes.
+FP32_TOL = 1e-5
+# bf16 keeps 8 significant bits (eps = 2**-8). A row-parallel layer rounds each rank's
+# partial sum to bf16 and the all-reduce adds the partials in bf16: up to tp + 1
+# roundings of eps/2 each, ~ 2.5 * eps at tp=4. 4 * eps of the tensor's scale covers it.
+BF16_TOL = 4 * 2**-8
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Tight for fp32, scale-relative 4 ulps for bf16/fp16 (see BF16_TOL)."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if expected.dtype in (torch.bfloat16, torch.float16):
+        a, e = actual.float(), expected.float()
+        scale = max(e.abs().max().item(), 1e-3)
+        torch.testing.assert_close(a, e, rtol=BF16_TOL, atol=BF16_TOL * scale, msg=lambda m: f"{what}: {m}")
+    else:
+        torch.testing.assert_close(actual, expected, rtol=FP32_TOL, atol=FP32_TOL, msg=lambda m: f"{what}: {m}")
+
+
+def sharded_grads_expected(model: nn.Module, plan: Plan, comm: Communicator) -> dict[str, torch.Tensor]:
+    """This rank's expected gradient of every parameter of parallelize(model, plan).
+
+    Shards the unsharded gradients exactly as the weights were sharded: a copy of the
+    model whose parameters hold their .grad goes through the same plan.
+    """
+    grads = copy.deepcopy(model)
+    with torch.no_grad():
+        for (_, p), (_, g) in zip(model.named_parameters(), grads.named_parameters(), strict=True):
+            g.copy_(p.grad)
+    parallelize(grads, plan, comm=comm)
+    return {n: p.detach() for n, p in grads.named_parameters()}
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
