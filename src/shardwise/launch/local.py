@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -65,10 +66,8 @@ def free_port() -> int:
 
 
 def _watch_lifeline(conn: Connection) -> None:
-    try:
+    with contextlib.suppress(EOFError, OSError):
         conn.recv()  # the parent never sends: this returns only by EOF
-    except (EOFError, OSError):
-        pass
     os._exit(3)
 
 

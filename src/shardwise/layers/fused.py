@@ -216,4 +216,7 @@ class MergedColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)  # (..., sum(out)/p)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, output_sizes={self.output_sizes} (local {self.local_sizes}), tp={self.comm.size}"
+        return (
+            f"in_features={self.in_features}, output_sizes={self.output_sizes} "
+            f"(local {self.local_sizes}), tp={self.comm.size}"
+        )

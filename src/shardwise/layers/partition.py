@@ -72,10 +72,7 @@ class HeadLayout:
         self.num_heads, self.num_kv_heads, self.tp = num_heads, num_kv_heads, tp
         valid = self.valid_tp_sizes(num_heads, num_kv_heads)
         if tp not in valid:
-            if num_heads % tp:
-                what = f"num_attention_heads={num_heads}"
-            else:
-                what = f"num_key_value_heads={num_kv_heads}"
+            what = f"num_attention_heads={num_heads}" if num_heads % tp else f"num_key_value_heads={num_kv_heads}"
             raise ShardError(f"{what} cannot be split over tp={tp}; valid tp sizes: {_fmt(valid)}")
         self.local_heads = num_heads // tp
         self.local_kv_heads = max(num_kv_heads // tp, 1)
