@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from shardwise.comm import Communicator
+from shardwise.comm import Communicator, ParallelDims
 from shardwise.sharding import Plan, parallelize
 
 # fp32: sharding only reorders sums, so errors stay at a few ulps of the magnitudes.
@@ -41,6 +41,11 @@ def sharded_grads_expected(model: nn.Module, plan: Plan, comm: Communicator) -> 
             g.copy_(p.grad)
     parallelize(grads, plan, comm=comm)
     return {n: p.detach() for n, p in grads.named_parameters()}
+
+
+def tp_group(world: Communicator) -> Communicator:
+    """The whole world as one tensor-parallel group (named "tp" in the accounting)."""
+    return ParallelDims(world_size=world.size, tp=world.size).build(world).tp
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
