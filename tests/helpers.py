@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
 from shardwise.comm import Communicator, ParallelDims
-from shardwise.sharding import Plan, parallelize
+from shardwise.sharding import Plan, shard_grads_like
 
 # fp32: sharding only reorders sums, so errors stay at a few ulps of the magnitudes.
 FP32_TOL = 1e-5
@@ -30,17 +28,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -
 
 
 def sharded_grads_expected(model: nn.Module, plan: Plan, comm: Communicator) -> dict[str, torch.Tensor]:
-    """This rank's expected gradient of every parameter of parallelize(model, plan).
-
-    Shards the unsharded gradients exactly as the weights were sharded: a copy of the
-    model whose parameters hold their .grad goes through the same plan.
-    """
-    grads = copy.deepcopy(model)
-    with torch.no_grad():
-        for (_, p), (_, g) in zip(model.named_parameters(), grads.named_parameters(), strict=True):
-            g.copy_(p.grad)
-    parallelize(grads, plan, comm=comm)
-    return {n: p.detach() for n, p in grads.named_parameters()}
+    """This rank's expected gradient of every parameter of parallelize(model, plan)."""
+    return shard_grads_like(model, plan, comm=comm)
 
 
 def tp_group(world: Communicator) -> Communicator:

@@ -1,6 +1,7 @@
 """Sharding plans as data, and the one function that applies them."""
 
 from shardwise.sharding.apply import parallelize
+from shardwise.sharding.like import shard_grads_like, shard_like
 from shardwise.sharding.plan import Plan, matches, resolve_plan
 from shardwise.sharding.styles import (
     QKV,
@@ -16,6 +17,8 @@ from shardwise.sharding.styles import (
 
 __all__ = [
     "parallelize",
+    "shard_like",
+    "shard_grads_like",
     "Plan",
     "matches",
     "resolve_plan",

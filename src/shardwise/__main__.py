@@ -1,0 +1,5 @@
+import sys
+
+from shardwise.cli.main import main
+
+sys.exit(main())
