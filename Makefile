@@ -21,8 +21,8 @@ demo: install
 	$(VENV)/bin/shardwise demo --tp 2
 
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
+	$(VENV)/bin/ruff format --check src tests $(wildcard benchmarks)
 
 test: lint
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q
