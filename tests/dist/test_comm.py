@@ -1,0 +1,83 @@
+"""The torch.distributed communicator and its groups: every collective's result, on
+tp and dp sub-groups built by ParallelDims, and the accounting of each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.comm import ParallelDims
+from shardwise.launch import launch
+
+
+def _collectives_case(comm, tp: int) -> dict:
+    mesh = ParallelDims(world_size=comm.size, tp=tp).build(comm)
+    r, tp_rank, dp_rank = comm.rank, mesh.tp.rank, mesh.dp.rank
+    tp_members = ParallelDims(world_size=comm.size, tp=tp).tp_groups()[r // tp]
+    assert mesh.tp.size == tp and mesh.dp.size == comm.size // tp
+    assert tp_rank == r % tp and dp_rank == r // tp
+
+    # all_reduce sums (and maxes) within the group only
+    got = mesh.tp.all_reduce(torch.full((2, 3), float(r)))
+    assert torch.equal(got, torch.full((2, 3), float(sum(tp_members))))
+    got = mesh.tp.all_reduce(torch.tensor([float(r), -float(r)]), op="max")
+    assert torch.equal(got, torch.tensor([float(max(tp_members)), -float(min(tp_members))]))
+    x = torch.tensor([1.0])
+    assert mesh.tp.all_reduce(x) is not x or tp == 1, "collectives must not alias their input"
+    for dtype in (torch.bfloat16, torch.float16):
+        got = mesh.tp.all_reduce(torch.full((4,), 0.5, dtype=dtype))
+        assert got.dtype == dtype and torch.equal(got, torch.full((4,), 0.5 * tp, dtype=dtype))
+
+    # all_gather along dim 0 and dim 1, in rank order
+    t = torch.arange(6.0).view(2, 3) + 100 * r
+    for dim in (0, 1, -1):
+        got = mesh.tp.all_gather(t, dim=dim)
+        expect = torch.cat([torch.arange(6.0).view(2, 3) + 100 * m for m in tp_members], dim=dim)
+        assert torch.equal(got, expect), (dim, got, expect)
+
+    # reduce_scatter: sum, then this rank's chunk of the dim
+    t = torch.arange(4.0 * tp).view(2, 2 * tp) * (r + 1)
+    for dim in (1, 0) if tp <= 2 else (1,):
+        got = mesh.tp.reduce_scatter(t, dim=dim)
+        full = torch.arange(4.0 * tp).view(2, 2 * tp) * sum(m + 1 for m in tp_members)
+        assert torch.equal(got, full.chunk(tp, dim=dim)[tp_rank]), (dim, got)
+
+    # broadcast from the group's last rank (a group-local index)
+    src = tp - 1
+    got = mesh.tp.broadcast(torch.full((3,), float(r)), src=src)
+    assert torch.equal(got, torch.full((3,), float(tp_members[src])))
+
+    # dp group: ranks holding the same tp slice
+    got = mesh.dp.all_reduce(torch.tensor([float(r)]))
+    assert got.item() == sum(range(tp_rank, comm.size, tp))
+    mesh.world.barrier()
+    return comm.stats.snapshot()
+
+
+@pytest.mark.parametrize("world_size,tp", [(1, 1), (2, 2), (3, 3), (4, 2), (4, 4)])
+def test_collectives_on_sub_groups(world_size, tp):
+    snapshots = launch(_collectives_case, world_size, args=(tp,))
+    stats = snapshots[0]
+    if tp == 1:
+        assert "all_reduce/tp" not in stats, "size-1 groups must short-circuit"
+    else:
+        # 1 sum + 1 max + 1 alias check + 2 half-precision sums
+        assert stats["all_reduce/tp"]["calls"] == 5
+        assert stats["all_reduce/tp"]["bytes"] == 6 * 4 + 2 * 4 + 4 + 4 * 2 * 2
+        assert stats["all_gather/tp"] == {"calls": 3, "bytes": 3 * 6 * 4}
+        assert stats["broadcast/tp"] == {"calls": 1, "bytes": 12}
+    if world_size // tp > 1:
+        assert stats["all_reduce/dp"] == {"calls": 1, "bytes": 4}
+    if world_size > 1:
+        assert stats["barrier/world"]["calls"] == 1
+
+
+def _mismatched_world(comm) -> None:
+    ParallelDims(world_size=comm.size + 1, tp=1).build(comm)
+
+
+def test_build_rejects_a_mesh_of_the_wrong_size():
+    from shardwise.launch import RankFailedError
+
+    with pytest.raises(RankFailedError, match=r"communicator has 2 ranks but ParallelDims.world_size=3"):
+        launch(_mismatched_world, 2)
