@@ -1,7 +1,7 @@
 """Communication: parallel layout, communicators, accounting and autograd collectives."""
 
 from shardwise.comm.accounting import CommStats, OpCount
-from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, LocalCommunicator, ReduceOp
+from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, CollectiveError, Communicator, LocalCommunicator, ReduceOp
 from shardwise.comm.dims import Mesh, ParallelDims
 from shardwise.comm.regions import (
     copy_to_region,
@@ -13,6 +13,7 @@ from shardwise.comm.regions import (
 __all__ = [
     "CommStats",
     "OpCount",
+    "CollectiveError",
     "Communicator",
     "LocalCommunicator",
     "ReduceOp",

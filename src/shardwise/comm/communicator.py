@@ -15,10 +15,25 @@ import torch
 
 from shardwise.comm.accounting import CommStats
 
-__all__ = ["Communicator", "LocalCommunicator", "ReduceOp", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Communicator", "LocalCommunicator", "CollectiveError", "ReduceOp", "DEFAULT_TIMEOUT_S"]
 
 ReduceOp = Literal["sum", "max"]
 DEFAULT_TIMEOUT_S = 60.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, or did not arrive within the timeout.
+
+    Usually a consequence of another rank's failure; the launcher reports the root
+    cause (a rank that raised something else, or died) in preference to these.
+    """
+
+    def __init__(self, op: str, comm: Communicator, cause: BaseException) -> None:
+        super().__init__(
+            f"{op} on group {comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, "
+            f"timeout {comm.timeout_s:g}s) failed: {cause}"
+        )
+        self.op, self.group = op, comm.name
 
 
 class Communicator(ABC):
@@ -41,14 +56,14 @@ class Communicator(ABC):
         if self.size == 1:
             return t
         self.stats.record("all_reduce", self.name, _nbytes(t))
-        return self._all_reduce(t, op)
+        return self._guard("all_reduce", self._all_reduce, t, op)
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's equal-shaped `t` along `dim`, in rank order."""
         if self.size == 1:
             return t
         self.stats.record("all_gather", self.name, _nbytes(t))
-        return self._all_gather(t, dim % t.dim())
+        return self._guard("all_gather", self._all_gather, t, dim % t.dim())
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum across the group, then keep this rank's 1/size chunk along `dim`."""
@@ -58,7 +73,7 @@ class Communicator(ABC):
         if t.shape[dim] % self.size:
             raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by {self.size} ranks")
         self.stats.record("reduce_scatter", self.name, _nbytes(t))
-        return self._reduce_scatter(t, dim)
+        return self._guard("reduce_scatter", self._reduce_scatter, t, dim)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Every rank gets `src`'s tensor (the others pass a buffer of the same shape and dtype)."""
@@ -67,13 +82,19 @@ class Communicator(ABC):
         if not 0 <= src < self.size:
             raise ValueError(f"broadcast src={src} is outside group {self.name!r} of size {self.size}")
         self.stats.record("broadcast", self.name, _nbytes(t))
-        return self._broadcast(t, src)
+        return self._guard("broadcast", self._broadcast, t, src)
 
     def barrier(self) -> None:
         if self.size == 1:
             return
         self.stats.record("barrier", self.name, 0)
-        self._barrier()
+        self._guard("barrier", self._barrier)
+
+    def _guard(self, op: str, primitive, *args):
+        try:
+            return primitive(*args)
+        except (RuntimeError, OSError) as e:  # backends raise RuntimeError subclasses
+            raise CollectiveError(op, self, e) from e
 
     # ---- backend primitives ---------------------------------------------------------------
     @abstractmethod

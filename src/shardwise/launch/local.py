@@ -6,8 +6,8 @@
   with one compute thread unless asked otherwise, joined to the job's communicator on
   a free loopback port.
 - If any rank raises or dies, every other rank is killed at once and RankFailedError is
-  raised with the failing rank's own traceback: the root cause, not the "connection
-  closed by peer" errors that it causes on the others.
+  raised with the failing rank's own traceback: the root cause, not the failed
+  collectives (CollectiveError: "connection closed by peer") that it causes on the others.
 - Ranks die with their parent, even on SIGKILL: each watches a lifeline pipe, and exits
   when the parent's end closes. No orphan processes remain.
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, LocalCommunicator
+from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, CollectiveError, Communicator, LocalCommunicator
 
 __all__ = ["launch", "RankFailedError", "JobTimeoutError", "free_port"]
 
@@ -40,6 +40,8 @@ class _Failure:
     when: float
     summary: str
     detail: str
+    secondary: bool = False
+    """A failed collective: most likely the effect of another rank's failure."""
 
 
 class RankFailedError(RuntimeError):
@@ -71,6 +73,14 @@ def _watch_lifeline(conn: Connection) -> None:
     os._exit(3)
 
 
+def _caused_by_collective(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, CollectiveError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _worker(rank, world_size, port, backend, timeout_s, threads, fn, args, result_conn, lifeline) -> None:
     threading.Thread(target=_watch_lifeline, args=(lifeline,), daemon=True).start()
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -91,7 +101,8 @@ def _worker(rank, world_size, port, backend, timeout_s, threads, fn, args, resul
         result_conn.send(("ok", result))
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
         try:
-            result_conn.send(("error", time.time(), f"{type(e).__name__}: {e}", traceback.format_exc()))
+            secondary = _caused_by_collective(e)
+            result_conn.send(("error", time.time(), f"{type(e).__name__}: {e}", traceback.format_exc(), secondary))
         finally:
             os._exit(1)  # NOTE: skip teardown: a collective with dead peers could block it
     if comm is not None:
@@ -139,7 +150,9 @@ def launch(
         deadline = time.monotonic() + (job_timeout_s if job_timeout_s is not None else 4 * timeout_s + 60)
         failures = _collect(procs, pending, results, deadline)
         if failures:
-            root = min(failures, key=lambda f: f.when)
+            # The root cause: a rank that raised something other than a failed collective,
+            # or died; among equals, the earliest.
+            root = min(failures, key=lambda f: (f.secondary, f.when))
             raise RankFailedError(root.rank, root.summary, root.detail, [p.pid for p in procs])
         return [results[r] for r in range(world_size)]
     finally:
@@ -170,7 +183,7 @@ def _collect(procs, pending: dict[Connection, int], results: dict, deadline: flo
                 if msg[0] == "ok":
                     results[rank] = msg[1]
                 else:
-                    failures.append(_Failure(rank, msg[1], msg[2], msg[3]))
+                    failures.append(_Failure(rank, *msg[1:]))
         for rank, p in enumerate(procs):
             if p.exitcode not in (None, 0) and rank not in results and all(f.rank != rank for f in failures):
                 if any(c for c, r in pending.items() if r == rank and c.poll()):
