@@ -81,3 +81,53 @@ def test_build_rejects_a_mesh_of_the_wrong_size():
 
     with pytest.raises(RankFailedError, match=r"communicator has 2 ranks but ParallelDims.world_size=3"):
         launch(_mismatched_world, 2)
+
+
+def _regions_case(world) -> None:
+    from helpers import tp_group
+
+    from shardwise.comm import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
+
+    comm = tp_group(world)
+    p, r = comm.size, comm.rank
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4 * p)  # the same full tensor on every rank
+    g = torch.randn(2, 3, 4)  # the same upstream gradient of one shard on every rank
+    local = x.chunk(p, dim=-1)[r]
+
+    # scatter: forward keeps this rank's slice; backward all-gathers the gradient
+    xs = x.clone().requires_grad_()
+    y = scatter_to_region(xs, comm)
+    assert torch.equal(y, local)
+    y.backward(g)
+    assert torch.equal(xs.grad, g.repeat(1, 1, p))
+
+    # gather: forward concatenates the shards; backward keeps this rank's slice
+    ls = local.clone().requires_grad_()
+    y = gather_from_region(ls, comm)
+    assert torch.equal(y, x)
+    y.backward(x * 2)
+    assert torch.equal(ls.grad, local * 2)
+
+    # copy: identity forward; backward sums the gradient over the group
+    xc = local.clone().requires_grad_()
+    y = copy_to_region(xc, comm)
+    assert torch.equal(y, local)
+    y.backward(torch.full_like(local, float(r + 1)))
+    assert torch.equal(xc.grad, torch.full_like(local, float(sum(range(1, p + 1)))))
+
+    # reduce: forward sums over the group; backward passes the gradient through
+    xr = torch.full((2,), float(r)).requires_grad_()
+    y = reduce_from_region(xr, comm)
+    assert torch.equal(y, torch.full((2,), float(sum(range(p)))))
+    y.backward(torch.ones(2))
+    assert torch.equal(xr.grad, torch.ones(2))
+
+    if p == 1:  # size-1 groups short-circuit: no autograd node, no collective
+        assert copy_to_region(x, comm) is x and reduce_from_region(x, comm) is x
+        assert comm.stats.calls() == 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_region_functions_forward_and_backward(world_size):
+    launch(_regions_case, world_size)
