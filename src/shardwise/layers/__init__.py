@@ -5,6 +5,7 @@ from shardwise.layers.fused import MergedColumnParallelLinear, QKVParallelLinear
 from shardwise.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardwise.layers.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from shardwise.layers.partition import HeadLayout, ShardError, divide, padded_size, shard_range, valid_tp_sizes
+from shardwise.layers.spec import ShardSpec, model_shard_specs
 
 __all__ = [
     "ColumnParallelLinear",
@@ -18,6 +19,8 @@ __all__ = [
     "VocabParallelCrossEntropy",
     "vocab_parallel_cross_entropy",
     "HeadLayout",
+    "ShardSpec",
+    "model_shard_specs",
     "ShardError",
     "divide",
     "padded_size",

@@ -17,6 +17,7 @@ from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region, gather_from_region, reduce_from_region
 from shardwise.layers.partition import padded_size
+from shardwise.layers.spec import ShardSpec
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelLMHead", "VocabShard"]
 
@@ -39,6 +40,11 @@ class VocabShard:
         n = max(self.real_end - self.start, 0)
         out[:n] = full[self.start : self.start + n]
         return out
+
+    def spec(self, global_shape: tuple[int, ...]) -> ShardSpec:
+        """ShardSpec of this rank's padded rows of an unpadded (vocab_size, ...) tensor."""
+        n = max(self.real_end - self.start, 0)
+        return ShardSpec(tuple(global_shape), 0, ((min(self.start, self.vocab_size), n),), self.local - n)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -69,6 +75,9 @@ class VocabParallelEmbedding(nn.Module):
         layer = cls(emb.num_embeddings, emb.embedding_dim, comm=comm, device="meta", dtype=emb.weight.dtype)
         layer.weight = nn.Parameter(layer.shard.copy_rows(emb.weight.detach()))
         return layer
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        return {"weight": self.shard.spec((self.num_embeddings, self.embedding_dim))}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
@@ -146,6 +155,12 @@ class VocabParallelLMHead(nn.Module):
         )
         layer.weight = embedding.weight
         return layer
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        specs = {"weight": self.shard.spec((self.vocab_size, self.hidden_size))}
+        if self.bias is not None:
+            specs["bias"] = self.shard.spec((self.vocab_size,))
+        return specs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.comm)  # (..., D)   identity fwd, all-reduce bwd

@@ -21,6 +21,7 @@ from torch import nn
 from shardwise.comm import Communicator, copy_to_region
 from shardwise.layers.linear import _init_
 from shardwise.layers.partition import HeadLayout, ShardError, divide, shard_range
+from shardwise.layers.spec import ShardSpec
 
 __all__ = ["QKVParallelLinear", "MergedColumnParallelLinear", "SumReplicaGrads"]
 
@@ -113,6 +114,19 @@ class QKVParallelLinear(nn.Module):
         hd, lay, r = self.head_dim, self.layout, self.comm.rank
         q, kv = lay.q_heads(r), lay.kv_heads(r)
         return slice(q.start * hd, q.stop * hd), slice(kv.start * hd, kv.stop * hd), slice(kv.start * hd, kv.stop * hd)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        """Rows of the unsharded [q | k | v] tensor: this rank's q, k and v heads."""
+        lay, hd = self.layout, self.head_dim
+        q_total, kv_total = lay.num_heads * hd, lay.num_kv_heads * hd
+        q, k, v = self.local_rows()
+        pieces = ((q.start, q.stop - q.start), (q_total + k.start, k.stop - k.start))
+        pieces += ((q_total + kv_total + v.start, v.stop - v.start),)
+        rows = q_total + 2 * kv_total
+        specs = {"weight": ShardSpec((rows, self.hidden_size), 0, pieces)}
+        if self.bias is not None:
+            specs["bias"] = ShardSpec((rows,), 0, pieces)
+        return specs
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,6 +224,18 @@ class MergedColumnParallelLinear(nn.Module):
         if b is not None:
             layer.bias = nn.Parameter(torch.cat([p[s:e] for p, (s, e) in zip(b, ranges, strict=True)]).clone())
         return layer
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        """Rows of the unsharded [part_1 | part_2 | ...] tensor: this rank's slice of each part."""
+        pieces, offset = [], 0
+        for k, size in enumerate(self.output_sizes):
+            s, e = shard_range(size, self.comm.size, self.comm.rank, what=f"output_sizes[{k}]")
+            pieces.append((offset + s, e - s))
+            offset += size
+        specs = {"weight": ShardSpec((offset, self.in_features), 0, tuple(pieces))}
+        if self.bias is not None:
+            specs["bias"] = ShardSpec((offset,), 0, tuple(pieces))
+        return specs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.comm)  # (..., in)   identity fwd, all-reduce bwd

@@ -21,6 +21,7 @@ from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region, gather_from_region, reduce_from_region
 from shardwise.layers.partition import divide, shard_range
+from shardwise.layers.spec import ShardSpec
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -82,6 +83,14 @@ class ColumnParallelLinear(nn.Module):
             layer.bias = nn.Parameter(linear.bias.detach()[start:end].clone())
         return layer
 
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        s, e = shard_range(self.out_features, self.comm.size, self.comm.rank, what="out_features")
+        pieces = ((s, e - s),)
+        specs = {"weight": ShardSpec((self.out_features, self.in_features), 0, pieces)}
+        if self.bias is not None:
+            specs["bias"] = ShardSpec((self.out_features,), 0, pieces)
+        return specs
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.comm)  # (..., in)        identity fwd, all-reduce bwd
         y = F.linear(x, self.weight, self.bias)  # (..., out/p)
@@ -140,6 +149,13 @@ class RowParallelLinear(nn.Module):
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone())
         return layer
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        s, e = shard_range(self.in_features, self.comm.size, self.comm.rank, what="in_features")
+        specs = {"weight": ShardSpec((self.out_features, self.in_features), 1, ((s, e - s),))}
+        if self.bias is not None:
+            specs["bias"] = ShardSpec.replicated((self.out_features,))
+        return specs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)  # (..., in/p) -> (..., out), a partial sum
