@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import threading
@@ -73,6 +74,13 @@ def _watch_lifeline(conn: Connection) -> None:
     os._exit(3)
 
 
+def _send(conn: Connection, msg: tuple) -> None:
+    # NOTE: plain pickle, not multiprocessing's: that one shares tensor storage through
+    # file descriptors, which vanish when the rank exits before the parent reads them.
+    # In-memory IPC between our own processes; nothing is ever unpickled from a file.
+    conn.send_bytes(pickle.dumps(msg))
+
+
 def _caused_by_collective(e: BaseException | None) -> bool:
     while e is not None:
         if isinstance(e, CollectiveError):
@@ -98,11 +106,11 @@ def _worker(rank, world_size, port, backend, timeout_s, threads, fn, args, resul
                 rank=rank, world_size=world_size, master_port=port, backend=backend, timeout_s=timeout_s
             )
         result = fn(comm, *args)
-        result_conn.send(("ok", result))
+        _send(result_conn, ("ok", result))
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
         try:
             secondary = _caused_by_collective(e)
-            result_conn.send(("error", time.time(), f"{type(e).__name__}: {e}", traceback.format_exc(), secondary))
+            _send(result_conn, ("error", time.time(), f"{type(e).__name__}: {e}", traceback.format_exc(), secondary))
         finally:
             os._exit(1)  # NOTE: skip teardown: a collective with dead peers could block it
     if comm is not None:
@@ -177,7 +185,7 @@ def _collect(procs, pending: dict[Connection, int], results: dict, deadline: flo
             if obj in pending:
                 rank = pending.pop(obj)
                 try:
-                    msg = obj.recv()
+                    msg = pickle.loads(obj.recv_bytes())
                 except EOFError:
                     continue  # died without a word: the exit code below reports it
                 if msg[0] == "ok":

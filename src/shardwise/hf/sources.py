@@ -1,0 +1,115 @@
+"""Where each of our parameters comes from in a Hugging Face checkpoint, and how to read
+just one rank's slice of it.
+
+Our unsharded ("global") tensor is the concatenation along dim 0 of one or more
+checkpoint tensors, each possibly transposed (GPT-2's Conv1D stores (in, out)) or
+stored per head interleaved (GPT-NeoX's [h0: q k v | h1: q k v | ...]). A ShardSpec
+names row or column ranges of the global tensor; `read_shard` maps those ranges back
+onto the checkpoint tensors and reads only them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.hf.checkpoint import Checkpoint, CheckpointError
+from shardwise.layers import ShardSpec
+
+__all__ = ["Src", "Segment", "segments", "read_shard"]
+
+
+@dataclass(frozen=True)
+class Src:
+    """One checkpoint tensor contributing rows to one of our parameters."""
+
+    name: str
+    rows: int | None = None
+    """Rows it must contribute (checked against its shape); None = whatever it holds."""
+    transposed: bool = False
+    """Stored as (in, out): our rows are its columns (GPT-2 Conv1D)."""
+    heads: int = 0
+    """> 0: rows stored per head, [h0: part0 part1 .. | h1: ...] (GPT-NeoX's fused qkv)."""
+    parts: int = 1
+    """Parts per head in a head-interleaved tensor (3 for q, k, v)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Global rows [offset, offset + length) = rows [src_start, src_start + length) of `name`."""
+
+    name: str
+    offset: int
+    src_start: int
+    length: int
+    transposed: bool
+
+
+def segments(ckpt: Checkpoint, param: str, sources: list[Src], global_shape: tuple[int, ...]) -> list[Segment]:
+    """Expand sources into row segments, checking every shape against `global_shape`."""
+    segs: list[Segment] = []
+    offset = 0
+    for src in sources:
+        info = ckpt.info(src.name, needed_for=param)
+        shape = info.shape[::-1] if src.transposed and len(info.shape) == 2 else info.shape
+        where = f"{info.file.name}: tensor {src.name!r} (for {param})"
+        if len(shape) != len(global_shape) or tuple(shape[1:]) != tuple(global_shape[1:]):
+            want = ("rows", *global_shape[1:]) if len(sources) > 1 else global_shape
+            raise CheckpointError(f"{where} has shape {info.shape}, expected {want} from config.json")
+        rows = shape[0]
+        if src.rows is not None and rows != src.rows:
+            raise CheckpointError(f"{where} has {rows} rows, expected {src.rows} from config.json")
+        if src.heads:
+            hd = rows // (src.heads * src.parts)
+            if hd * src.heads * src.parts != rows:
+                raise CheckpointError(f"{where}: {rows} rows do not split into {src.heads} heads x {src.parts} parts")
+            for part in range(src.parts):
+                for h in range(src.heads):
+                    segs.append(Segment(src.name, offset, (h * src.parts + part) * hd, hd, False))
+                    offset += hd
+        else:
+            segs.append(Segment(src.name, offset, 0, rows, src.transposed))
+            offset += rows
+    if offset != global_shape[0]:
+        names = ", ".join(s.name for s in sources)
+        raise CheckpointError(
+            f"{names} hold {offset} rows for {param}, but config.json implies {global_shape[0]} "
+            f"(global shape {global_shape}): the config does not match the weights"
+        )
+    return segs
+
+
+def _read_rows(ckpt: Checkpoint, segs: list[Segment], region: list[slice]) -> torch.Tensor:
+    rows, out = region[0], []
+    for seg in segs:
+        lo, hi = max(rows.start, seg.offset), min(rows.stop, seg.offset + seg.length)
+        if lo >= hi:
+            continue
+        src_rows = slice(seg.src_start + lo - seg.offset, seg.src_start + hi - seg.offset)
+        if len(region) == 1:
+            out.append(ckpt.read(seg.name, (src_rows,)))
+        elif seg.transposed:
+            out.append(ckpt.read(seg.name, (region[1], src_rows)).t())
+        else:
+            out.append(ckpt.read(seg.name, (src_rows, *region[1:])))
+    return torch.cat(out, dim=0) if len(out) > 1 else out[0]
+
+
+def read_shard(ckpt: Checkpoint, segs: list[Segment], spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's local tensor for `spec`, reading only its pieces from the checkpoint."""
+    full = [slice(0, n) for n in spec.global_shape]
+    if spec.dim is None:
+        return _read_rows(ckpt, segs, full).to(dtype).contiguous()
+    parts = []
+    for start, n in spec.pieces:
+        if n == 0:
+            continue
+        region = list(full)
+        region[spec.dim] = slice(start, start + n)
+        parts.append(_read_rows(ckpt, segs, region).to(dtype))
+    if spec.pad:
+        shape = list(spec.global_shape)
+        shape[spec.dim] = spec.pad
+        parts.append(torch.zeros(shape, dtype=dtype))
+    return torch.cat(parts, dim=spec.dim).contiguous() if len(parts) > 1 else parts[0].contiguous()

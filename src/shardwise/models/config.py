@@ -1,0 +1,88 @@
+"""ModelConfig: one typed description of every transformer family shardwise runs.
+
+The families differ in a handful of switches (norm kind, positions, MLP gating,
+biases, q/k norm, residual layout), so one plain model class reads them all; the
+per-family knowledge lives in these fields and in the Hugging Face adapters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["ModelConfig"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and architectural switches of a decoder (or encoder) transformer."""
+
+    family: str
+    """Family name, e.g. "llama", "gpt2", "bert"."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads: == num_heads for MHA, 1 for MQA, in between for GQA."""
+    head_dim: int
+    norm: Literal["rms", "layer"] = "rms"
+    norm_eps: float = 1e-6
+    norm_offset: float = 0.0
+    """RMSNorm scales by (offset + weight): Gemma stores weight - 1, so offset 1.0."""
+    act: Literal["silu", "gelu", "gelu_tanh", "relu"] = "silu"
+    gated_mlp: bool = True
+    """down(act(gate(x)) * up(x)) if True, else down(act(up(x)))."""
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
+    positions: Literal["rope", "learned"] = "rope"
+    max_positions: int = 2048
+    rope_theta: float = 10000.0
+    rope_dim: int | None = None
+    """Rotated dims per head (partial rotary, GPT-NeoX); None = head_dim."""
+    rope_scaling: dict | None = None
+    """None, {"rope_type": "linear", "factor"} or {"rope_type": "llama3", ...}."""
+    parallel_residual: bool = False
+    """x + attn(ln1(x)) + mlp(ln2(x)) in one step (GPT-NeoX)."""
+    post_norm: bool = False
+    """Norm after each residual add (BERT) instead of before each sublayer."""
+    embed_scale: float = 1.0
+    """Multiply token embeddings by this (Gemma: sqrt(hidden_size))."""
+    tie_embeddings: bool = False
+    sliding_window: int | None = None
+    causal: bool = True
+    type_vocab_size: int = 0
+    """Token-type (segment) embeddings, BERT only."""
+    dtype: str = "float32"
+    """The checkpoint's dtype: float32, bfloat16 or float16."""
+    extra: dict = field(default_factory=dict)
+    """Family-specific values carried through from the source config."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1, got {self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        rot = self.rotary_dim
+        if self.positions == "rope" and (rot % 2 or not 0 < rot <= self.head_dim):
+            raise ValueError(f"rope_dim={rot} must be even and in (0, head_dim={self.head_dim}]")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim if self.rope_dim is not None else self.head_dim
+
+    @property
+    def qkv_size(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim

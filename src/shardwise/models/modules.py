@@ -1,0 +1,152 @@
+"""Building blocks shared by every family: norms, rotary embeddings, attention, MLP.
+
+Plain single-device modules. Local head counts come from tensor shapes (o's input
+width and qkv's output width), so a tensor-parallel shard runs the same code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.models.config import ModelConfig
+
+__all__ = ["Norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "Attention", "MLP", "attention_mask", "ACTIVATIONS"]
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class Norm(nn.Module):
+    """RMSNorm (weight, optional offset as in Gemma) or LayerNorm (weight and bias)."""
+
+    def __init__(self, dim: int, kind: str, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.kind, self.eps, self.offset = kind, eps, offset
+        self.weight = nn.Parameter(torch.ones(dim) - offset)
+        self.bias = nn.Parameter(torch.zeros(dim)) if kind == "layer" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layer":
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (self.offset + self.weight.float())).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """Inverse frequencies (rotary_dim/2,), with linear or Llama-3 scaling applied."""
+    dim = cfg.rotary_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    elif kind != "default":
+        raise NotImplementedError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
+    return inv.float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """cos, sin of shape (B, T, rotary_dim) for positions (B, T)."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # (B, T, rot/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, rot)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim dims of x (B, H, T, hd) by the rotate-half convention."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, rot)
+    half = rot // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+def attention_mask(
+    pad_mask: torch.Tensor | None, q_len: int, k_len: int, *, causal: bool, window: int | None, device
+) -> torch.Tensor | None:
+    """Boolean (B or 1, 1, q_len, k_len) mask, True = may attend; None when nothing is masked.
+
+    pad_mask: (B, k_len), 1 for real tokens. Queries are the last q_len keys. Each query
+    may always attend to itself, so padded rows stay finite (their outputs are unused).
+    """
+    if pad_mask is None and not causal:
+        return None
+    q_pos = torch.arange(k_len - q_len, k_len, device=device).unsqueeze(-1)  # (q, 1)
+    k_pos = torch.arange(k_len, device=device).unsqueeze(0)  # (1, k)
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+    allowed = allowed[None, None]  # (1, 1, q, k)
+    if pad_mask is not None:
+        allowed = allowed & pad_mask.bool()[:, None, None, :]
+    return allowed | (k_pos == q_pos)[None, None]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA/MQA, a fused [q | k | v] projection, optional q/k norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, cfg.qkv_size, bias=cfg.qkv_bias)
+        self.o = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = Norm(cfg.head_dim, "rms", cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = Norm(cfg.head_dim, "rms", cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: tuple | None, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        qkv = self.qkv(x)  # (B, T, (nq + 2*nkv) * hd)
+        nq = self.o.weight.shape[1] // hd  # local query heads, from o's input width
+        nkv = (qkv.shape[-1] // hd - nq) // 2  # local KV heads
+        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        q = q.view(B, T, nq, hd).transpose(1, 2)  # (B, nq, T, hd)
+        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nq != nkv)  # (B, nq, T, hd)
+        return self.o(y.transpose(1, 2).reshape(B, T, nq * hd))  # (B, T, hidden)
+
+
+class MLP(nn.Module):
+    """Gated: down(act(gate(x)) * up(x)), gate and up fused as [gate | up]. Plain: down(act(up(x)))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.act = ACTIVATIONS[cfg.act]
+        self.gated = cfg.gated_mlp
+        width = 2 * cfg.intermediate_size if cfg.gated_mlp else cfg.intermediate_size
+        self.up = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)  # (B, T, [2 *] inter), / tp when sharded
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return self.down(self.act(gate) * up)
+        return self.down(self.act(h))
