@@ -11,10 +11,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch import nn
+
 from shardwise.hf.sources import Src
 from shardwise.models.config import ModelConfig
+from shardwise.models.decoder import DecoderLM
+from shardwise.sharding.plan import Plan
+from shardwise.sharding.plans.decoder import decoder_plan
 
-__all__ = ["Family", "FAMILIES", "family_for", "supported_model_types"]
+__all__ = ["Family", "FAMILIES", "family_for", "register", "supported_model_types"]
 
 NameTable = dict[str, list[Src]]
 
@@ -42,6 +47,10 @@ class Family:
     """A tensor every checkpoint of the family has, without prefix: finds the prefix."""
     ignore: tuple[str, ...] = ()
     """fnmatch patterns of checkpoint tensors that are not weights we use (buffers)."""
+    model: Callable[[ModelConfig], nn.Module] = DecoderLM
+    """The plain model class, built on the meta device."""
+    plan: Callable[[ModelConfig], Plan] = decoder_plan
+    """The sharding plan for that model."""
 
 
 def _act(d: dict, *keys: str) -> str:
@@ -292,6 +301,12 @@ FAMILIES: dict[str, Family] = {
         ),
     )
 }
+
+
+def register(family: Family) -> Family:
+    """Add a family (used by modules that define one, e.g. shardwise.hf.bert)."""
+    FAMILIES[family.name] = family
+    return family
 
 
 def supported_model_types() -> list[str]:

@@ -29,11 +29,9 @@ from shardwise.hf.families import Family, family_for, supported_model_types
 from shardwise.hf.sources import read_shard, segments
 from shardwise.layers import HeadLayout, ShardError, ShardSpec, divide, model_shard_specs
 from shardwise.models.config import ModelConfig
-from shardwise.models.decoder import DecoderLM
 from shardwise.sharding import parallelize
-from shardwise.sharding.plans import decoder_plan
 
-__all__ = ["load_pretrained", "read_config", "LoadReport", "DTYPES", "check_tp"]
+__all__ = ["load_pretrained", "read_config", "raw_config", "LoadReport", "DTYPES", "check_tp"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,11 +46,21 @@ class LoadReport:
     """Bytes of tensor data this rank read from the checkpoint (in the checkpoint's dtype)."""
 
 
-def read_config(path: str | Path) -> tuple[Family, ModelConfig]:
+def raw_config(path: str | Path) -> dict:
+    """config.json of a checkpoint directory, as a dict."""
     cfg_file = Path(path) / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file} does not exist")
-    raw = json.loads(cfg_file.read_text())
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+
+
+def read_config(path: str | Path) -> tuple[Family, ModelConfig]:
+    """The family and ModelConfig of a checkpoint of a family shardwise has model code for."""
+    cfg_file = Path(path) / "config.json"
+    raw = raw_config(path)
     family = family_for(raw)
     if family is None:
         raise CheckpointError(
@@ -74,7 +82,14 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
 def load_pretrained(
     path: str | Path, *, comm: Communicator, dtype: str | torch.dtype | None = None
 ) -> tuple[nn.Module, LoadReport]:
-    """Build, shard and fill a model from a Hugging Face directory; returns (model, report)."""
+    """Build, shard and fill a model from a Hugging Face directory; returns (model, report).
+
+    Architectures without shardwise model code go to the automatic plan (shardwise.hf.auto).
+    """
+    if family_for(raw_config(path)) is None:
+        from shardwise.hf.auto import load_auto
+
+        return load_auto(path, comm=comm, dtype=dtype)
     family, cfg = read_config(path)
     if dtype is not None:
         name = str(dtype).replace("torch.", "")
@@ -90,8 +105,8 @@ def load_pretrained(
     table = family.names(cfg, prefix)
 
     with torch.device("meta"):
-        model = DecoderLM(cfg)
-    parallelize(model, decoder_plan(cfg), comm=comm)
+        model = family.model(cfg)
+    parallelize(model, family.plan(cfg), comm=comm)
     specs = model_shard_specs(model)
     if specs.keys() != table.keys():  # a bug in a family's name table, not in the checkpoint
         raise AssertionError(f"name table mismatch: {sorted(specs.keys() ^ table.keys())}")
