@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.comm import Communicator, ParallelDims
+from shardwise.comm import Communicator, LocalCommunicator, ParallelDims
 from shardwise.sharding import Plan, shard_grads_like
 
 # fp32: sharding only reorders sums, so errors stay at a few ulps of the magnitudes.
@@ -39,3 +39,19 @@ def tp_group(world: Communicator) -> Communicator:
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
+
+
+class NoCollectives(LocalCommunicator):
+    """A rank of a size-4 group on which any collective is a test failure."""
+
+    def __init__(self, rank: int = 0, size: int = 4) -> None:
+        super().__init__(name="tp")
+        self.rank, self.size = rank, size
+
+    def _all_reduce(self, t, op):
+        raise AssertionError("a collective ran during plan validation")
+
+    _all_gather = _reduce_scatter = _broadcast = _all_reduce
+
+    def _barrier(self):
+        raise AssertionError("a collective ran during plan validation")

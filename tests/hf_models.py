@@ -153,7 +153,7 @@ def save_tiny(
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # norms and biases start at 1 and 0; perturb them so they matter
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.2)
     model = model.to(dtype)

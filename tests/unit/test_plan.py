@@ -6,27 +6,11 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from shardwise.comm import LocalCommunicator
+from helpers import NoCollectives
 from shardwise.layers import ColumnParallelLinear, RowParallelLinear, ShardError
 from shardwise.models import BlockConfig, TinyLM
 from shardwise.sharding import Colwise, matches, parallelize, resolve_plan
 from shardwise.sharding.plans import tiny_lm_plan
-
-
-class NoCollectives(LocalCommunicator):
-    """A rank of a size-4 group on which any collective is a test failure."""
-
-    def __init__(self, rank: int = 0, size: int = 4) -> None:
-        super().__init__(name="tp")
-        self.rank, self.size = rank, size
-
-    def _all_reduce(self, t, op):
-        raise AssertionError("a collective ran during plan validation")
-
-    _all_gather = _reduce_scatter = _broadcast = _all_reduce
-
-    def _barrier(self):
-        raise AssertionError("a collective ran during plan validation")
 
 
 class UserMLP(nn.Module):

@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
-from test_plan import NoCollectives
 
+from helpers import NoCollectives
 from shardwise.layers import model_shard_specs
 from shardwise.models import BlockConfig, TinyLM
 from shardwise.sharding import parallelize
