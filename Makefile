@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint clean bench-load
 
 install: $(STAMP)
 
@@ -26,6 +26,9 @@ lint: install
 
 test: lint
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q
+
+bench-load: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/load_memory.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

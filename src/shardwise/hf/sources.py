@@ -97,19 +97,27 @@ def _read_rows(ckpt: Checkpoint, segs: list[Segment], region: list[slice]) -> to
 
 
 def read_shard(ckpt: Checkpoint, segs: list[Segment], spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's local tensor for `spec`, reading only its pieces from the checkpoint."""
+    """This rank's local tensor for `spec`, reading only its pieces from the checkpoint.
+
+    The reads are views of the memory-mapped file; the result is copied exactly once into
+    memory the rank owns, so parameters never alias the checkpoint file (which could be
+    rewritten or truncated under a running job).
+    """
     full = [slice(0, n) for n in spec.global_shape]
     if spec.dim is None:
-        return _read_rows(ckpt, segs, full).to(dtype).contiguous()
-    parts = []
-    for start, n in spec.pieces:
-        if n == 0:
-            continue
-        region = list(full)
-        region[spec.dim] = slice(start, start + n)
-        parts.append(_read_rows(ckpt, segs, region).to(dtype))
-    if spec.pad:
-        shape = list(spec.global_shape)
-        shape[spec.dim] = spec.pad
-        parts.append(torch.zeros(shape, dtype=dtype))
-    return torch.cat(parts, dim=spec.dim).contiguous() if len(parts) > 1 else parts[0].contiguous()
+        parts = [_read_rows(ckpt, segs, full)]
+    else:
+        parts = []
+        for start, n in spec.pieces:
+            if n == 0:
+                continue
+            region = list(full)
+            region[spec.dim] = slice(start, start + n)
+            parts.append(_read_rows(ckpt, segs, region))
+        if spec.pad:
+            shape = list(spec.global_shape)
+            shape[spec.dim] = spec.pad
+            parts.append(torch.zeros(shape, dtype=dtype))
+    if len(parts) == 1:
+        return parts[0].to(dtype, copy=True, memory_format=torch.contiguous_format)
+    return torch.cat([p.to(dtype) for p in parts], dim=spec.dim or 0)
