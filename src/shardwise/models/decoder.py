@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from shardwise.models.config import ModelConfig
-from shardwise.models.modules import MLP, Attention, Norm, rope_cos_sin, rope_inv_freq
+from shardwise.models.modules import MLP, Attention, KVCache, Norm, rope_cos_sin, rope_inv_freq
 from shardwise.models.modules import attention_mask as build_mask
 
 __all__ = ["DecoderLayer", "DecoderLM"]
@@ -26,10 +26,10 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, cfg.norm_offset)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple | None, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x, rope, mask, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
         if self.parallel_residual:  # GPT-NeoX: both sublayers read the same x
-            return x + self.attn(self.attn_norm(x), rope, mask) + self.mlp(self.mlp_norm(x))
-        x = x + self.attn(self.attn_norm(x), rope, mask)
+            return x + self.attn(self.attn_norm(x), rope, mask, cache, start) + self.mlp(self.mlp_norm(x))
+        x = x + self.attn(self.attn_norm(x), rope, mask, cache, start)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -52,15 +52,21 @@ class DecoderLM(nn.Module):
         ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        caches: list[KVCache] | None = None,
+        start: int = 0,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """ids: (B, T); attention_mask: (B, T), 1 = real token (left padding allowed);
-        positions: (B, T), default counts real tokens from 0. Returns (B, T, vocab[/tp])."""
+        """ids: (B, T), the tokens at positions [start, start + T) of each row.
+        attention_mask: (B, start + T), 1 = real token (left padding allowed).
+        positions: (B, T), default counts the real tokens from 0.
+        caches: one KVCache per layer (see new_caches), or None to attend within ids only.
+        Returns logits (B, T, vocab[/tp]), or (B, 1, ...) for the last position only."""
         B, T = ids.shape
         if positions is None:
             if attention_mask is None:
-                positions = torch.arange(T, device=ids.device).expand(B, T)
+                positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
             else:
-                positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+                positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
         x = self.embed(ids)  # (B, T, hidden)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
@@ -69,9 +75,21 @@ class DecoderLM(nn.Module):
             x = x + self.pos_embed(positions)
         else:
             rope = rope_cos_sin(rope_inv_freq(self.cfg, ids.device), positions, x.dtype)
+        k_len = start + T if caches is not None else T
         mask = build_mask(
-            attention_mask, T, T, causal=self.cfg.causal, window=self.cfg.sliding_window, device=ids.device
+            attention_mask, T, k_len, causal=self.cfg.causal, window=self.cfg.sliding_window, device=ids.device
         )
-        for layer in self.layers:
-            x = layer(x, rope, mask)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, mask, caches[i] if caches is not None else None, start)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, hidden): only the next token's logits are needed
         return self.lm_head(self.norm(x))
+
+    def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        """One preallocated KVCache per layer, sized for this rank's KV heads."""
+        caches = []
+        for layer in self.layers:
+            _, kv_heads = KVCache.local_heads(layer.attn)
+            w = layer.attn.qkv.weight
+            caches.append(KVCache(batch, max_len, kv_heads, self.cfg.head_dim, dtype=w.dtype, device=w.device))
+        return caches

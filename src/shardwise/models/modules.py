@@ -14,7 +14,17 @@ from torch import nn
 
 from shardwise.models.config import ModelConfig
 
-__all__ = ["Norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "Attention", "MLP", "attention_mask", "ACTIVATIONS"]
+__all__ = [
+    "Norm",
+    "rope_inv_freq",
+    "rope_cos_sin",
+    "apply_rope",
+    "Attention",
+    "MLP",
+    "KVCache",
+    "attention_mask",
+    "ACTIVATIONS",
+]
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -104,6 +114,34 @@ def attention_mask(
     return allowed | (k_pos == q_pos)[None, None]
 
 
+class KVCache:
+    """Preallocated keys and values of one attention layer: (B, local KV heads, max_len, head_dim).
+
+    All sequences of a batch share positions: slot t holds the t-th token of every row
+    (prompts are left-padded, and the padding is masked).
+    """
+
+    def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, *, dtype, device=None) -> None:
+        self.max_len = max_len
+        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, nkv, T, hd) at slots [start, start + T); return slots [0, start + T)."""
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; writing up to {end}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    @staticmethod
+    def local_heads(attn: Attention) -> tuple[int, int]:
+        """(query heads, KV heads) this module computes: from its weights' shapes, sharded or not."""
+        nq = attn.o.weight.shape[1] // attn.head_dim
+        return nq, (attn.qkv.weight.shape[0] // attn.head_dim - nq) // 2
+
+
 class Attention(nn.Module):
     """Multi-head attention with GQA/MQA, a fused [q | k | v] projection, optional q/k norm."""
 
@@ -115,7 +153,16 @@ class Attention(nn.Module):
         self.q_norm = Norm(cfg.head_dim, "rms", cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = Norm(cfg.head_dim, "rms", cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple | None, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple | None,
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """x: (B, T, hidden); with a cache, x holds positions [start, start + T) and the
+        mask covers every cached key: (B or 1, 1, T, start + T)."""
         B, T, _ = x.shape
         hd = self.head_dim
         qkv = self.qkv(x)  # (B, T, (nq + 2*nkv) * hd)
@@ -129,6 +176,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v = cache.update(start, k, v)  # (B, nkv, start + T, hd)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nq != nkv)  # (B, nq, T, hd)
         return self.o(y.transpose(1, 2).reshape(B, T, nq * hd))  # (B, T, hidden)
 
