@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from shardwise import __version__
-from shardwise.cli import demo
+from shardwise.cli import demo, generate, info
 
 __all__ = ["main", "build_parser"]
 
-SUBCOMMANDS = {"demo": demo}
+SUBCOMMANDS = {"generate": generate, "info": info, "demo": demo}
 
 
 def build_parser() -> argparse.ArgumentParser:

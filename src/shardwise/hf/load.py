@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from shardwise.comm import Communicator
 from shardwise.hf.checkpoint import Checkpoint, CheckpointError
@@ -39,7 +40,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class LoadReport:
     family: str
-    config: ModelConfig
+    config: object
+    """A ModelConfig for shardwise's own families; the transformers config for the automatic plan."""
     param_bytes: int
     """Bytes of parameters this rank holds."""
     bytes_read: int
@@ -80,7 +82,7 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
 
 
 def load_pretrained(
-    path: str | Path, *, comm: Communicator, dtype: str | torch.dtype | None = None
+    path: str | Path, *, comm: Communicator, dtype: str | torch.dtype | None = None, progress: bool = False
 ) -> tuple[nn.Module, LoadReport]:
     """Build, shard and fill a model from a Hugging Face directory; returns (model, report).
 
@@ -89,7 +91,7 @@ def load_pretrained(
     if family_for(raw_config(path)) is None:
         from shardwise.hf.auto import load_auto
 
-        return load_auto(path, comm=comm, dtype=dtype)
+        return load_auto(path, comm=comm, dtype=dtype, progress=progress)
     family, cfg = read_config(path)
     if dtype is not None:
         name = str(dtype).replace("torch.", "")
@@ -112,12 +114,14 @@ def load_pretrained(
         raise AssertionError(f"name table mismatch: {sorted(specs.keys() ^ table.keys())}")
 
     plan = {name: segments(ckpt, name, table[name], spec.global_shape) for name, spec in specs.items()}
-    _refuse_unexpected(ckpt, plan, family, cfg)
+    ignore = family.ignore + (("lm_head.weight",) if cfg.tie_embeddings else ())
+    refuse_unexpected(ckpt, plan, ignore, what=f"a {family.name} model with num_hidden_layers={cfg.num_layers}")
 
     target = DTYPES[cfg.dtype]
     loaded: dict[str, torch.Tensor] = {}
     bytes_read = 0
-    for name, spec in specs.items():
+    bar = tqdm(specs.items(), desc=f"loading shards (tp={comm.size})", unit="tensor", disable=not progress, leave=False)
+    for name, spec in bar:
         loaded[name] = read_shard(ckpt, plan[name], spec, target)
         bytes_read += _bytes_read(spec, ckpt.info(table[name][0].name).dtype)
     ckpt.close()
@@ -134,16 +138,15 @@ def _prefix(ckpt: Checkpoint, family: Family) -> str:
     raise CheckpointError(f"checkpoint {ckpt.path} has none of {tried}: not a {family.name} checkpoint")
 
 
-def _refuse_unexpected(ckpt: Checkpoint, plan: dict, family: Family, cfg: ModelConfig) -> None:
+def refuse_unexpected(ckpt: Checkpoint, plan: dict, ignore: tuple[str, ...], *, what: str) -> None:
+    """Raise for a checkpoint tensor that no parameter reads and no ignore pattern covers."""
     used = {seg.name for segs in plan.values() for seg in segs}
-    ignore = family.ignore + (("lm_head.weight",) if cfg.tie_embeddings else ())
     extra = sorted(n for n in ckpt.tensors if n not in used and not any(fnmatch.fnmatch(n, p) for p in ignore))
     if extra:
         first = ckpt.tensors[extra[0]].file.name
         more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
         raise CheckpointError(
-            f"{first}: unexpected tensor {extra[0]!r}{more}, not part of a {family.name} model with "
-            f"num_hidden_layers={cfg.num_layers}: the config does not match the weights"
+            f"{first}: unexpected tensor {extra[0]!r}{more}, not part of {what}: the config does not match the weights"
         )
 
 

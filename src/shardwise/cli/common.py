@@ -1,0 +1,71 @@
+"""What every subcommand shares: model and run options, early validation, one-line errors,
+and starting the job's ranks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from shardwise.comm import DEFAULT_TIMEOUT_S
+from shardwise.engine.text import DEFAULT_MODEL
+from shardwise.launch import RankFailedError, run_job
+from shardwise.log import setup_logging
+
+__all__ = ["add_model_args", "add_run_args", "resolve_model", "fail", "job", "CliError"]
+
+
+class CliError(SystemExit):
+    """A one-line error for the user; exits with status 2."""
+
+
+def fail(message: str, code: int = 2) -> int:
+    print(f"shardwise: error: {message}", file=sys.stderr)
+    return code
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", type=Path, default=None, help="Hugging Face model directory (default: the built-in model)"
+    )
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size: ranks to start (default 2)")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: the checkpoint's"
+    )
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="communication backend")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout, seconds")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def resolve_model(model: Path | None, tp: int):
+    """(model dir, ModelConfig) after checking the directory and the tp size; exits on error."""
+    from shardwise.hf import CheckpointError, check_tp, read_config
+    from shardwise.layers import ShardError
+
+    model_dir = DEFAULT_MODEL if model is None else model
+    try:
+        if not model_dir.is_dir():
+            raise CheckpointError(f"model directory {model_dir} does not exist")
+        _, cfg = read_config(model_dir)
+        if tp < 1:
+            raise ShardError(f"--tp must be >= 1, got {tp}")
+        check_tp(cfg, tp)
+    except (CheckpointError, ShardError, NotImplementedError) as e:
+        raise CliError(fail(str(e))) from None
+    return model_dir, cfg
+
+
+def job(fn: Callable[..., Any], args: argparse.Namespace, opts: dict, *, tp: int | None = None) -> Any:
+    """Run fn(world, opts) on the ranks (ours, or the launcher's); rank 0's result."""
+    setup_logging()
+    try:
+        return run_job(fn, tp or args.tp, args=(opts,), backend=args.backend, timeout_s=args.timeout)
+    except RankFailedError as e:
+        print(f"shardwise: error: rank {e.rank} failed: {e.summary}", file=sys.stderr)
+        print(e.detail, file=sys.stderr)
+        raise CliError(1) from None

@@ -1,0 +1,158 @@
+"""`shardwise generate`: text generation on N tensor-parallel ranks.
+
+Everything that can be wrong with the input (model directory, tp size, prompts) is
+checked here, in the parent, before any rank starts; then the ranks are started
+(or joined, under torchrun / mpiexec) and rank 0 streams the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from shardwise.cli.common import add_model_args, add_run_args, fail, job, resolve_model
+from shardwise.comm import Communicator, ParallelDims
+from shardwise.engine import PromptError, SamplingParams, generate, validate_prompts
+from shardwise.engine.text import DEFAULT_MODEL, StreamDecoder, load_tokenizer, stop_ids
+from shardwise.memory import PeakAnonMemory
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text on N tensor-parallel ranks")
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    src.add_argument("--prompt-ids", action="append", help="prompt token ids, comma-separated (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--compare-tp1", action="store_true", help="also run at tp=1 and report whether the tokens match")
+    add_run_args(p)
+
+
+def _prompts(args, model_dir: Path) -> list[list[int]]:
+    if args.prompt_ids:
+        try:
+            return [[int(x) for x in s.split(",") if x.strip()] for s in args.prompt_ids]
+        except ValueError:
+            raise PromptError(f"--prompt-ids takes comma-separated integers, got {args.prompt_ids}") from None
+    texts = args.prompt or ["Tensor parallelism splits each layer"]
+    tok = load_tokenizer(model_dir)
+    if tok is None:
+        raise PromptError(f"{model_dir} has no tokenizer.json; pass --prompt-ids instead of --prompt")
+    return [tok.encode(t).ids for t in texts]
+
+
+def _generate_rank(world: Communicator, opts: dict) -> dict:
+    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    from shardwise.hf import load_pretrained
+
+    with PeakAnonMemory() as mem:
+        model, report = load_pretrained(
+            opts["model"], comm=tp, dtype=opts["dtype"], progress=tp.rank == 0 and opts["progress"]
+        )
+    tokenizer = load_tokenizer(opts["model"])
+    stream = None
+    if tp.rank == 0 and opts["stream"] and tokenizer is not None and len(opts["prompts"]) == 1:
+        decoder = StreamDecoder(tokenizer)
+
+        def stream(step_tokens):
+            if step_tokens[0] is not None:
+                sys.stdout.write(decoder.push(step_tokens[0]))
+                sys.stdout.flush()
+
+    res = generate(
+        model,
+        opts["prompts"],
+        comm=tp,
+        max_new_tokens=opts["max_new_tokens"],
+        sampling=SamplingParams(**opts["sampling"]),
+        stop_ids=opts["stop_ids"],
+        on_tokens=stream,
+    )
+    per_rank = tp.all_gather(torch.tensor([report.param_bytes, mem.peak_above_baseline]), dim=0).view(-1, 2)
+    return {
+        "tokens": res.tokens,
+        "text": [tokenizer.decode(t) for t in res.tokens] if tokenizer is not None else None,
+        "finish_reasons": res.finish_reasons,
+        "tp": tp.size,
+        "backend": tp.backend,
+        "model": opts["model_name"],
+        "dtype": report.config.dtype,
+        "prefill_ms": round(res.prefill_ms, 3),
+        "decode_ms_per_token": round(statistics.median(res.decode_ms), 3) if res.decode_ms else None,
+        "param_bytes_per_rank": per_rank[:, 0].tolist(),
+        "peak_load_anon_bytes_per_rank": per_rank[:, 1].tolist(),
+        "collectives_per_token": res.comm_per_step,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    model_dir, cfg = resolve_model(args.model, args.tp)
+    try:
+        prompts = _prompts(args, model_dir)
+        validate_prompts(prompts, cfg.vocab_size, cfg.max_positions, args.max_new_tokens)
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except (PromptError, ValueError) as e:
+        return fail(str(e))
+    opts = {
+        "model": str(model_dir),
+        "model_name": "default (seeded random weights)" if model_dir == DEFAULT_MODEL else str(model_dir),
+        "dtype": args.dtype,
+        "prompts": prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "sampling": {
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "seed": sampling.seed,
+        },
+        "stop_ids": [] if args.ignore_eos else stop_ids(model_dir),
+        "stream": not args.json,
+        "progress": not args.json,
+    }
+    if model_dir == DEFAULT_MODEL and not args.json:
+        print(
+            "model: the default model shipped with shardwise: a SEEDED RANDOM Llama-shaped model, so the text is noise\n"
+        )
+    result = job(_generate_rank, args, opts)
+    if result is None:  # a non-zero rank under an external launcher
+        return 0
+    if args.compare_tp1:
+        ref = job(_generate_rank, args, {**opts, "stream": False, "progress": False}, tp=1)
+        result["matches_tp1"] = ref["tokens"] == result["tokens"]
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    if len(prompts) > 1 or result["text"] is None:
+        for i, toks in enumerate(result["tokens"]):
+            shown = result["text"][i] if result["text"] is not None else toks
+            print(f"[{i}] {shown}")
+    print("\n")
+    ar = result["collectives_per_token"]
+    calls = sum(v["calls"] for v in ar.values())
+    n = sum(len(t) for t in result["tokens"])
+    print(
+        f"tp={result['tp']} ({result['backend']}), {result['dtype']}: {n} tokens, "
+        f"prefill {result['prefill_ms']:.1f} ms, decode {result['decode_ms_per_token'] or 0:.2f} ms/token (median), "
+        f"{calls} collectives/token"
+    )
+    mib = 2**20
+    params = ", ".join(f"{b / mib:.1f}" for b in result["param_bytes_per_rank"])
+    peaks = ", ".join(f"{b / mib:.1f}" for b in result["peak_load_anon_bytes_per_rank"])
+    print(f"parameters MiB per rank: {params}; peak anonymous MiB while loading, per rank: {peaks}")
+    if args.compare_tp1:
+        verdict = "yes" if result["matches_tp1"] else "NO"
+        print(f"same tokens as tp=1: {verdict}")
+        return 0 if result["matches_tp1"] else 1
+    return 0

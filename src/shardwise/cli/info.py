@@ -1,0 +1,105 @@
+"""`shardwise info`: the sharding plan of a model at a tp size, without starting any rank.
+
+The model is built on the meta device and sharded by its plan with a dry-run
+communicator, so every tensor's split and size, and the collectives of one decode
+step and of a prefill, come from the real code path at no cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from shardwise.cli.common import add_model_args, resolve_model
+from shardwise.comm.dryrun import DryRunCommunicator
+from shardwise.layers import ShardSpec, model_shard_specs
+from shardwise.sharding import parallelize
+
+__all__ = ["add_parser", "run", "describe"]
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="show how a model is split at a tp size (no ranks are started)")
+    add_model_args(p)
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt length for the prefill collective count")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _split(spec: ShardSpec) -> str:
+    if spec.dim is None:
+        return "replicated"
+    ranges = " + ".join(f"[{s}:{s + n}]" for s, n in spec.pieces)
+    pad = f" + {spec.pad} pad" if spec.pad else ""
+    return f"dim {spec.dim}: {ranges}{pad}"
+
+
+def describe(model_dir, cfg, tp: int, prompt_len: int = 128, dtype: str | None = None) -> dict:
+    """Rank 0's view of the plan: per tensor split and bytes, totals, collectives per step."""
+    from shardwise.hf import read_config
+
+    family, _ = read_config(model_dir)
+    dtype = dtype or cfg.dtype
+    comm = DryRunCommunicator(tp)
+    with torch.device("meta"):
+        model = family.model(cfg)
+    parallelize(model, family.plan(cfg), comm=comm)
+    specs = model_shard_specs(model)
+    width = _BYTES[dtype]
+    tensors = [
+        {
+            "name": name,
+            "global_shape": list(spec.global_shape),
+            "split": _split(spec),
+            "local_shape": list(spec.local_shape),
+            "bytes_per_rank": width * torch.Size(spec.local_shape).numel(),
+        }
+        for name, spec in specs.items()
+    ]
+    full = width * sum(torch.Size(s.global_shape).numel() for s in specs.values())
+    counts = {}
+    if hasattr(model, "new_caches"):
+        caches = model.new_caches(1, prompt_len + 1)
+        ids = torch.zeros(1, prompt_len, dtype=torch.long, device="meta")
+        with comm.stats.track() as prefill:
+            model(ids, attention_mask=torch.ones(1, prompt_len, device="meta"), caches=caches, last_only=True)
+        with comm.stats.track() as decode:
+            mask = torch.ones(1, prompt_len + 1, device="meta")
+            model(ids[:, :1], attention_mask=mask, caches=caches, start=prompt_len, last_only=True)
+        counts = {"decode_step": decode.snapshot(), f"prefill_{prompt_len}": prefill.snapshot()}
+    return {
+        "model": str(model_dir),
+        "family": family.name,
+        "tp": tp,
+        "dtype": dtype,
+        "tensors": tensors,
+        "bytes_per_rank": sum(t["bytes_per_rank"] for t in tensors),
+        "bytes_unsharded": full,
+        "collectives": counts,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    model_dir, cfg = resolve_model(args.model, args.tp)
+    info = describe(model_dir, cfg, args.tp, args.prompt_len, args.dtype)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    mib = 2**20
+    print(f"{info['family']} model at {model_dir}, tp={args.tp}, {info['dtype']} (rank 0 shown)\n")
+    print(f"{'tensor':<34} {'global shape':<14} {'split':<40} {'local shape':<14} {'MiB/rank':>9}")
+    for t in info["tensors"]:
+        shape = "x".join(map(str, t["global_shape"]))
+        local = "x".join(map(str, t["local_shape"]))
+        print(f"{t['name']:<34} {shape:<14} {t['split']:<40} {local:<14} {t['bytes_per_rank'] / mib:>9.3f}")
+    print(
+        f"\nparameters per rank: {info['bytes_per_rank'] / mib:.2f} MiB of {info['bytes_unsharded'] / mib:.2f} MiB "
+        f"unsharded ({info['bytes_per_rank'] / info['bytes_unsharded']:.0%})"
+    )
+    for step, snap in info["collectives"].items():
+        text = ", ".join(f"{op} x{c['calls']} ({c['bytes'] / 1024:.1f} KiB)" for op, c in snap.items()) or "none"
+        print(f"collectives per {step.replace('_', ' ')} (batch 1): {text}")
+    return 0

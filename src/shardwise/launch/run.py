@@ -1,0 +1,50 @@
+"""Run a job function on N ranks, however the ranks come about.
+
+- Started by torchrun or mpiexec: this process is one rank; join and run.
+- Otherwise: start N local ranks ourselves (shardwise.launch.local).
+
+The job function takes the world Communicator and returns a result; only rank 0's
+result is returned (a job that needs all ranks' data gathers it itself), and None on
+the other ranks of an externally launched job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from shardwise.comm.communicator import DEFAULT_TIMEOUT_S
+from shardwise.launch.env import external_rank
+from shardwise.launch.local import launch
+
+__all__ = ["run_job"]
+
+
+def run_job(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Any | None:
+    ext = external_rank()
+    if ext is None:
+        return launch(fn, world_size, args=args, backend=backend, timeout_s=timeout_s)[0]
+    if ext.world_size != world_size:
+        raise ValueError(f"--tp {world_size} but {ext.launcher} started {ext.world_size} ranks; they must agree")
+    from shardwise.comm.torch_dist import init_torch_distributed
+
+    comm = init_torch_distributed(
+        rank=ext.rank,
+        world_size=ext.world_size,
+        master_addr=ext.master_addr,
+        master_port=ext.master_port,
+        backend=backend,
+        timeout_s=timeout_s,
+    )
+    try:
+        result = fn(comm, *args)
+    finally:
+        comm.close()
+    return result if ext.rank == 0 else None
