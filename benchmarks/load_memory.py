@@ -28,9 +28,10 @@ def _load_rank(world, path: str) -> dict:
     import gc
 
     from shardwise.hf import load_pretrained
-    from shardwise.memory import PeakAnonMemory
+    from shardwise.memory import PeakAnonMemory, import_meta_kernels
 
     tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    import_meta_kernels()  # part of the baseline after imports
     gc.collect()
     t0 = time.perf_counter()
     with PeakAnonMemory() as mem:

@@ -120,7 +120,7 @@ def load_pretrained(
     target = DTYPES[cfg.dtype]
     loaded: dict[str, torch.Tensor] = {}
     bytes_read = 0
-    bar = tqdm(specs.items(), desc=f"loading shards (tp={comm.size})", unit="tensor", disable=not progress, leave=False)
+    bar = tqdm(specs.items(), desc=f"loading shards (tp={comm.size})", unit="tensor", disable=not progress, delay=0.5)
     for name, spec in bar:
         loaded[name] = read_shard(ckpt, plan[name], spec, target)
         bytes_read += _bytes_read(spec, ckpt.info(table[name][0].name).dtype)
