@@ -23,6 +23,8 @@ from shardwise.memory import PeakAnonMemory, import_meta_kernels
 
 __all__ = ["add_parser", "run"]
 
+DEFAULT_PROMPT = "Tensor parallelism splits each layer"
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text on N tensor-parallel ranks")
@@ -37,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--compare-tp1", action="store_true", help="also run at tp=1 and report whether the tokens match")
+    p.add_argument("--debug-fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     add_run_args(p)
 
 
@@ -46,7 +49,7 @@ def _prompts(args, model_dir: Path) -> list[list[int]]:
             return [[int(x) for x in s.split(",") if x.strip()] for s in args.prompt_ids]
         except ValueError:
             raise PromptError(f"--prompt-ids takes comma-separated integers, got {args.prompt_ids}") from None
-    texts = args.prompt or ["Tensor parallelism splits each layer"]
+    texts = args.prompt or [DEFAULT_PROMPT]
     tok = load_tokenizer(model_dir)
     if tok is None:
         raise PromptError(f"{model_dir} has no tokenizer.json; pass --prompt-ids instead of --prompt")
@@ -62,6 +65,8 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
         model, report = load_pretrained(
             opts["model"], comm=tp, dtype=opts["dtype"], progress=tp.rank == 0 and opts["progress"]
         )
+    if opts["fail_rank"] == tp.rank:  # after loading, so the others are already in a collective
+        raise RuntimeError(f"injected failure on rank {tp.rank} (--debug-fail-rank)")
     tokenizer = load_tokenizer(opts["model"])
     stream = None
     if tp.rank == 0 and opts["stream"] and tokenizer is not None and len(opts["prompts"]) == 1:
@@ -121,11 +126,13 @@ def run(args: argparse.Namespace) -> int:
         "stop_ids": [] if args.ignore_eos else stop_ids(model_dir),
         "stream": not args.json,
         "progress": not args.json,
+        "fail_rank": args.debug_fail_rank,
     }
-    if model_dir == DEFAULT_MODEL and not args.json:
-        print(
-            "model: the default model shipped with shardwise: a SEEDED RANDOM Llama-shaped model, so the text is noise\n"
-        )
+    if not args.json:
+        if model_dir == DEFAULT_MODEL:
+            print("model: the default model shipped with shardwise: SEEDED RANDOM weights, so the text is noise\n")
+        if len(prompts) == 1 and args.prompt_ids is None:  # rank 0 streams the continuation after it
+            print(args.prompt[0] if args.prompt else DEFAULT_PROMPT, end="", flush=True)
     result = job(_generate_rank, args, opts)
     if result is None:  # a non-zero rank under an external launcher
         return 0

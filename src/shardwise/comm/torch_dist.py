@@ -31,11 +31,13 @@ def init_torch_distributed(
     master_port: int,
     backend: str = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    init_method: str | None = None,
 ) -> TorchDistCommunicator:
     """Join (or create) the job's default process group and return the world communicator.
 
     Called once per process by the launcher, at the outer edge; library code only ever
-    sees the returned communicator.
+    sees the returned communicator. init_method defaults to tcp://master_addr:master_port
+    (rank 0 hosts the store); under torchrun it is "env://", to use the agent's store.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"torch.distributed backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -45,7 +47,7 @@ def init_torch_distributed(
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
+        init_method=init_method or f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),

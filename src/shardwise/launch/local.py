@@ -91,6 +91,11 @@ def _caused_by_collective(e: BaseException | None) -> bool:
 
 def _worker(rank, world_size, port, backend, timeout_s, threads, fn, args, result_conn, lifeline) -> None:
     threading.Thread(target=_watch_lifeline, args=(lifeline,), daemon=True).start()
+    # NOTE: a rank may be SIGKILLed when another fails, so it must hold no cross-process
+    # semaphore (they would leak); tqdm's default lock is one, a thread lock suffices.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
 

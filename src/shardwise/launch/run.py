@@ -42,6 +42,7 @@ def run_job(
         master_port=ext.master_port,
         backend=backend,
         timeout_s=timeout_s,
+        init_method="env://" if ext.launcher == "torchrun" else None,
     )
     try:
         result = fn(comm, *args)

@@ -1,0 +1,260 @@
+"""`shardwise verify`: the sharded model, layer by layer, against the unsharded one and transformers.
+
+N ranks run the model sharded on a fixed batch of 2 prompts of unequal length (left-padded
+for decoders, right-padded for BERT). Rank 0 then loads the whole model again, unsharded
+(LocalCommunicator), and transformers' own model from the same directory when transformers
+is installed, and compares each layer's output hidden state and the final logits (decoders)
+or last hidden state (BERT) on the real, non-pad tokens.
+
+verify therefore needs the whole model in rank 0's memory: its shard plus one full copy at
+a time (the unsharded model, then transformers'). Exit status: 0 when every relative error
+is within --tolerance, 1 when one is not, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardwise.cli.common import CliError, add_model_args, add_run_args, fail, job, resolve_model
+from shardwise.comm import Communicator, LocalCommunicator, ParallelDims
+from shardwise.engine.text import DEFAULT_MODEL
+
+__all__ = ["add_parser", "run"]
+
+SEED = 0
+LENGTHS = (8, 5)  # real tokens of the 2 prompts; the second is padded to the first
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
+Err = dict | None  # {"max_abs", "max_rel"} (None values: non-finite), or None: not compared
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="compare the sharded model layer by layer with the unsharded one and transformers "
+        "(rank 0 needs memory for the whole model)",
+    )
+    add_model_args(p)
+    p.add_argument(
+        "--tolerance", type=float, default=None, help="max relative error (default 1e-4 fp32, 2e-2 bf16/fp16)"
+    )
+    add_run_args(p)
+
+
+def _inputs(vocab: int, encoder: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids, attention_mask, each (2, T): deterministic ids in [1, vocab); pad id 0."""
+    T = LENGTHS[0]
+    ids = torch.randint(1, vocab, (2, T), generator=torch.Generator().manual_seed(SEED))  # (B, T)
+    mask = torch.ones(2, T, dtype=torch.long)  # (B, T)
+    pad = slice(LENGTHS[1], T) if encoder else slice(0, T - LENGTHS[1])  # BERT pads right, decoders left
+    mask[1, pad] = 0
+    ids[1, pad] = 0
+    return ids, mask
+
+
+def _text_config(cfg):
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _layers(model: nn.Module, family: str) -> nn.ModuleList:
+    if not family.startswith("auto:"):
+        return model.layers  # DecoderLM and BertEncoder
+    n = _text_config(model.config).num_hidden_layers  # the transformers decoder layers, as auto.py finds them
+    return next(m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n)
+
+
+def _forward(model: nn.Module, family: str, ids, mask) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(each layer's output (B, T, H), the final logits (B, T, V) or hidden state (B, T, H)), float32."""
+    outs: list[torch.Tensor] = []
+
+    def hook(_module, _args, out) -> None:
+        outs.append((out[0] if isinstance(out, tuple) else out).detach().float())
+
+    handles = [layer.register_forward_hook(hook) for layer in _layers(model, family)]
+    try:
+        with torch.no_grad():
+            if family.startswith("auto:"):
+                pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+                out = model(input_ids=ids, attention_mask=mask, position_ids=pos)
+                final = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+            else:
+                final = model(ids, attention_mask=mask)  # DecoderLM: logits; BertEncoder: hidden
+    finally:
+        for h in handles:
+            h.remove()
+    return outs, final.float()
+
+
+def _transformers(path: str, dtype: torch.dtype, encoder: bool, ids, mask):
+    """(layer outputs to compare, final output, note): transformers' model on the same input."""
+    try:
+        import transformers
+    except ImportError:
+        return None, None, "transformers is not installed"
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    cls = transformers.AutoModel if encoder else transformers.AutoModelForCausalLM
+    try:
+        model = cls.from_pretrained(path, dtype=dtype).eval()
+        kw = {"token_type_ids": torch.zeros_like(ids)} if encoder else {"position_ids": (mask.cumsum(-1) - 1).clamp(0)}
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kw)
+    except Exception as e:  # noqa: BLE001 - any failure only skips this comparison
+        return None, None, f"transformers could not run it ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    hidden = [h.float() for h in out.hidden_states[1:]]  # hidden[i]: layer i's output (B, T, H)
+    if not encoder:  # the last entry has the decoder's final norm applied: not layer L-1's output
+        hidden = hidden[:-1]
+    final = out.last_hidden_state if encoder else out.logits
+    return hidden, final.float(), type(model).__name__
+
+
+def _err(actual: torch.Tensor, ref: torch.Tensor, real: torch.Tensor) -> dict:
+    """Max abs and max rel (abs / max |ref|) error over the real tokens; None where non-finite."""
+    a, r = actual[real], ref[real]  # (N, H) or (N, V): real tokens only
+    abs_err = (a - r).abs().max().item()
+    scale = r.abs().max().item()
+    rel = abs_err / scale if scale > 0 else (0.0 if abs_err == 0 else math.inf)
+    return {k: v if math.isfinite(v) else None for k, v in (("max_abs", abs_err), ("max_rel", rel))}
+
+
+def _verify_rank(world: Communicator, opts: dict) -> dict | None:
+    from shardwise.hf import load_pretrained
+    from shardwise.models.bert import BertEncoder
+
+    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    model, report = load_pretrained(opts["model"], comm=tp, dtype=opts["dtype"])
+    encoder, family = isinstance(model, BertEncoder), report.family
+    dtype = next(model.parameters()).dtype
+    ids, mask = _inputs(_text_config(report.config).vocab_size, encoder)
+    sharded, sharded_final = _forward(model, family, ids, mask)
+    if tp.rank != 0:
+        return None
+    del model
+    full, _ = load_pretrained(opts["model"], comm=LocalCommunicator(), dtype=opts["dtype"])
+    unsharded, unsharded_final = _forward(full, family, ids, mask)
+    del full
+    gc.collect()
+    hf, hf_final, note = _transformers(opts["model"], dtype, encoder, ids, mask)
+    if hf is not None and len(hf) not in (len(sharded), len(sharded) - 1):
+        hf, hf_final, note = None, None, f"transformers returned {len(hf)} hidden states for {len(sharded)} layers"
+    real = mask.bool()  # (B, T)
+    layers = [
+        {
+            "layer": i,
+            "vs_unsharded": _err(h, unsharded[i], real),
+            "vs_transformers": _err(h, hf[i], real) if hf is not None and i < len(hf) else None,
+        }
+        for i, h in enumerate(sharded)
+    ]
+    return {
+        "model": opts["model"],
+        "family": family,
+        "tp": tp.size,
+        "backend": tp.backend,
+        "dtype": str(dtype).replace("torch.", ""),
+        "lengths": list(LENGTHS),
+        "layers": layers,
+        "final": {
+            "output": "hidden" if encoder else "logits",
+            "vs_unsharded": _err(sharded_final, unsharded_final, real),
+            "vs_transformers": _err(sharded_final, hf_final, real) if hf is not None else None,
+        },
+        "transformers_compared": hf is not None,
+        "transformers_note": note,
+    }
+
+
+def _ok(e: Err, tol: float) -> bool:
+    return e is None or (e["max_rel"] is not None and e["max_rel"] <= tol)
+
+
+def _worst(errs: list[Err]) -> Err:
+    errs = [e for e in errs if e is not None]
+    if not errs:
+        return None
+    return {k: None if any(e[k] is None for e in errs) else max(e[k] for e in errs) for k in ("max_abs", "max_rel")}
+
+
+def _resolve(model: Path | None, tp: int) -> Path:
+    """The model directory after checking it and tp; models without shardwise code use the automatic plan."""
+    from shardwise.hf import CheckpointError, family_for
+    from shardwise.hf.load import raw_config
+
+    model_dir = DEFAULT_MODEL if model is None else model
+    try:
+        raw = raw_config(model_dir) if model_dir.is_dir() else None
+    except CheckpointError:
+        raw = None
+    if raw is None or family_for(raw) is not None:
+        return resolve_model(model, tp)[0]
+    from shardwise.layers import ShardError
+
+    try:  # the automatic plan, read off transformers' model built on the meta device
+        import transformers
+
+        from shardwise.hf.auto import auto_plan
+
+        cfg = transformers.AutoConfig.from_pretrained(model_dir)
+        lm = type(cfg) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING
+        with torch.device("meta"):
+            meta = (transformers.AutoModelForCausalLM if lm else transformers.AutoModel).from_config(cfg)
+        if tp < 1:
+            raise ShardError(f"--tp must be >= 1, got {tp}")
+        auto_plan(meta, cfg, tp)
+    except (ImportError, ShardError, ValueError, KeyError, OSError) as e:
+        raise CliError(fail(f"{model_dir / 'config.json'}: {e}")) from None
+    return model_dir
+
+
+def _fmt(e: Err, key: str) -> str:
+    return "-" if e is None else "non-finite" if e[key] is None else f"{e[key]:.2e}"
+
+
+def run(args: argparse.Namespace) -> int:
+    model_dir = _resolve(args.model, args.tp)
+    if args.tolerance is not None and not args.tolerance >= 0:
+        return fail(f"--tolerance must be >= 0, got {args.tolerance}")
+    r = job(_verify_rank, args, {"model": str(model_dir), "dtype": args.dtype})
+    if r is None:  # a non-zero rank under an external launcher
+        return 0
+    tol = args.tolerance if args.tolerance is not None else TOLERANCE[r["dtype"]]
+    layers, final = r["layers"], r["final"]
+    within = lambda x: _ok(x["vs_unsharded"], tol) and _ok(x["vs_transformers"], tol)
+    first = next((x["layer"] for x in layers if not within(x)), None)
+    overall = {k: _worst([x[k] for x in [*layers, final]]) for k in ("vs_unsharded", "vs_transformers")}
+    passed = first is None and within(final)
+    result = {**r, "tolerance": tol, "overall": overall, "first_diverging_layer": first, "passed": passed}
+    if args.json:
+        print(json.dumps(result))
+        return 0 if passed else 1
+    print(
+        f"verify: {r['family']} model at {model_dir}, tp={r['tp']} ({r['backend']}), {r['dtype']}, "
+        f"2 prompts of {' and '.join(map(str, r['lengths']))} tokens, real tokens only"
+    )
+    print(f"\n{'':<10} {'sharded vs unsharded':>23}   {'sharded vs transformers':>23}")
+    print(f"{'':<10} {'max abs':>11} {'max rel':>11}   {'max abs':>11} {'max rel':>11}")
+    rows = [(f"layer {x['layer']}", x) for x in layers] + [(final["output"], final), ("overall", overall)]
+    for name, x in rows:
+        u, t = x["vs_unsharded"], x["vs_transformers"]
+        flag = "" if name == "overall" or within(x) else "  <- exceeds tolerance"
+        print(
+            f"{name:<10} {_fmt(u, 'max_abs'):>11} {_fmt(u, 'max_rel'):>11}   "
+            f"{_fmt(t, 'max_abs'):>11} {_fmt(t, 'max_rel'):>11}{flag}"
+        )
+    normed = " (its last hidden state has the final norm: last layer not compared)" * (final["output"] == "logits")
+    seen = (
+        f"{r['transformers_note']}{normed}" if r["transformers_compared"] else f"not compared: {r['transformers_note']}"
+    )
+    print(f"\ntransformers: {seen}")
+    if passed:
+        print(f"PASS: tp={r['tp']} matches within {tol:g} relative error")
+    else:
+        where = f"first diverging layer: {first}" if first is not None else f"the final {final['output']} diverge"
+        print(f"FAIL: tp={r['tp']} exceeds {tol:g} relative error; {where}")
+    return 0 if passed else 1

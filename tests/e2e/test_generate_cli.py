@@ -1,0 +1,144 @@
+"""`shardwise generate` end to end, in a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_models import TINY, prompts, save_tiny
+
+BIN = Path(sys.executable).parent
+
+
+def _run(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_default_model_json_at_tp2_matches_tp1():
+    out = _run("generate", "--tp", "2", "--max-new-tokens", "8", "--json", "--compare-tp1")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)  # stdout is exactly one JSON object
+    assert r["tp"] == 2 and r["backend"] == "gloo" and r["matches_tp1"] is True
+    assert len(r["tokens"]) == 1 and len(r["tokens"][0]) == 8 and isinstance(r["text"][0], str)
+    assert r["prefill_ms"] > 0 and r["decode_ms_per_token"] > 0
+    assert len(r["param_bytes_per_rank"]) == 2 and r["param_bytes_per_rank"][0] == r["param_bytes_per_rank"][1]
+    # 4 layers x 2 + the embedding = 9 all-reduces, 1 logits gather, 1 token broadcast per decode step
+    c = r["collectives_per_token"]
+    assert (c["all_reduce/tp"]["calls"], c["all_gather/tp"]["calls"], c["broadcast/tp"]["calls"]) == (9, 1, 1)
+
+
+def test_human_output_streams_text_and_summarises():
+    out = _run("generate", "--tp", "2", "--prompt", "Hello there", "--max-new-tokens", "6")
+    assert out.returncode == 0, out.stderr
+    assert "SEEDED RANDOM weights" in out.stdout
+    assert out.stdout.split("\n\n", 1)[1].startswith("Hello there")
+    assert "tp=2 (gloo), float32: 6 tokens" in out.stdout and "ms/token (median)" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    path = save_tiny("llama3", tmp_path_factory.mktemp("cli"))
+    model = getattr(transformers, TINY["llama3"][1]).from_pretrained(path).eval()
+    ids, mask = prompts(model.config.vocab_size)
+    with torch.no_grad():
+        ref = model.generate(
+            ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    lists = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    return path, lists, ref[:, ids.shape[1] :].tolist()
+
+
+def test_batch_of_prompt_ids_matches_transformers(tiny_llama):
+    path, lists, ref = tiny_llama
+    args = ["generate", "--model", str(path), "--tp", "2", "--max-new-tokens", "10", "--json", "--ignore-eos"]
+    for p in lists:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    out = _run(*args)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["tokens"] == ref
+
+
+def test_under_torchrun(tiny_llama):
+    path, lists, ref = tiny_llama
+    if not (BIN / "torchrun").exists():
+        pytest.skip("torchrun not installed")
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "shardwise", "generate"]
+    cmd += ["--model", str(path), "--tp", "2", "--max-new-tokens", "10", "--json", "--ignore-eos"]
+    cmd += ["--prompt-ids", ",".join(map(str, lists[0]))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, "only rank 0 prints"
+    assert json.loads(lines[0])["tokens"] == [ref[0]]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tp", "3"], r"num_attention_heads=8 cannot be split over tp=3; valid tp sizes: 1, 2, 4, 8"),
+        (["--model", "/nonexistent/model"], r"model directory /nonexistent/model does not exist"),
+        (["--prompt-ids", "1,2,99999"], r"prompt 0 has token ids outside the vocabulary \[0, 512\): \[99999\]"),
+        (["--prompt", ""], r"prompt 0 is empty"),
+        (["--max-new-tokens", "1000"], r"over the model's context of 512"),
+    ],
+)
+def test_bad_input_is_one_line_and_starts_no_rank(args, message):
+    import re
+
+    start = time.monotonic()
+    out = _run("generate", *args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(message, lines[0]), out.stderr
+    assert time.monotonic() - start < 30
+
+
+def _tagged_processes(tag: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if tag.encode() in (proc / "environ").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_failing_rank_takes_the_job_down_and_leaves_no_process():
+    tag = f"SHARDWISE_TEST_TAG={uuid.uuid4()}"
+    key, value = tag.split("=")
+    start = time.monotonic()
+    out = _run("generate", "--tp", "4", "--debug-fail-rank", "2", "--timeout", "20", env={key: value})
+    assert out.returncode == 1
+    assert out.stderr.count("rank 2 failed: RuntimeError: injected failure on rank 2") == 1
+    assert time.monotonic() - start < 20 + 30
+    deadline = time.monotonic() + 10
+    while _tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _tagged_processes(tag) == [], "orphan rank processes remain"
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("shardwise", path=str(BIN))
+    assert exe is not None
+    out = subprocess.run([exe, "info", "--tp", "2"], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0 and "parameters per rank" in out.stdout
