@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $@
 
 demo: install
-	$(VENV)/bin/shardwise demo --tp 2
+	$(VENV)/bin/shardwise generate --tp 2 --compare-tp1
 
 lint: install
 	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)

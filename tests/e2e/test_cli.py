@@ -37,3 +37,26 @@ def test_demo_refuses_invalid_tp_before_starting_ranks():
 def test_version():
     out = _shardwise("--version")
     assert out.returncode == 0 and out.stdout.startswith("shardwise ")
+
+
+def test_info_describes_the_plan_without_starting_ranks():
+    import json
+
+    out = _shardwise("info", "--tp", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    by_name = {t["name"]: t for t in info["tensors"]}
+    qkv = by_name["layers.0.attn.qkv.weight"]
+    assert qkv["global_shape"] == [512, 256] and qkv["local_shape"] == [256, 256]
+    assert qkv["split"] == "dim 0: [0:128] + [256:320] + [384:448]"  # 4 of 8 q heads, 2 of 4 k and v heads
+    assert by_name["norm.weight"]["split"] == "replicated"
+    assert info["bytes_per_rank"] < 0.51 * info["bytes_unsharded"]
+    assert info["collectives"]["decode_step"]["all_reduce/tp"]["calls"] == 9  # 4 layers x 2 + embedding
+    human = _shardwise("info", "--tp", "4")
+    assert human.returncode == 0 and "parameters per rank:" in human.stdout
+
+
+def test_info_refuses_invalid_tp():
+    out = _shardwise("info", "--tp", "16")
+    assert out.returncode == 2
+    assert out.stderr.strip() == "shardwise: error: num_attention_heads=8 cannot be split over tp=16; valid tp sizes: 1, 2, 4, 8"

@@ -19,11 +19,13 @@ from shardwise.cli.common import add_model_args, add_run_args, fail, job, resolv
 from shardwise.comm import Communicator, ParallelDims
 from shardwise.engine import PromptError, SamplingParams, generate, validate_prompts
 from shardwise.engine.text import DEFAULT_MODEL, StreamDecoder, load_tokenizer, stop_ids
+from shardwise.log import get_logger, setup_logging
 from shardwise.memory import PeakAnonMemory, import_meta_kernels
 
 __all__ = ["add_parser", "run"]
 
 DEFAULT_PROMPT = "Tensor parallelism splits each layer"
+log = get_logger("generate")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +59,7 @@ def _prompts(args, model_dir: Path) -> list[list[int]]:
 
 
 def _generate_rank(world: Communicator, opts: dict) -> dict:
+    setup_logging(world.rank, world.size)
     tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
     from shardwise.hf import load_pretrained
 
@@ -65,6 +68,7 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
         model, report = load_pretrained(
             opts["model"], comm=tp, dtype=opts["dtype"], progress=tp.rank == 0 and opts["progress"]
         )
+    log.debug("rank %d/%d holds %.1f MiB of parameters", tp.rank, tp.size, report.param_bytes / 2**20)
     if opts["fail_rank"] == tp.rank:  # after loading, so the others are already in a collective
         raise RuntimeError(f"injected failure on rank {tp.rank} (--debug-fail-rank)")
     tokenizer = load_tokenizer(opts["model"])
