@@ -101,5 +101,5 @@ def run(args: argparse.Namespace) -> int:
     )
     for step, snap in info["collectives"].items():
         text = ", ".join(f"{op} x{c['calls']} ({c['bytes'] / 1024:.1f} KiB)" for op, c in snap.items()) or "none"
-        print(f"collectives per {step.replace('_', ' ')} (batch 1): {text}")
+        print(f"collectives per {step.replace('_', ' ')} (model forward, batch 1): {text}")
     return 0
