@@ -142,3 +142,21 @@ def test_console_script_is_installed():
     assert exe is not None
     out = subprocess.run([exe, "info", "--tp", "2"], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0 and "parameters per rank" in out.stdout
+
+
+def test_under_mpiexec(tiny_llama):
+    """mpiexec starts the ranks; with the gloo backend they meet at MASTER_ADDR:MASTER_PORT."""
+    from shardwise.launch import free_port
+
+    path, lists, ref = tiny_llama
+    if not (BIN / "mpiexec").exists():
+        pytest.skip("mpiexec not installed (pip install mpich)")
+    cmd = [str(BIN / "mpiexec"), "-n", "2", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT", str(free_port())]
+    cmd += [sys.executable, "-m", "shardwise", "generate", "--model", str(path), "--tp", "2", "--max-new-tokens", "10"]
+    cmd += ["--json", "--ignore-eos", "--prompt-ids", ",".join(map(str, lists[1]))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, "only rank 0 prints"
+    assert json.loads(lines[0])["tokens"] == [ref[1]]
