@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev,hf,mpi]'
+	$(PY) -m pip install -q -e '.[dev,hf,mpi,serve,plot]'
 	@touch $@
 
 demo: install
