@@ -1,0 +1,1 @@
+"""Measurements: communication (all-reduce latency and bandwidth) and end-to-end runs."""
