@@ -37,7 +37,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="communication backend")
+    p.add_argument(
+        "--backend",
+        choices=["auto", "mpi", "gloo", "nccl"],
+        default="auto",
+        help="auto: NCCL on CUDA, else MPI when installed, else gloo",
+    )
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout, seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 

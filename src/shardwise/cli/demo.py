@@ -35,7 +35,7 @@ log = get_logger("demo")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="shard a small LM over N local ranks and check it against the unsharded model")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (local ranks to start; default 2)")
-    p.add_argument("--backend", default="gloo", choices=["gloo"], help="communication backend")
+    p.add_argument("--backend", default="gloo", choices=["gloo", "mpi"], help="communication backend")
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
     p.add_argument("--seed", type=int, default=0)
 

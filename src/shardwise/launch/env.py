@@ -9,15 +9,35 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["ExternalRank", "external_rank"]
+__all__ = ["ExternalRank", "external_rank", "resolve_backend"]
+
+
+def resolve_backend(name: str) -> str:
+    """`auto`: NCCL when CUDA is available, else MPI when mpi4py and mpiexec are, else gloo."""
+    if name != "auto":
+        return name
+    import torch
+
+    if torch.cuda.is_available():
+        return "nccl"
+    try:
+        import mpi4py  # noqa: F401
+
+        from shardwise.launch.mpi import find_mpiexec
+
+        find_mpiexec()
+        return "mpi"
+    except (ImportError, RuntimeError):
+        return "gloo"
 
 
 @dataclass(frozen=True)
 class ExternalRank:
     rank: int
     world_size: int
-    master_addr: str
-    master_port: int
+    master_addr: str | None
+    """Rendezvous for gloo/NCCL (torchrun sets it; mpiexec users pass it). MPI needs none."""
+    master_port: int | None
     launcher: str
 
 
@@ -25,8 +45,8 @@ def external_rank(environ: dict[str, str] | None = None) -> ExternalRank | None:
     """This process's rank if a launcher started it, else None (we start our own ranks).
 
     torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. mpiexec sets
-    PMI_RANK/PMI_SIZE (MPICH) or OMPI_COMM_WORLD_RANK/SIZE (Open MPI); for the gloo
-    backend it also needs MASTER_ADDR and MASTER_PORT, passed with `mpiexec -genv`/`-x`.
+    PMI_RANK/PMI_SIZE (MPICH) or OMPI_COMM_WORLD_RANK/SIZE (Open MPI); the MPI backend
+    needs nothing more, gloo also needs MASTER_ADDR and MASTER_PORT (`mpiexec -genv`/`-x`).
     """
     env = os.environ if environ is None else environ
     for launcher, rank_key, size_key in (

@@ -139,6 +139,17 @@ def launch(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend == "mpi" and world_size > 1:  # MPI ranks must come from mpiexec
+        from shardwise.launch.mpi import launch_mpi
+
+        return launch_mpi(
+            fn,
+            world_size,
+            args=args,
+            timeout_s=timeout_s,
+            job_timeout_s=job_timeout_s,
+            threads_per_rank=threads_per_rank,
+        )
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "shardwise.launch.local"])
     port = free_port()

@@ -1,0 +1,99 @@
+"""Communicator over MPI (mpi4py): the fast path between CPU ranks on one host.
+
+MPI's shared-memory transport all-reduces a 4 KiB tensor in microseconds, where gloo
+goes through loopback TCP. Tensors are handed to MPI as zero-copy NumPy views of their
+CPU storage. bf16 and fp16 are reduced in fp32 (NumPy has no bf16, and half-precision
+sums lose accuracy); other collectives move their raw bytes.
+
+MPI collectives have no timeout of their own, so each one is started non-blocking and
+polled against the deadline; a peer that died or never arrives raises, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from shardwise.comm.accounting import CommStats
+from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, ReduceOp
+
+__all__ = ["MPICommunicator", "init_mpi"]
+
+_HALF = (torch.bfloat16, torch.float16)
+_RAW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.bool: torch.uint8}
+
+
+def init_mpi(timeout_s: float = DEFAULT_TIMEOUT_S) -> MPICommunicator:
+    """The world communicator of a job started by mpiexec (MPI is initialised on import)."""
+    from mpi4py import MPI
+
+    return MPICommunicator(MPI.COMM_WORLD, name="world", stats=CommStats(), timeout_s=timeout_s)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy NumPy view of a contiguous CPU tensor (bf16/fp16/bool as raw integers)."""
+    raw = _RAW.get(t.dtype)
+    return (t.view(raw) if raw is not None else t).numpy()
+
+
+class MPICommunicator(Communicator):
+    """One MPI communicator (COMM_WORLD or a split of it)."""
+
+    def __init__(self, mpi_comm, *, name: str, stats: CommStats, timeout_s: float) -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.comm = mpi_comm
+        self.name, self.stats, self.timeout_s = name, stats, timeout_s
+        self.backend = "mpi"
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self._ops = {"sum": MPI.SUM, "max": MPI.MAX}
+
+    def _wait(self, request, op: str) -> None:
+        # Spin on Test: a blocking Wait has no timeout. The clock is read every 64 polls.
+        deadline = time.monotonic() + self.timeout_s
+        polls = 0
+        while not request.Test():
+            polls += 1
+            if polls & 63 == 0 and time.monotonic() > deadline:
+                raise RuntimeError(f"MPI {op} timed out after {self.timeout_s:g}s (a peer died or never arrived)")
+
+    def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        work = t.to(torch.float32) if t.dtype in _HALF else t.contiguous().clone()
+        self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, _np(work), op=self._ops[op]), "all_reduce")
+        return work.to(t.dtype) if t.dtype in _HALF else work
+
+    def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        t = t.contiguous()
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype)  # (size * d0, ...)
+        self._wait(self.comm.Iallgather(_np(t), _np(out)), "all_gather")
+        return torch.cat(out.chunk(self.size, dim=0), dim=dim) if dim else out
+
+    def _reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        chunks = torch.stack(t.chunk(self.size, dim=dim)).contiguous()  # (size, *chunk)
+        work = chunks.to(torch.float32) if t.dtype in _HALF else chunks
+        out = torch.empty(work.shape[1:], dtype=work.dtype)
+        self._wait(self.comm.Ireduce_scatter_block(_np(work), _np(out), op=self._MPI.SUM), "reduce_scatter")
+        return out.to(t.dtype)
+
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        out = t.contiguous().clone()
+        self._wait(self.comm.Ibcast(_np(out), root=src), "broadcast")
+        return out
+
+    def _barrier(self) -> None:
+        self._wait(self.comm.Ibarrier(), "barrier")
+
+    def split(self, groups: list[list[int]], name: str) -> Communicator:
+        flat = sorted(r for g in groups for r in g)
+        if flat != list(range(self.size)):
+            raise ValueError(f"groups {groups} do not partition ranks 0..{self.size - 1}")
+        color = next(i for i, g in enumerate(groups) if self.rank in g)
+        key = groups[color].index(self.rank)
+        sub = self.comm.Split(color, key)
+        return MPICommunicator(sub, name=name, stats=self.stats, timeout_s=self.timeout_s)
+
+    def close(self) -> None:
+        pass  # MPI is finalised by mpi4py at interpreter exit

@@ -1,0 +1,141 @@
+"""Start N ranks under mpiexec (the MPI backend) with the same fail-fast semantics as
+shardwise.launch.local.
+
+MPI ranks must be started by mpiexec, so they cannot be forked from this process. The
+parent listens on a loopback port (authenticated with a random key), starts
+`mpiexec -n N python -m shardwise.launch.mpi_rank`, and each rank connects back for
+its job and returns its result or its error over that connection. If a rank fails, the
+whole mpiexec session is killed; if the parent dies, each rank sees its connection
+close and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
+from typing import Any
+
+from shardwise.comm.communicator import DEFAULT_TIMEOUT_S
+from shardwise.launch.local import JobTimeoutError, RankFailedError, _Failure
+
+__all__ = ["launch_mpi", "find_mpiexec"]
+
+_GRACE_S = 1.0
+
+
+def find_mpiexec() -> str:
+    """The venv's mpiexec (from the `mpich` wheel), else one on PATH."""
+    exe = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if exe is None:
+        raise RuntimeError("backend 'mpi' needs mpiexec and mpi4py: pip install 'shardwise[mpi]'")
+    return exe
+
+
+def launch_mpi(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    job_timeout_s: float | None = None,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run fn(world_communicator, *args) on `world_size` MPI ranks; results by rank."""
+    key = os.urandom(32)
+    listener = Listener(("127.0.0.1", 0), authkey=key)
+    host, port = listener.address
+    env = {
+        **os.environ,
+        "SHARDWISE_LAUNCH_ADDR": f"{host}:{port}",
+        "SHARDWISE_LAUNCH_KEY": key.hex(),
+        "OMP_NUM_THREADS": str(threads_per_rank),
+    }
+    cmd = [find_mpiexec(), "-n", str(world_size), sys.executable, "-m", "shardwise.launch.mpi_rank"]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    conns: dict[Connection, int] = {}
+    accepted: list[Connection] = []
+    threading.Thread(
+        target=lambda: [accepted.append(listener.accept()) for _ in range(world_size)], daemon=True
+    ).start()
+    deadline = time.monotonic() + (job_timeout_s if job_timeout_s is not None else 4 * timeout_s + 60)
+    grace = 0.0  # seconds to let mpiexec exit by itself: only after every rank succeeded
+    try:
+        main = sys.modules.get("__main__")
+        main_file = getattr(main, "__file__", None) if fn.__module__ == "__main__" else None
+        prep = pickle.dumps((list(sys.path), main_file))
+        job = pickle.dumps((fn, args, timeout_s, threads_per_rank))
+        while len(conns) < world_size:  # every rank says hello with its rank, and gets the job
+            if proc.poll() is not None:
+                raise RankFailedError(
+                    -1, f"mpiexec exited with code {proc.returncode} before all ranks started", "", []
+                )
+            if time.monotonic() > deadline:
+                raise JobTimeoutError(f"only {len(conns)} of {world_size} MPI ranks started", [proc.pid])
+            while accepted:
+                conn = accepted.pop()
+                conns[conn] = pickle.loads(conn.recv_bytes())
+                conn.send_bytes(prep)
+                conn.send_bytes(job)
+            time.sleep(0.01)
+        results = _collect(proc, conns, world_size, deadline)
+        grace = 5.0
+        return results
+    finally:
+        _kill(proc, grace)
+        for conn in conns:
+            conn.close()
+        listener.close()
+
+
+def _collect(proc: subprocess.Popen, conns: dict[Connection, int], world_size: int, deadline: float) -> list[Any]:
+    results: dict[int, Any] = {}
+    failures: list[_Failure] = []
+    pending = dict(conns)
+    first_failure: float | None = None
+    while pending:
+        if first_failure is not None and time.monotonic() - first_failure > _GRACE_S:
+            break
+        if time.monotonic() > deadline:
+            stuck = sorted(set(range(world_size)) - set(results))
+            raise JobTimeoutError(f"job timed out; ranks {stuck} had not finished", [proc.pid])
+        for conn in wait(list(pending), timeout=0.2):
+            rank = pending.pop(conn)
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                # NOTE: once one rank exits with an error, mpiexec kills the others; those
+                # silent deaths are consequences, not the cause.
+                after_report = any(f.detail for f in failures)
+                failures.append(
+                    _Failure(rank, time.time(), "rank exited without reporting (killed?)", "", after_report)
+                )
+                continue
+            if msg[0] == "ok":
+                results[rank] = msg[1]
+            else:
+                failures.append(_Failure(rank, *msg[1:]))
+        if failures and first_failure is None:
+            first_failure = time.monotonic()
+    if failures:
+        root = min(failures, key=lambda f: (f.secondary, f.when))
+        raise RankFailedError(root.rank, root.summary, root.detail, [proc.pid])
+    return [results[r] for r in range(world_size)]
+
+
+def _kill(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)  # a finished job exits by itself
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank it started
+    proc.wait(timeout=10)

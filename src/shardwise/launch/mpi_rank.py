@@ -1,0 +1,64 @@
+"""One MPI rank started by shardwise.launch.mpi: fetch the job, run it, report back."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Client
+
+
+def _watch(conn) -> None:
+    conn.poll(None)  # the parent sends nothing more: readable only once it has gone (EOF)
+    os._exit(3)
+
+
+def _load_main(path: str) -> None:
+    """Make the parent's __main__ module importable, for functions defined in a script."""
+    spec = importlib.util.spec_from_file_location("__mp_main__", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["__mp_main__"] = module
+    spec.loader.exec_module(module)  # a script guarded by `if __name__ == "__main__"` runs nothing
+    sys.modules["__main__"] = module
+
+
+def main() -> None:
+    from mpi4py import MPI
+
+    from shardwise.comm.accounting import CommStats
+    from shardwise.comm.mpi import MPICommunicator
+    from shardwise.launch.local import _caused_by_collective
+
+    host, port = os.environ["SHARDWISE_LAUNCH_ADDR"].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["SHARDWISE_LAUNCH_KEY"]))
+    conn.send_bytes(pickle.dumps(MPI.COMM_WORLD.Get_rank()))
+    sys_path, main_file = pickle.loads(conn.recv_bytes())
+    job = conn.recv_bytes()
+    threading.Thread(target=_watch, args=(conn,), daemon=True).start()
+    try:
+        sys.path[:] = sys_path  # as multiprocessing does: the parent's imports must resolve here
+        if main_file:
+            _load_main(main_file)
+        fn, args, timeout_s, threads = pickle.loads(job)  # in-memory IPC with our parent
+        import torch
+        from tqdm import tqdm
+
+        torch.set_num_threads(threads)
+        tqdm.set_lock(threading.RLock())
+        world = MPICommunicator(MPI.COMM_WORLD, name="world", stats=CommStats(), timeout_s=timeout_s)
+        result = fn(world, *args)
+        conn.send_bytes(pickle.dumps(("ok", result)))
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
+        msg = ("error", time.time(), f"{type(e).__name__}: {e}", traceback.format_exc(), _caused_by_collective(e))
+        try:
+            conn.send_bytes(pickle.dumps(msg))
+        finally:
+            os._exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The same layer, block, model and engine parity checks as on gloo, on the MPI backend
+(ranks under mpiexec), plus its failure semantics. MPI ranks take seconds to start, so
+each world size runs all its checks in one job."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hf_models import prompts, save_tiny
+from test_blocks import TINY, TINY3, _block_case, _tiny_lm_case
+from test_comm import _collectives_case, _regions_case
+from test_failure import _one_rank_never_arrives, _raise_on_rank, _wait_dead
+from test_layers import _run_linear_case, _run_merged_case, _run_qkv_case, _run_vocab_case
+
+from shardwise.launch import RankFailedError, launch
+from shardwise.models import BlockConfig
+
+pytest.importorskip("mpi4py")
+try:
+    from shardwise.launch.mpi import find_mpiexec
+
+    find_mpiexec()
+except RuntimeError:
+    pytest.skip("mpiexec not installed", allow_module_level=True)
+
+
+def _all_checks(world, hf_path: str | None) -> dict:
+    ws = world.size
+    done = []
+    for dtype in ("fp32", "bf16"):
+        for kind, gather in (("column", False), ("column", True), ("row", False)):
+            _run_linear_case(world, kind, dtype, gather)
+        _run_merged_case(world, dtype)
+        _run_vocab_case(world, 50, dtype)
+        done += [f"linear/{dtype}", f"merged/{dtype}", f"vocab/{dtype}"]
+    heads = [(12, 12), (12, 6)] if ws == 3 else [(8, 2), (4, 1), (12, 12)]
+    for nh, nkv in heads:
+        _run_qkv_case(world, nh, nkv, "fp32", False)
+        done.append(f"qkv/{nh}/{nkv}")
+    _regions_case(world)
+    _collectives_case(world, ws)
+    done += ["regions", "collectives"]
+    counts = _block_case(world, BlockConfig(hidden_size=24, num_heads=12, num_kv_heads=12, intermediate_size=48), "block")
+    _tiny_lm_case(world, TINY3 if ws == 3 else TINY, "fp32")
+    done += ["block", "tiny_lm"]
+    out = {"done": done, "block_counts": counts, "backend": world.backend}
+    if hf_path is not None:
+        from helpers import tp_group
+        from hf_models import greedy
+
+        from shardwise.engine import generate
+        from shardwise.hf import load_pretrained
+
+        tp = tp_group(world)
+        model, _ = load_pretrained(hf_path, comm=tp)
+        ids, mask = prompts(model.cfg.vocab_size)
+        with torch.no_grad():
+            out["logits"] = model(ids, attention_mask=mask)
+            out["greedy"] = greedy(lambda i, m, pos: model(i, attention_mask=m, positions=pos), ids, mask)
+        lists = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+        out["generated"] = generate(model, lists, comm=tp, max_new_tokens=16).tokens
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    path = save_tiny("llama3", tmp_path_factory.mktemp("mpi"))
+    model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    ids, mask = prompts(model.config.vocab_size)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        gen = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return path, logits, gen[:, ids.shape[1] :].tolist(), mask
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_parity_on_mpi(world_size, llama):
+    path, ref_logits, ref_gen, mask = llama
+    hf_path = None if world_size == 3 else str(path)  # the tiny llama's 2 KV heads do not split over 3
+    results = launch(_all_checks, world_size, args=(hf_path,), backend="mpi", timeout_s=120)
+    for r in results:
+        assert r["backend"] == "mpi"
+        assert len(r["done"]) >= 10
+        assert r["block_counts"]["fwd"]["all_reduce/tp"]["calls"] == 2
+        assert r["block_counts"]["bwd"]["all_reduce/tp"]["calls"] == 2
+        if hf_path is not None:
+            real = mask.bool()
+            err = (r["logits"][real] - ref_logits[real]).abs().max().item()
+            assert err <= 1e-4 * max(ref_logits[real].abs().max().item(), 1.0)
+            assert r["generated"] == ref_gen
+
+
+def test_mpi_raising_rank_takes_the_job_down():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch(_raise_on_rank, 3, args=(1,), backend="mpi", timeout_s=30)
+    assert info.value.rank == 1 and "ValueError: boom on rank 1" in str(info.value)
+    assert time.monotonic() - start < 30
+    assert _wait_dead(info.value.pids) == []
+
+
+def test_mpi_collective_times_out_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch(_one_rank_never_arrives, 2, backend="mpi", timeout_s=2)
+    assert info.value.rank == 0
+    assert "CollectiveError: all_reduce on group 'world' (rank 0 of 2, mpi, timeout 2s) failed: MPI all_reduce timed out" in str(info.value)
+    assert time.monotonic() - start < 2 + 20
+    assert _wait_dead(info.value.pids) == []
