@@ -59,4 +59,19 @@ def test_info_describes_the_plan_without_starting_ranks():
 def test_info_refuses_invalid_tp():
     out = _shardwise("info", "--tp", "16")
     assert out.returncode == 2
-    assert out.stderr.strip() == "shardwise: error: num_attention_heads=8 cannot be split over tp=16; valid tp sizes: 1, 2, 4, 8"
+    assert (
+        out.stderr.strip()
+        == "shardwise: error: num_attention_heads=8 cannot be split over tp=16; valid tp sizes: 1, 2, 4, 8"
+    )
+
+
+def test_bench_comm_reports_every_available_backend():
+    import json
+
+    out = _shardwise("bench", "comm", "--sizes", "4096,65536", "--repeats", "10", "--json")
+    assert out.returncode == 0, out.stderr
+    points = json.loads(out.stdout)["points"]
+    backends = {p["backend"] for p in points}
+    assert "gloo" in backends
+    assert len(points) == 2 * len(backends)
+    assert all(p["latency_us"] > 0 and p["busbw_gbps"] > 0 and p["world_size"] == 2 for p in points)

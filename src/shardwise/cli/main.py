@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from shardwise import __version__
-from shardwise.cli import demo, embed, generate, info, verify
+from shardwise.cli import bench, demo, embed, generate, info, verify
 
 __all__ = ["main", "build_parser"]
 
-SUBCOMMANDS = {"generate": generate, "info": info, "demo": demo, "verify": verify, "embed": embed}
+SUBCOMMANDS = {"bench": bench, "generate": generate, "info": info, "demo": demo, "verify": verify, "embed": embed}
 
 
 def build_parser() -> argparse.ArgumentParser:
