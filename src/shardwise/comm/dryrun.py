@@ -30,6 +30,9 @@ class DryRunCommunicator(Communicator):
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         return t.clone()
 
+    def _all_reduce_inplace(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        return t
+
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return torch.cat([t] * self.size, dim=dim)
 

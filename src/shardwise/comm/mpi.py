@@ -65,6 +65,12 @@ class MPICommunicator(Communicator):
         self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, _np(work), op=self._ops[op]), "all_reduce")
         return work.to(t.dtype) if t.dtype in _HALF else work
 
+    def _all_reduce_inplace(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        if t.dtype in _HALF or not t.is_contiguous():
+            return super()._all_reduce_inplace(t, op)
+        self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, _np(t), op=self._ops[op]), "all_reduce")
+        return t
+
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         t = t.contiguous()
         out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype)  # (size * d0, ...)

@@ -45,12 +45,15 @@ class ReduceFromRegion(torch.autograd.Function):
     """Forward: all-reduce the partial sums. Backward: identity (the gradient is replicated)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, comm: Communicator, inplace: bool = False) -> torch.Tensor:
+        if inplace and x.is_contiguous():
+            ctx.mark_dirty(x)  # x is reduced in place: autograd must know
+            return comm.all_reduce_(x)
         return comm.all_reduce(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        return grad, None, None
 
 
 class GatherFromRegion(torch.autograd.Function):
@@ -83,8 +86,10 @@ def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return x if comm.size == 1 else CopyToRegion.apply(x, comm)
 
 
-def reduce_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return x if comm.size == 1 else ReduceFromRegion.apply(x, comm)
+def reduce_from_region(x: torch.Tensor, comm: Communicator, *, inplace: bool = False) -> torch.Tensor:
+    """inplace=True reduces x's own storage, saving a copy per call: only for a fresh
+    partial product that nothing else reads (a row-parallel matmul's output)."""
+    return x if comm.size == 1 else ReduceFromRegion.apply(x, comm, inplace)
 
 
 def gather_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:

@@ -72,6 +72,12 @@ class TorchDistCommunicator(Communicator):
         dist.all_reduce(out, op=_OPS[op], group=self.group)
         return out
 
+    def _all_reduce_inplace(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        if not t.is_contiguous():
+            return super()._all_reduce_inplace(t, op)
+        dist.all_reduce(t, op=_OPS[op], group=self.group)
+        return t
+
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         # Gather along dim 0 into one buffer, then move the rank axis next to `dim`.
         t = t.contiguous()

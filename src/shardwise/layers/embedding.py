@@ -86,7 +86,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < s.start) | (ids >= s.end)  # (...,) ids another rank holds
         local_ids = (ids - s.start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0)  # (..., D)
-        return reduce_from_region(out, self.comm)  # all-reduce fwd, identity bwd
+        return reduce_from_region(out, self.comm, inplace=True)  # all-reduce fwd (in place), identity bwd
 
     def extra_repr(self) -> str:
         s = self.shard

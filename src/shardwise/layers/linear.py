@@ -159,7 +159,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)  # (..., in/p) -> (..., out), a partial sum
-        y = reduce_from_region(y, self.comm)  # all-reduce fwd, identity bwd
+        y = reduce_from_region(y, self.comm, inplace=True)  # all-reduce fwd (in place), identity bwd
         if self.bias is not None:
             y = y + self.bias
         return y
