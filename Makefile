@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint clean bench-load
+.PHONY: install demo test lint clean bench-load bench-inference
 
 install: $(STAMP)
 
@@ -29,6 +29,11 @@ test: lint
 
 bench-load: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/load_memory.py
+
+bench-inference: install
+	$(PY) -m pip install -q -e '.[bench]'
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_inference.py --out docs/bench_inference.json
+	$(PY) benchmarks/report_inference.py docs/bench_inference.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

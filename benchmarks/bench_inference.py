@@ -67,7 +67,9 @@ def _shardwise(world, path: str, repeats: int) -> dict:
     one = [generate(model, _ids(PROMPT).tolist(), comm=tp, max_new_tokens=NEW) for _ in range(repeats + 1)][1:]
     many = [generate(model, _ids(PROMPT, BATCH).tolist(), comm=tp, max_new_tokens=NEW) for _ in range(2)][1]
     per_rank = tp.all_gather(torch.tensor([report.param_bytes, mem.peak_above_baseline]), dim=0).view(-1, 2)
+    profile = _decode_profile(model, tp)
     return {
+        "profile": profile,
         "prefill_128_ms": p128,
         "prefill_512_ms": p512,
         "decode_ms": statistics.median(statistics.median(g.decode_ms) for g in one),
@@ -76,6 +78,40 @@ def _shardwise(world, path: str, repeats: int) -> dict:
         "peak_anon_bytes": per_rank[:, 1].tolist(),
         "tokens": one[0].tokens[0],
         "comm_per_token": sum(v["calls"] for v in one[0].comm_per_step.values()),
+    }
+
+
+_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product")
+
+
+def _decode_profile(model, tp) -> dict:
+    """Where one decode step's time goes (batch 1): GEMM and attention kernels (torch
+    profiler self time), collectives (the communicator's own timing), and the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from shardwise.engine.generate import decode_step, prefill
+    from shardwise.engine.sampling import SamplingParams, sample_on_rank0
+
+    ids, greedy = _ids(PROMPT), SamplingParams()
+    mask = torch.ones(1, PROMPT, dtype=torch.long)
+    caches = model.new_caches(1, PROMPT + NEW + 1)
+    with torch.no_grad():
+        tok = sample_on_rank0(prefill(model, ids, mask, caches), greedy, None, tp)
+        with tp.stats.track() as comm, profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for step in range(NEW):
+                mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
+                tok = sample_on_rank0(
+                    decode_step(model, tok.unsqueeze(1), mask, caches, PROMPT + step), greedy, None, tp
+                )
+            total = (time.perf_counter() - t0) / NEW * 1e3
+    kernels = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith(_KERNELS)) / 1e3 / NEW
+    collectives = comm.seconds() * 1e3 / NEW
+    return {
+        "step_ms_profiled": total,
+        "kernels_ms": kernels,
+        "collectives_ms": collectives,
+        "other_ms": total - kernels - collectives,
     }
 
 

@@ -15,10 +15,11 @@ __all__ = ["CommStats", "OpCount"]
 
 @dataclass
 class OpCount:
-    """Calls and payload bytes (this rank's input tensor) of one (op, group) pair."""
+    """Calls, payload bytes (this rank's input tensor) and wall time of one (op, group) pair."""
 
     calls: int = 0
     bytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -27,10 +28,11 @@ class CommStats:
 
     counts: dict[tuple[str, str], OpCount] = field(default_factory=dict)
 
-    def record(self, op: str, group: str, nbytes: int) -> None:
+    def record(self, op: str, group: str, nbytes: int, seconds: float = 0.0) -> None:
         entry = self.counts.setdefault((op, group), OpCount())
         entry.calls += 1
         entry.bytes += nbytes
+        entry.seconds += seconds
 
     def calls(self, op: str | None = None, group: str | None = None) -> int:
         """Number of collectives matching op and group (None matches any)."""
@@ -40,6 +42,10 @@ class CommStats:
         """Payload bytes of the collectives matching op and group (None matches any)."""
         return sum(c.bytes for (o, g), c in self.counts.items() if op in (None, o) and group in (None, g))
 
+    def seconds(self, op: str | None = None, group: str | None = None) -> float:
+        """Wall time spent inside the collectives matching op and group (None matches any)."""
+        return sum(c.seconds for (o, g), c in self.counts.items() if op in (None, o) and group in (None, g))
+
     def snapshot(self) -> dict[str, dict[str, int]]:
         """A JSON-ready copy: {"all_reduce/tp": {"calls": 2, "bytes": 4096}, ...}."""
         return {f"{o}/{g}": {"calls": c.calls, "bytes": c.bytes} for (o, g), c in sorted(self.counts.items())}
@@ -48,14 +54,14 @@ class CommStats:
         self.counts.clear()
 
     def copy(self) -> CommStats:
-        return CommStats({k: OpCount(v.calls, v.bytes) for k, v in self.counts.items()})
+        return CommStats({k: OpCount(v.calls, v.bytes, v.seconds) for k, v in self.counts.items()})
 
     def __sub__(self, other: CommStats) -> CommStats:
         out = CommStats()
         for key, c in self.counts.items():
             before = other.counts.get(key, OpCount())
             if c.calls != before.calls:
-                out.counts[key] = OpCount(c.calls - before.calls, c.bytes - before.bytes)
+                out.counts[key] = OpCount(c.calls - before.calls, c.bytes - before.bytes, c.seconds - before.seconds)
         return out
 
     @contextmanager

@@ -8,6 +8,7 @@ every collective it issues in `stats`.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Literal
 
@@ -55,15 +56,13 @@ class Communicator(ABC):
         """Element-wise reduction across the group; every rank gets the result."""
         if self.size == 1:
             return t
-        self.stats.record("all_reduce", self.name, _nbytes(t))
-        return self._guard("all_reduce", self._all_reduce, t, op)
+        return self._run("all_reduce", _nbytes(t), self._all_reduce, t, op)
 
     def all_reduce_(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         """In-place all_reduce of a contiguous tensor nobody else reads (saves a copy per call)."""
         if self.size == 1:
             return t
-        self.stats.record("all_reduce", self.name, _nbytes(t))
-        return self._guard("all_reduce", self._all_reduce_inplace, t, op)
+        return self._run("all_reduce", _nbytes(t), self._all_reduce_inplace, t, op)
 
     def _all_reduce_inplace(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         return t.copy_(self._all_reduce(t, op))  # backends override with a true in-place reduction
@@ -72,8 +71,7 @@ class Communicator(ABC):
         """Concatenate every rank's equal-shaped `t` along `dim`, in rank order."""
         if self.size == 1:
             return t
-        self.stats.record("all_gather", self.name, _nbytes(t))
-        return self._guard("all_gather", self._all_gather, t, dim % t.dim())
+        return self._run("all_gather", _nbytes(t), self._all_gather, t, dim % t.dim())
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum across the group, then keep this rank's 1/size chunk along `dim`."""
@@ -82,8 +80,7 @@ class Communicator(ABC):
         dim = dim % t.dim()
         if t.shape[dim] % self.size:
             raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by {self.size} ranks")
-        self.stats.record("reduce_scatter", self.name, _nbytes(t))
-        return self._guard("reduce_scatter", self._reduce_scatter, t, dim)
+        return self._run("reduce_scatter", _nbytes(t), self._reduce_scatter, t, dim)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Every rank gets `src`'s tensor (the others pass a buffer of the same shape and dtype)."""
@@ -91,20 +88,22 @@ class Communicator(ABC):
             return t
         if not 0 <= src < self.size:
             raise ValueError(f"broadcast src={src} is outside group {self.name!r} of size {self.size}")
-        self.stats.record("broadcast", self.name, _nbytes(t))
-        return self._guard("broadcast", self._broadcast, t, src)
+        return self._run("broadcast", _nbytes(t), self._broadcast, t, src)
 
     def barrier(self) -> None:
         if self.size == 1:
             return
-        self.stats.record("barrier", self.name, 0)
-        self._guard("barrier", self._barrier)
+        self._run("barrier", 0, self._barrier)
 
-    def _guard(self, op: str, primitive, *args):
+    def _run(self, op: str, nbytes: int, primitive, *args):
+        """Call a backend primitive: count it, time it, and name the op on failure."""
+        t0 = time.perf_counter()
         try:
-            return primitive(*args)
+            result = primitive(*args)
         except (RuntimeError, OSError) as e:  # backends raise RuntimeError subclasses
             raise CollectiveError(op, self, e) from e
+        self.stats.record(op, self.name, nbytes, time.perf_counter() - t0)
+        return result
 
     # ---- backend primitives ---------------------------------------------------------------
     @abstractmethod
