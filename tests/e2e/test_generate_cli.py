@@ -144,19 +144,45 @@ def test_console_script_is_installed():
     assert out.returncode == 0 and "parameters per rank" in out.stdout
 
 
-def test_under_mpiexec(tiny_llama):
-    """mpiexec starts the ranks; with the gloo backend they meet at MASTER_ADDR:MASTER_PORT."""
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_under_mpiexec(tiny_llama, backend):
+    """mpiexec starts the ranks: MPI needs nothing more; gloo meets at MASTER_ADDR:MASTER_PORT."""
     from shardwise.launch import free_port
 
     path, lists, ref = tiny_llama
     if not (BIN / "mpiexec").exists():
         pytest.skip("mpiexec not installed (pip install mpich)")
-    cmd = [str(BIN / "mpiexec"), "-n", "2", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT", str(free_port())]
+    cmd = [str(BIN / "mpiexec"), "-n", "2"]
+    if backend == "gloo":
+        cmd += ["-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT", str(free_port())]
     cmd += [sys.executable, "-m", "shardwise", "generate", "--model", str(path), "--tp", "2", "--max-new-tokens", "10"]
-    cmd += ["--json", "--ignore-eos", "--prompt-ids", ",".join(map(str, lists[1]))]
+    cmd += ["--backend", backend, "--json", "--ignore-eos", "--prompt-ids", ",".join(map(str, lists[1]))]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1, "only rank 0 prints"
-    assert json.loads(lines[0])["tokens"] == [ref[1]]
+    result = json.loads(lines[0])
+    assert result["tokens"] == [ref[1]] and result["backend"] == backend
+
+
+def test_backend_mpi_starts_its_own_ranks_under_mpiexec(tiny_llama):
+    path, lists, ref = tiny_llama
+    out = _run(
+        "generate",
+        "--model",
+        str(path),
+        "--tp",
+        "2",
+        "--max-new-tokens",
+        "10",
+        "--backend",
+        "mpi",
+        "--json",
+        "--ignore-eos",
+        "--prompt-ids",
+        ",".join(map(str, lists[0])),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["backend"] == "mpi" and result["tokens"] == [ref[0]]

@@ -55,13 +55,8 @@ def external_rank(environ: dict[str, str] | None = None) -> ExternalRank | None:
         ("mpiexec", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
     ):
         if rank_key in env and size_key in env:
-            missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
-            if missing:
-                raise RuntimeError(
-                    f"started by {launcher} ({rank_key}={env[rank_key]}) but {', '.join(missing)} is not set: "
-                    "export MASTER_ADDR=<rank 0's host> MASTER_PORT=<free port> to every rank"
-                )
+            port = env.get("MASTER_PORT")
             return ExternalRank(
-                int(env[rank_key]), int(env[size_key]), env["MASTER_ADDR"], int(env["MASTER_PORT"]), launcher
+                int(env[rank_key]), int(env[size_key]), env.get("MASTER_ADDR"), int(port) if port else None, launcher
             )
     return None
