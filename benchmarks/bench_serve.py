@@ -1,0 +1,130 @@
+"""Serving throughput and latency: `shardwise serve` on the benchmark model, N concurrent clients.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_serve.py [--tp 1 2] [--clients 1 4 16]
+
+For each tp size one server is started (--max-batch-size 16); for each client count,
+that many clients each send `--requests` completions one after another (a prompt of
+`--prompt-tokens` random token ids, `--max-tokens` greedy tokens, ignore_eos) and wait
+for each answer. Throughput = generated tokens / wall time of the run; latency = one
+request's wall time. Prints a Markdown table.
+
+The benchmark model (benchmarks/bench_model.py) has no tokenizer; its serving copy
+links the weights and borrows the built-in model's tokenizer.json (prompts are token
+ids, so the tokenizer only turns the output into text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_model import DEFAULT_DIR, ensure_bench_model  # noqa: E402
+
+from shardwise.engine.text import DEFAULT_MODEL  # noqa: E402
+from shardwise.launch import free_port  # noqa: E402
+
+
+def serving_copy(src: Path) -> Path:
+    dst = src.with_name(src.name + "-serve")
+    dst.mkdir(exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        if (src / name).exists() and not (dst / name).exists():
+            (dst / name).symlink_to(src / name)
+    shutil.copy(DEFAULT_MODEL / "tokenizer.json", dst / "tokenizer.json")
+    return dst
+
+
+def start(model: Path, tp: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "shardwise", "serve", "--model", str(model), "--tp", str(tp), "--port", str(port)]
+    cmd += ["--max-batch-size", "16", "--max-queue", "256", "--health-timeout", "30"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"tp={tp}: the server did not start")
+
+
+def run(url: str, clients: int, requests: int, prompt_tokens: int, max_tokens: int) -> dict:
+    rng = random.Random(clients)
+    prompts = [[rng.randrange(2, 32000) for _ in range(prompt_tokens)] for _ in range(clients * requests)]
+    latencies: list[float] = []
+    tokens = 0
+
+    def client(i: int) -> None:
+        nonlocal tokens
+        with httpx.Client(timeout=600) as http:
+            for p in prompts[i * requests : (i + 1) * requests]:
+                t0 = time.perf_counter()
+                body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+                r = http.post(f"{url}/v1/completions", json=body)
+                r.raise_for_status()
+                latencies.append(time.perf_counter() - t0)
+                tokens += r.json()["usage"]["completion_tokens"]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    wall = time.perf_counter() - t0
+    lat = sorted(latencies)
+    return {
+        "tokens_per_s": tokens / wall,
+        "p50": statistics.median(lat),
+        "p99": lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))],
+        "requests": len(lat),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args()
+    model = serving_copy(ensure_bench_model(args.model))
+    rows = []
+    for tp in args.tp:
+        proc, url = start(model, tp)
+        try:
+            run(url, 1, 1, args.prompt_tokens, 4)  # warm-up
+            for c in args.clients:
+                r = run(url, c, args.requests, args.prompt_tokens, args.max_tokens)
+                rows.append((tp, c, r))
+                print(f"tp={tp} clients={c}: {r}", file=sys.stderr)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    print("| tp | clients | requests | tokens/s | p50 latency s | p99 latency s | tokens/s vs 1 client |")
+    print("|---|---|---|---|---|---|---|")
+    for tp, c, r in rows:
+        base = next(x for t, k, x in rows if t == tp and k == min(args.clients))["tokens_per_s"]
+        print(
+            f"| {tp} | {c} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} "
+            f"| {r['tokens_per_s'] / base:.2f}x |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

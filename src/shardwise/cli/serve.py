@@ -1,0 +1,158 @@
+"""`shardwise serve`: an OpenAI-compatible HTTP server on N tensor-parallel ranks.
+
+Everything that can be wrong with the command line (model directory, tp size, limits,
+a port already taken) is refused with one line before any rank starts. Then the ranks
+are started (or joined, under torchrun) and serve until the process is stopped
+(SIGINT/SIGTERM: exit 0) or a rank fails (exit 1, with the failing rank's error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+from pathlib import Path
+
+from shardwise.cli.common import fail, resolve_model
+from shardwise.comm import DEFAULT_TIMEOUT_S
+from shardwise.engine.text import DEFAULT_MODEL
+from shardwise.launch import RankFailedError, external_rank, launch, run_job
+from shardwise.log import setup_logging
+
+__all__ = ["add_parser", "run"]
+
+MIB = 2**20
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on N tensor-parallel ranks")
+    p.add_argument(
+        "--model", type=Path, default=None, help="Hugging Face model directory (default: the built-in model)"
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        dest="tp",
+        type=int,
+        default=2,
+        help="ranks to shard the model over (default 2)",
+    )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: the checkpoint's"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    p.add_argument(
+        "--max-batch-size", type=int, default=16, help="sequences decoded together: KV-cache slots (default 16)"
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens (default: the model's)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s (default 64)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the `model` name clients use (default: `default` for the built-in model, else the directory's name)",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=MIB, help="request bodies over this get 413 (default 1 MiB)")
+    p.add_argument(
+        "--backend",
+        choices=["gloo", "nccl", "mpi"],
+        default="gloo",
+        help="gloo (default: blocks while idle, notices a dead rank at once), nccl, or mpi",
+    )
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout, seconds")
+    p.add_argument(
+        "--health-timeout", type=float, default=3.0, help="/health is 503 when no step completed for this long (s)"
+    )
+    p.add_argument("--debug-fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
+    p.add_argument("--debug-fail-after", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def _check(args: argparse.Namespace, model_dir: Path, cfg) -> list[str]:
+    """Every problem with the options, as one-line messages."""
+    from shardwise.hf import read_config
+    from shardwise.models.decoder import DecoderLM
+    from shardwise.serve.http import bind
+    from shardwise.serve.worker import HEARTBEAT_S
+
+    family, _ = read_config(model_dir)
+    if family.model is not DecoderLM or not cfg.causal:
+        return [f"{model_dir} is a {family.name} model; serve needs a decoder (causal language model)"]
+    problems = []
+    if not (model_dir / "tokenizer.json").exists():
+        problems.append(f"{model_dir} has no tokenizer.json; serve needs the checkpoint's tokenizer")
+    if args.max_model_len is not None and not 1 <= args.max_model_len <= cfg.max_positions:
+        problems.append(
+            f"--max-model-len must be in [1, {cfg.max_positions}] (the model's context), got {args.max_model_len}"
+        )
+    for name, low in (("max_batch_size", 1), ("max_queue", 0), ("max_body_bytes", 1024)):
+        if getattr(args, name) < low:
+            problems.append(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if args.timeout <= 2 * HEARTBEAT_S:
+        problems.append(f"--timeout must be over {2 * HEARTBEAT_S:g}s (idle ranks wait {HEARTBEAT_S:g}s per heartbeat)")
+    if args.health_timeout <= HEARTBEAT_S:
+        problems.append(f"--health-timeout must be over the {HEARTBEAT_S:g}s heartbeat, got {args.health_timeout:g}")
+    if not 0 <= args.port <= 65535:
+        problems.append(f"--port must be in [0, 65535], got {args.port}")
+    elif not problems:
+        try:
+            bind(args.host, args.port).close()
+        except OSError as e:
+            problems.append(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+    return problems
+
+
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        return fail("serve needs fastapi and uvicorn: pip install 'shardwise[serve]'")
+    from shardwise.serve.worker import ServeOptions, serve_rank
+
+    model_dir, cfg = resolve_model(args.model, args.tp)
+    problems = _check(args, model_dir, cfg)
+    if problems:
+        return fail(problems[0])
+    default = model_dir == DEFAULT_MODEL
+    opts = ServeOptions(
+        model=str(model_dir),
+        model_name=args.served_model_name or ("default" if default else model_dir.resolve().name),
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len or cfg.max_positions,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        health_timeout=args.health_timeout,
+        fail_rank=args.debug_fail_rank,
+        fail_after=args.debug_fail_after,
+    )
+    setup_logging()
+    if default:
+        print(
+            "model: the default model shipped with shardwise: SEEDED RANDOM weights, so the text is noise",
+            file=sys.stderr,
+        )
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        if external_rank() is None:  # our own ranks; a server has no job deadline
+            launch(
+                serve_rank, args.tp, args=(opts,), backend=args.backend, timeout_s=args.timeout, job_timeout_s=math.inf
+            )
+        else:
+            run_job(serve_rank, args.tp, args=(opts,), backend=args.backend, timeout_s=args.timeout)
+    except RankFailedError as e:
+        print(f"shardwise: error: rank {e.rank} failed: {e.summary}", file=sys.stderr)
+        print(e.detail, file=sys.stderr)
+        return 1
+    except ValueError as e:  # e.g. torchrun started a different number of ranks
+        return fail(str(e))
+    except KeyboardInterrupt:
+        print("shardwise serve: stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,197 @@
+"""Continuous batching on rank 0: a queue of requests, a fixed set of KV-cache slots.
+
+At every token boundary (between two steps) the scheduler
+
+1. frees the slots of sequences that finished, or whose client left or hit a stop string;
+2. admits waiting requests into free slots, oldest first, while the padded prefill
+   (rows x longest prompt) stays within `max_step_tokens` (always at least one);
+3. builds the next StepBatch: a prefill step of the admitted prompts when there are
+   any, else a decode step of every running sequence (its last sampled token).
+
+NOTE: prefill and decode rows are never mixed in one step: a step pads every row to
+its longest row, so one 500-token prompt would make each 1-token decode row cost 500.
+Running sequences wait one step while new ones are prefilled.
+
+After the step it samples each row's next token with that request's own sampling
+parameters and random generator, and hands each request its Output. The HTTP thread
+only calls submit() and cancel(); everything else runs in the engine thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shardwise.engine.sampling import SamplingParams, sample
+from shardwise.engine.slots import StepBatch
+from shardwise.serve.metrics import Metrics
+
+__all__ = ["Output", "Sequence", "Scheduler", "QueueFull", "EngineDown"]
+
+_ids = itertools.count()
+
+
+class QueueFull(RuntimeError):
+    """--max-queue requests are already waiting."""
+
+
+class EngineDown(RuntimeError):
+    """The engine failed; no request can be served any more."""
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one step tells one request: a token, a finish reason, or an error."""
+
+    token: int | None = None
+    finish: str | None = None
+    """"stop" (a stop token; the token itself is not returned) or "length" (max_tokens)."""
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the engine sees it: token ids in, token ids out."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    on_output: Callable[[Output], None]
+    """Called from the engine thread; must be quick and thread-safe."""
+    id: int = field(default_factory=lambda: next(_ids))
+    slot: int | None = None
+    cached: int = 0
+    """Tokens of this sequence in its slot's cache."""
+    feed: list[int] = field(default_factory=list)
+    """Tokens to feed at the next step: the prompt, then the last sampled token."""
+    generated: int = 0
+    generator: torch.Generator | None = None
+    done: bool = False
+    """It finished, or its client left: the slot is freed at the next boundary."""
+
+
+class Scheduler:
+    def __init__(
+        self, *, num_slots: int, max_queue: int, metrics: Metrics, max_step_tokens: int = 2048, stale_s: float = 3.0
+    ) -> None:
+        self.cond = threading.Condition()
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self.free = list(range(num_slots))
+        self.max_queue, self.max_step_tokens, self.stale_s = max_queue, max_step_tokens, stale_s
+        self.metrics = metrics
+        self.failed: str | None = None
+        self.last_beat = time.monotonic()
+        self._rows: list[Sequence] = []  # the rows of the step in flight
+
+    # ---- the HTTP thread ----------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        """Queue a validated request; raises QueueFull or EngineDown at once."""
+        with self.cond:
+            if self.failed is not None:
+                raise EngineDown(self.failed)
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queue {self.max_queue})")
+            seq.feed = list(seq.prompt)
+            self.waiting.append(seq)
+            self.metrics.queue_depth = len(self.waiting)
+            self.cond.notify()
+
+    def cancel(self, seq: Sequence) -> None:
+        """The client left or the text hit a stop string: free the slot at the next boundary."""
+        with self.cond:
+            seq.done = True
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+                self.metrics.queue_depth = len(self.waiting)
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, reason): every rank completed a step or heartbeat within stale_s."""
+        if self.failed is not None:
+            return False, self.failed
+        age = time.monotonic() - self.last_beat
+        if age > self.stale_s:
+            return False, f"no step completed for {age:.1f}s (a rank is stuck or slow)"
+        return True, "ok"
+
+    # ---- the engine thread --------------------------------------------------------------
+    def wait_for_work(self, timeout: float) -> bool:
+        with self.cond:
+            if not (self.waiting or self.running):
+                self.cond.wait(timeout)
+            return bool(self.waiting or self.running)
+
+    def next_batch(self, device=None) -> StepBatch | None:
+        """Free, admit, and build the next step (None when nothing runs)."""
+        with self.cond:
+            for slot, seq in list(self.running.items()):
+                if seq.done:
+                    del self.running[slot]
+                    self.free.append(slot)
+            admitted: list[Sequence] = []
+            longest = 0
+            while self.waiting and self.free:
+                n = len(self.waiting[0].prompt)
+                if admitted and (len(admitted) + 1) * max(longest, n) > self.max_step_tokens:
+                    break
+                seq = self.waiting.popleft()
+                seq.slot = self.free.pop(0)
+                seq.generator = None if seq.sampling.greedy else seq.sampling.generator()
+                self.running[seq.slot] = seq
+                self.metrics.prompt_tokens += n
+                admitted.append(seq)
+                longest = max(longest, n)
+            self.metrics.queue_depth, self.metrics.running = len(self.waiting), len(self.running)
+            self._rows = admitted or list(self.running.values())
+        if not self._rows:
+            return None
+        return StepBatch.build([(s.slot, s.cached, s.feed) for s in self._rows], device=device)
+
+    def finish_step(self, logits: torch.Tensor) -> int:
+        """logits: (B, V) of the step built by next_batch -> number of new tokens delivered."""
+        tokens = logits.argmax(dim=-1).tolist()  # greedy rows; sampled rows are replaced below
+        delivered = 0
+        with self.cond:
+            for b, seq in enumerate(self._rows):
+                if not seq.sampling.greedy:
+                    row = logits[b : b + 1].float().cpu()  # (1, V): the generator lives on the CPU
+                    tokens[b] = int(sample(row, seq.sampling, seq.generator)[0])
+                seq.cached += len(seq.feed)
+                seq.feed = [tokens[b]]
+                if seq.done:
+                    continue
+                if tokens[b] in seq.stop_ids:
+                    out = Output(finish="stop")
+                else:
+                    seq.generated += 1
+                    delivered += 1
+                    out = Output(token=tokens[b], finish="length" if seq.generated >= seq.max_tokens else None)
+                if out.finish is not None:
+                    seq.done = True
+                seq.on_output(out)
+            self._rows = []
+            self.last_beat = time.monotonic()
+        return delivered
+
+    def beat(self) -> None:
+        """An idle heartbeat completed on every rank."""
+        self.last_beat = time.monotonic()
+
+    def fail(self, message: str) -> None:
+        """The engine stopped: every queued and running request gets an error; new ones are refused."""
+        with self.cond:
+            self.failed = message
+            victims = [*self.waiting, *self.running.values()]
+            self.waiting.clear()
+            self.running.clear()
+            self.metrics.queue_depth = self.metrics.running = 0
+        for seq in victims:
+            if not seq.done:
+                seq.on_output(Output(error=message))

@@ -1,0 +1,155 @@
+"""What each rank of `shardwise serve` runs: load the shard, then step until the job ends.
+
+    rank 0      HTTP (uvicorn, a daemon thread) and the scheduler; the main thread runs
+                the engine loop: next_batch -> send_plan -> forward -> sample -> deliver,
+                and when idle a NOOP plan and a barrier every HEARTBEAT_S
+    rank 1..N   recv_plan -> the same forward; NOOP -> barrier; STOP -> return
+
+Every step is the same sharded forward on every rank (its collectives are inside the
+model). If any collective fails (a rank died, raised, or hangs past the timeout), rank 0
+fails every queued and running request with an error, lets the HTTP thread send those
+errors for DRAIN_S, and raises: the launcher then takes every rank down and the
+`shardwise serve` process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.comm import Communicator, ParallelDims
+from shardwise.engine.slots import SlotCaches
+from shardwise.engine.text import load_tokenizer, stop_ids
+from shardwise.log import get_logger, setup_logging
+from shardwise.serve.app import ServerState, build_app
+from shardwise.serve.http import bind, start_http
+from shardwise.serve.metrics import Metrics
+from shardwise.serve.plan import Kind, recv_plan, send_plan
+from shardwise.serve.scheduler import Scheduler
+from shardwise.serve.text import ChatTemplate
+
+__all__ = ["ServeOptions", "serve_rank", "HEARTBEAT_S"]
+
+HEARTBEAT_S = 0.5
+"""Idle period after which rank 0 runs a NOOP step with a barrier (a dead rank shows within it)."""
+DRAIN_S = 0.5
+"""After a failure, how long rank 0 keeps answering (errors, 503) before it exits."""
+
+log = get_logger("serve")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: str
+    model_name: str
+    dtype: str | None
+    host: str
+    port: int
+    max_batch_size: int
+    max_model_len: int
+    max_queue: int
+    max_body_bytes: int
+    health_timeout: float
+    fail_rank: int | None = None
+    fail_after: int = 0
+
+
+class _Fault:
+    """--debug-fail-rank R --debug-fail-after N: rank R raises at its (N+1)-th step (tests only)."""
+
+    def __init__(self, rank: int, opts: ServeOptions) -> None:
+        self.armed, self.after, self.rank, self.steps = opts.fail_rank == rank, opts.fail_after, rank, 0
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.armed and self.steps > self.after:
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.steps} (--debug-fail-rank)")
+
+
+def serve_rank(world: Communicator, opts: ServeOptions) -> None:
+    setup_logging(world.rank, world.size)
+    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    from shardwise.hf import load_pretrained
+
+    model, report = load_pretrained(opts.model, comm=tp, dtype=opts.dtype, progress=False)
+    caches = SlotCaches(model, opts.max_batch_size, opts.max_model_len)
+    device = caches.layers[0].k.device
+    pids = tp.all_gather(torch.tensor([os.getpid()], device=device), dim=0).tolist()
+    fault = _Fault(tp.rank, opts)
+    if tp.rank != 0:
+        _follow(tp, model, caches, device, fault)
+        return
+    metrics = Metrics(tp=tp.size, slots=opts.max_batch_size)
+    scheduler = Scheduler(
+        num_slots=opts.max_batch_size, max_queue=opts.max_queue, metrics=metrics, stale_s=opts.health_timeout
+    )
+    state = ServerState(
+        scheduler=scheduler,
+        metrics=metrics,
+        tokenizer=load_tokenizer(opts.model),
+        chat=ChatTemplate.load(opts.model),
+        model_name=opts.model_name,
+        vocab_size=model.cfg.vocab_size,
+        max_model_len=opts.max_model_len,
+        eos_ids=frozenset(stop_ids(opts.model)),
+        max_body_bytes=opts.max_body_bytes,
+        info={"tp": tp.size, "backend": tp.backend, "pids": pids},
+    )
+    try:
+        sock = bind(opts.host, opts.port)
+    except OSError as e:
+        raise RuntimeError(f"cannot listen on {opts.host}:{opts.port}: {e}") from None
+    http_thread, _ = start_http(build_app(state), sock)
+    host, port = sock.getsockname()[:2]
+    log.info(
+        "serving %s at http://%s:%d/v1 | tp=%d (%s), %s | %d slots x %d tokens, KV cache %.1f MiB per rank | "
+        "max queue %d | chat template: %s",
+        opts.model_name, host, port, tp.size, tp.backend, report.config.dtype, opts.max_batch_size,
+        opts.max_model_len, caches.nbytes / 2**20, opts.max_queue,
+        "the checkpoint's" if state.chat.own else "fallback (role: content lines)",
+    )  # fmt: skip
+    try:
+        _lead(tp, model, caches, scheduler, metrics, device, fault, http_thread)
+    except BaseException as e:
+        scheduler.fail(f"{type(e).__name__}: {e}")
+        if not isinstance(e, KeyboardInterrupt):  # Ctrl-C stops the whole job: no error to report
+            log.error("engine stopped: %s: %s", type(e).__name__, e)
+        time.sleep(DRAIN_S)  # NOTE: the HTTP thread sends the error events and answers 503 meanwhile
+        raise
+
+
+def _lead(tp, model, caches: SlotCaches, scheduler: Scheduler, metrics: Metrics, device, fault, http_thread) -> None:
+    """Rank 0's engine loop; returns never, raises when a step or the HTTP server fails."""
+    while True:
+        if not http_thread.is_alive():
+            raise RuntimeError("the HTTP server stopped")
+        batch = scheduler.next_batch(device)
+        if batch is None:
+            if not scheduler.wait_for_work(HEARTBEAT_S):
+                send_plan(tp, Kind.NOOP, device=device)
+                tp.barrier()
+                scheduler.beat()
+                metrics.heartbeat(tp.stats.snapshot())
+            continue
+        t0 = time.perf_counter()
+        send_plan(tp, Kind.STEP, batch)
+        fault.step()
+        logits = caches.forward(model, batch)  # (B, V) on every rank
+        new_tokens = scheduler.finish_step(logits)
+        metrics.step(time.perf_counter() - t0, batch.slots.numel(), new_tokens, tp.stats.snapshot())
+
+
+def _follow(tp, model, caches: SlotCaches, device, fault: _Fault) -> None:
+    """Ranks 1..N: run whatever rank 0's plans say, until STOP."""
+    while True:
+        kind, batch = recv_plan(tp, device)
+        if kind == Kind.STOP:
+            return
+        if kind == Kind.NOOP:
+            tp.barrier()
+            continue
+        fault.step()
+        caches.forward(model, batch)
