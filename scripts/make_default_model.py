@@ -4,8 +4,11 @@
     .venv/bin/python scripts/make_default_model.py --out DIR  # writes the same files elsewhere
 
 A Llama-shaped model with seeded RANDOM weights (no training) and a real byte-level BPE
-tokenizer, so that `shardwise generate` runs with no download. It produces nonsense; a
-trained model will replace it.
+tokenizer, so that `shardwise generate` runs with no download. It produces nonsense.
+
+NOTE: the shipped weights are now the trained ones of scripts/train_default_model.py (same
+shape and tokenizer); this script remains the tokenizer's recipe. Writing the asset with it
+replaces the trained model by a random one: use --out DIR for anything but that.
 
 Deterministic: re-running writes byte-identical files (same torch, transformers and
 tokenizers versions). The tokenizer is trained on the English text of the CPython

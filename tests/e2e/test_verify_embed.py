@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hf_models import save_tiny
+from shardwise.launch.env import resolve_backend
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,7 +104,7 @@ def test_verify_json_passes_against_unsharded_and_transformers(ckpts, family):
     assert out.returncode == 0, out.stdout + out.stderr
     r = _json(out)
     assert r["passed"] and r["first_diverging_layer"] is None
-    assert r["tp"] == 2 and r["backend"] == "gloo" and r["transformers_compared"] is True
+    assert r["tp"] == 2 and r["backend"] == resolve_backend("auto") and r["transformers_compared"] is True
     assert [x["layer"] for x in r["layers"]] == [0, 1]
     for x in [*r["layers"], r["final"]]:
         assert x["vs_unsharded"]["max_rel"] < 1e-5, x
@@ -167,7 +168,7 @@ def test_embed_json_matches_transformers_mean_pooled(ckpts, tp, normalize):
     assert out.returncode == 0, out.stdout + out.stderr
     r = _json(out)
     assert r["tp"] == tp and r["dim"] == 48 and r["normalized"] is normalize
-    assert r["backend"] == ("local" if tp == 1 else "gloo")
+    assert r["backend"] == ("local" if tp == 1 else resolve_backend("auto"))
     emb = torch.tensor(r["embeddings"])  # (B, H)
     ref = _reference_embeddings(ckpts["bert"], TEXTS, normalize)
     assert emb.shape == ref.shape == (3, 48)

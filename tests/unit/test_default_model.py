@@ -1,6 +1,7 @@
 """The default model shipped in the package (src/shardwise/assets/default, made by
 scripts/make_default_model.py): it loads, allows the tp sizes it promises, its tokenizer
-round-trips text, and its random weights still give position-dependent logits."""
+round-trips text, and its weights (trained by scripts/train_default_model.py) give
+position-dependent logits."""
 
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e))
     opts = {
         "model": str(model_dir),
-        "model_name": "default (seeded random weights)" if model_dir == DEFAULT_MODEL else str(model_dir),
+        "model_name": "default (trained on Jane Austen)" if model_dir == DEFAULT_MODEL else str(model_dir),
         "dtype": args.dtype,
         "prompts": prompts,
         "max_new_tokens": args.max_new_tokens,
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if not args.json:
         if model_dir == DEFAULT_MODEL:
-            print("model: the default model shipped with shardwise: SEEDED RANDOM weights, so the text is noise\n")
+            print("model: the default model shipped with shardwise, trained on Jane Austen's novels (see its README)\n")
         if len(prompts) == 1 and args.prompt_ids is None:  # rank 0 streams the continuation after it
             print(args.prompt[0] if args.prompt else DEFAULT_PROMPT, end="", flush=True)
     result = job(_generate_rank, args, opts)

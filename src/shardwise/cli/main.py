@@ -6,11 +6,22 @@ import argparse
 import sys
 
 from shardwise import __version__
-from shardwise.cli import bench, demo, embed, generate, info, verify
+from shardwise.cli import bench, checkpoint, demo, embed, generate, info, plan, serve, train, verify
 
 __all__ = ["main", "build_parser"]
 
-SUBCOMMANDS = {"bench": bench, "generate": generate, "info": info, "demo": demo, "verify": verify, "embed": embed}
+SUBCOMMANDS = {
+    "bench": bench,
+    "generate": generate,
+    "info": info,
+    "demo": demo,
+    "verify": verify,
+    "embed": embed,
+    "serve": serve,
+    "train": train,
+    "checkpoint": checkpoint,
+    "plan": plan,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,95 @@
+"""Loading a checkpoint into a training job of any tp x dp size, resharding on the way in.
+
+Each rank:
+1. parses the manifest and checks it against the job: architecture, format version,
+   every expected tensor present and none unexpected, global shapes, chunk coverage;
+2. checks the files it will read: present, full size, SHA-256, keys;
+3. reads exactly the rows its ShardSpecs name, for the parameters and the AdamW moments.
+
+All of it runs inside `agree`, so a bad checkpoint raises the same CheckpointError
+(naming the file or key) on every rank and no rank is left waiting. RNG states are
+restored when the layout (tp, dp) is unchanged, else re-seeded from (seed, step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+
+from shardwise.checkpoint.manifest import KINDS, CheckpointError, tensor_key
+from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.reshard import check_cover
+from shardwise.log import get_logger
+from shardwise.train import Trainer, agree
+
+__all__ = ["load_checkpoint", "check_compatible"]
+
+log = get_logger("checkpoint")
+
+
+def check_compatible(reader: CheckpointReader, model_cfg, param_names: list[str]) -> None:
+    """Architecture, keys and chunk coverage; CheckpointError naming what differs."""
+    m, where = reader.manifest, reader.dir / "manifest.json"
+    diff = m.architecture_diff(asdict(model_cfg))
+    if diff:
+        raise CheckpointError(f"{where}: checkpoint is for a different architecture: {'; '.join(diff)}")
+    expected = {tensor_key(kind, n) for kind in KINDS for n in param_names}
+    missing = sorted(expected - set(m.tensors))
+    unexpected = sorted(set(m.tensors) - expected)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(f"{where}: missing tensor {missing[0]!r}{more} that the model needs")
+    if unexpected:
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r}{more}, not part of this model")
+    for tname, entry in m.tensors.items():
+        if entry.dim is None:
+            continue
+        span = entry.global_shape[entry.dim]
+        check_cover([(c.start, c.length) for c in entry.chunks], span, what=f"{where}: {tname}")
+
+
+def _read_local(tr: Trainer, source: str) -> tuple[CheckpointReader, dict, dict | None]:
+    reader = CheckpointReader(source)
+    m = reader.manifest
+    tp, world = tr.mesh.tp, tr.mesh.world
+    check_compatible(reader, tr.model_cfg, list(tr.specs))
+    mine = {n: per_rank[tp.rank] for n, per_rank in tr.specs.items()}
+    same_layout = m.layout == {"tp": tr.mesh.dims.tp, "dp": tr.mesh.dims.dp} and m.rng is not None
+    rng_file = m.rng["files"].get(str(world.rank)) if same_layout else None
+    needed = {f for kind in KINDS for n, s in mine.items() for f in reader.files_for(tensor_key(kind, n), s)}
+    reader.verify(needed | ({rng_file} if rng_file else set()))
+    params = dict(tr.model.named_parameters())
+    tensors = {}
+    for kind in KINDS:
+        for name, spec in mine.items():
+            tensors[tensor_key(kind, name)] = reader.read(tensor_key(kind, name), spec, params[name].dtype)
+    rng = {k.split("/", 1)[1]: reader.read_key(rng_file, k) for k in m.rng["keys"]} if rng_file else None
+    reader.close()
+    return reader, tensors, rng
+
+
+def load_checkpoint(tr: Trainer, source: str) -> None:
+    """Fill tr's model, optimizer state, step, loss history and RNG from a checkpoint. Collective."""
+    reader, tensors, rng = agree(
+        tr.mesh.world, lambda: _read_local(tr, source), catch=(CheckpointError, OSError), what=f"loading {source}"
+    )
+    m = reader.manifest
+    with torch.no_grad():
+        for name, p in tr.model.named_parameters():
+            p.copy_(tensors[tensor_key("param", name)])
+            if m.step > 0:
+                tr.optimizer.state[p] = {
+                    "step": torch.tensor(float(m.optimizer.get("step", m.step))),
+                    **{kind: tensors[tensor_key(kind, name)] for kind in KINDS[1:]},
+                }
+    tr.step = m.step
+    tr.history[:] = [tuple(x) for x in m.extra.get("history", [])]
+    if rng is not None:
+        tr.rng.load_state(rng)
+    else:
+        tr.rng.reseed(step=m.step)
+        log.info("layout changed (%s -> tp=%d, dp=%d): RNG streams re-seeded from (seed, step %d)",
+                 m.layout, tr.mesh.dims.tp, tr.mesh.dims.dp, m.step)  # fmt: skip
+    log.info("resumed from %s at step %d (saved at tp=%d, dp=%d)", reader.dir, m.step, m.layout["tp"], m.layout["dp"])

@@ -1,0 +1,143 @@
+"""The checkpoint manifest: what a checkpoint holds and how to reassemble it, as JSON.
+
+    step-00000010/
+      manifest.json           written last: its presence marks a committed checkpoint
+      rank-00000.safetensors  rank 0's chunks (and RNG states)
+      rank-00001.safetensors  ...
+      tokenizer.json          optional
+
+Every tensor (a parameter, or an AdamW moment of one) is recorded with its global
+(unsharded) shape, dtype, split dim, and the chunks that cover it: each chunk is the
+global rows [start, start + length) along the split dim, stored under one key of one
+file. The chunks of a tensor cover its rows exactly once, so loading at any tp size is a
+pure function of this metadata (shardwise.checkpoint.reshard). No pickle: JSON and
+safetensors only; RNG states are uint8 tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from shardwise.hf.checkpoint import CheckpointError
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "Chunk", "TensorEntry", "Manifest", "CheckpointError", "tensor_key", "KINDS"]
+
+FORMAT = "shardwise-checkpoint"
+FORMAT_VERSION = 1
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+"""Tensor kinds: the parameter, and the AdamW moments shaped and sharded like it."""
+
+
+def tensor_key(kind: str, name: str) -> str:
+    """The manifest name of a parameter's tensor of one kind: "param/layers.0.attn.o.weight"."""
+    return f"{kind}/{name}"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Global rows [start, start + length) along the tensor's split dim, stored in file[key].
+    A tensor with no split dim has one chunk, the whole tensor (start 0)."""
+
+    file: str
+    key: str
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    global_shape: tuple[int, ...]
+    dtype: str
+    """torch dtype name, e.g. "float32"."""
+    dim: int | None
+    """The split dim of the chunks; None = one chunk holding the whole tensor."""
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass
+class Manifest:
+    step: int
+    """Optimizer steps taken."""
+    model: dict
+    """The ModelConfig, as a dict: the architecture this checkpoint is for."""
+    plan: dict[str, str]
+    """The sharding plan (module pattern -> style) the chunks were cut by."""
+    layout: dict[str, int]
+    """The tp and dp sizes of the job that wrote it."""
+    tensors: dict[str, TensorEntry]
+    """tensor_key(kind, parameter name) -> entry."""
+    files: dict[str, dict]
+    """File name -> {"bytes": size, "sha256": hex digest}, for every other file of the checkpoint."""
+    optimizer: dict = field(default_factory=dict)
+    """Optimizer type, hyperparameters, param groups (by parameter name), state keys, step."""
+    rng: dict | None = None
+    """{"seed": s, "files": {world rank: file}, "keys": [...]}, or None (re-seeded on load)."""
+    extra: dict = field(default_factory=dict)
+    """Run information: loss history, data settings, tokenizer, token ids, the training config."""
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d = {"format": d.pop("format"), "format_version": d.pop("format_version"), **d}
+        return json.dumps(d, indent=1, sort_keys=False) + "\n"
+
+    @classmethod
+    def read(cls, path: Path) -> Manifest:
+        """Parse and check a manifest.json; CheckpointError names the file and the problem."""
+        if not path.is_file():
+            raise CheckpointError(f"{path} does not exist: not a committed checkpoint")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: corrupt manifest, not valid JSON ({e})") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: not a shardwise checkpoint manifest (format {raw.get('format')!r})")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path}: format_version {raw.get('format_version')} is not supported; this shardwise reads "
+                f"version {FORMAT_VERSION}"
+            )
+        try:
+            tensors = {
+                name: TensorEntry(
+                    tuple(e["global_shape"]),
+                    e["dtype"],
+                    e["dim"],
+                    tuple(Chunk(c["file"], c["key"], int(c["start"]), int(c["length"])) for c in e["chunks"]),
+                )
+                for name, e in raw["tensors"].items()
+            }
+            return cls(
+                step=int(raw["step"]),
+                model=dict(raw["model"]),
+                plan=dict(raw["plan"]),
+                layout={k: int(v) for k, v in raw["layout"].items()},
+                tensors=tensors,
+                files={k: dict(v) for k, v in raw["files"].items()},
+                optimizer=dict(raw.get("optimizer") or {}),
+                rng=raw.get("rng"),
+                extra=dict(raw.get("extra") or {}),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{path}: corrupt manifest: missing or malformed field {e}") from None
+
+    def architecture_diff(self, expected: dict) -> list[str]:
+        """Fields where this checkpoint's model differs from `expected` (a ModelConfig dict)."""
+        keys = sorted(set(self.model) | set(expected))
+        return [
+            f"{k}={self.model.get(k)!r} in the checkpoint, {expected.get(k)!r} expected"
+            for k in keys
+            if _norm(self.model.get(k)) != _norm(expected.get(k))
+        ]
+
+
+def _norm(value):
+    """JSON round-trips tuples as lists; compare them alike."""
+    if isinstance(value, (list, tuple)):
+        return [_norm(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _norm(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,222 @@
+"""Saving a sharded checkpoint with an atomic commit.
+
+    root/.tmp-step-00000010/   1. rank 0 makes it (removing any stale one)
+      rank-XXXXX.safetensors   2. every rank writes its file, fsyncs it, and a small
+      rank-XXXXX.json             sidecar with its size and SHA-256            (barrier)
+      manifest.json            3. rank 0 writes the manifest last, fsyncs the directory,
+    root/step-00000010/           renames it into place, fsyncs root,
+    root/latest                   then points `latest` at it (atomic rename), and prunes
+                                  old checkpoints                               (barrier)
+
+A process killed at any moment leaves either the previous checkpoint selected by
+`latest` (the new one is an ignored .tmp directory, or committed but not yet pointed
+to) or the new one, complete. Every phase ends with `agree`, so an error on any rank
+(a full disk, an existing step) is raised on every rank.
+
+Who writes what: the ranks of dp replica 0 write the rows of each tensor they own (a row
+held by several tp ranks is written once, by the lowest); every rank writes its own RNG
+states.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from shardwise.checkpoint.files import SafetensorsWriter, dtype_name, fsync_dir, sha256_file, write_atomic
+from shardwise.checkpoint.manifest import KINDS, CheckpointError, Chunk, Manifest, TensorEntry, tensor_key
+from shardwise.checkpoint.reader import LATEST, MANIFEST
+from shardwise.train import Trainer, agree, owned_intervals
+from shardwise.train.layout import local_segments, plan_summary
+
+__all__ = ["save_checkpoint", "step_dir_name", "rank_file", "committed_steps"]
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def committed_steps(root: Path) -> list[Path]:
+    """Committed checkpoint directories under root, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def _state_tensor(tr: Trainer, p: torch.nn.Parameter, kind: str) -> torch.Tensor:
+    if kind == "param":
+        return p.detach()
+    state = tr.optimizer.state.get(p, {})
+    return state[kind].detach() if kind in state else torch.zeros_like(p)
+
+
+def _chunk_plan(tr: Trainer, rank_tp: int) -> list[tuple[str, str, int, int, tuple[int, ...]]]:
+    """(tensor key, file key, global start, length, chunk shape) of every chunk tp rank `rank_tp` writes."""
+    out = []
+    for kind in KINDS:
+        for name, per_rank in tr.specs.items():
+            spec = per_rank[rank_tp]
+            for start, length in owned_intervals(per_rank, rank_tp):
+                shape = list(spec.global_shape)
+                if spec.dim is not None:
+                    shape[spec.dim] = length
+                out.append((tensor_key(kind, name), f"{tensor_key(kind, name)}@{start}", start, length, tuple(shape)))
+    return out
+
+
+def _local_rows(spec, local: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Global rows [start, start + length) of this rank's local tensor (they are held here)."""
+    if spec.dim is None:
+        return local
+    for l_start, g_start, n in local_segments(spec):
+        if g_start <= start and start + length <= g_start + n:
+            return local.narrow(spec.dim, l_start + start - g_start, length)
+    raise AssertionError(f"rows [{start}, {start + length}) are not within one local piece")
+
+
+def _write_rank_file(tr: Trainer, tmp: Path) -> None:
+    world, tp, dp = tr.mesh.world, tr.mesh.tp, tr.mesh.dp
+    params = dict(tr.model.named_parameters())
+    chunks = _chunk_plan(tr, tp.rank) if dp.rank == 0 else []
+    rng = tr.rng.state()
+    entries = [(fkey, params[tkey.split("/", 1)[1]].dtype, shape) for tkey, fkey, _, _, shape in chunks]
+    entries += [(f"rng/{k}", torch.uint8, tuple(v.shape)) for k, v in rng.items()]
+    path = tmp / rank_file(world.rank)
+    with SafetensorsWriter(path, entries, metadata={"step": tr.step, "rank": world.rank}) as w:
+        for tkey, fkey, start, length, _ in chunks:
+            kind, name = tkey.split("/", 1)
+            spec = tr.specs[name][tp.rank]
+            w.write(fkey, _local_rows(spec, _state_tensor(tr, params[name], kind), start, length))
+        for k, v in rng.items():
+            w.write(f"rng/{k}", v)
+    record = {"file": path.name, "bytes": w.record.bytes, "sha256": w.record.sha256, "rng_keys": sorted(rng)}
+    write_atomic(tmp / f"rank-{world.rank:05d}.json", json.dumps(record).encode())
+
+
+def _manifest(tr: Trainer, tmp: Path) -> Manifest:
+    world, dims = tr.mesh.world, tr.mesh.dims
+    files, rng_files = {}, {}
+    for r in range(world.size):
+        side = tmp / f"rank-{r:05d}.json"
+        if not side.is_file():
+            raise CheckpointError(f"{side}: rank {r} wrote no record of its file")
+        rec = json.loads(side.read_text())
+        files[rec["file"]] = {"bytes": rec["bytes"], "sha256": rec["sha256"]}
+        rng_files[str(r)] = rec["file"]
+    tensors: dict[str, dict] = {}
+    params = dict(tr.model.named_parameters())
+    for t in range(dims.tp):  # dp replica 0 is world ranks 0 .. tp-1
+        for tkey, fkey, start, length, _ in _chunk_plan(tr, t):
+            name = tkey.split("/", 1)[1]
+            spec = tr.specs[name][t]
+            entry = tensors.setdefault(
+                tkey,
+                {
+                    "global_shape": spec.global_shape,
+                    "dtype": dtype_name(params[name].dtype),
+                    "dim": spec.dim,
+                    "chunks": [],
+                },
+            )
+            entry["chunks"].append(Chunk(rank_file(t), fkey, start, length))
+    opt = tr.optimizer
+    names = {id(p): n for n, p in tr.model.named_parameters()}
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in opt.param_groups
+    ]
+    extra = {
+        "history": tr.history,
+        "config": tr.cfg.to_dict(),
+        "data": {
+            "seed": tr.cfg.data.seed,
+            "global_batch_size": tr.cfg.data.global_batch_size,
+            "seq_len": tr.cfg.data.seq_len,
+        },
+        **{k: v for k, v in tr.extra.items() if k in ("bos_token_id", "eos_token_id")},
+    }
+    tok = tr.extra.get("tokenizer")
+    if tok and Path(tok).is_file():
+        shutil.copyfile(tok, tmp / "tokenizer.json")
+        with open(tmp / "tokenizer.json", "rb+") as f:
+            os.fsync(f.fileno())
+        files["tokenizer.json"] = {
+            "bytes": (tmp / "tokenizer.json").stat().st_size,
+            "sha256": sha256_file(tmp / "tokenizer.json"),
+        }
+        extra["tokenizer"] = "tokenizer.json"
+    return Manifest(
+        step=tr.step,
+        model=asdict(tr.model_cfg),
+        plan=plan_summary(tr.model_cfg),
+        layout={"tp": dims.tp, "dp": dims.dp},
+        tensors={
+            k: TensorEntry(tuple(v["global_shape"]), v["dtype"], v["dim"], tuple(v["chunks"]))
+            for k, v in tensors.items()
+        },
+        files=files,
+        optimizer={"type": type(opt).__name__, "state_keys": list(KINDS[1:]), "param_groups": groups, "step": tr.step},
+        rng={"seed": tr.cfg.run.seed, "files": rng_files, "keys": ["rng/default", "rng/tp"]},
+        extra=extra,
+    )
+
+
+def _commit(tr: Trainer, root: Path, tmp: Path, final: Path, keep_last: int) -> None:
+    manifest = _manifest(tr, tmp)
+    for r in range(tr.mesh.world.size):
+        (tmp / f"rank-{r:05d}.json").unlink()
+    write_atomic(tmp / MANIFEST, manifest.to_json().encode())  # the commit marker, written last
+    fsync_dir(tmp)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    write_atomic(root / LATEST, (final.name + "\n").encode())
+    for old in committed_steps(root)[:-keep_last]:
+        if old != final:
+            _discard(old)
+
+
+def _discard(path: Path) -> None:
+    trash = path.with_name(f".trash-{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)  # no longer looks committed, even if the delete is cut short
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def save_checkpoint(tr: Trainer, root: str | Path, *, keep_last: int = 3) -> Path:
+    """Commit a checkpoint of `tr` as root/step-<step>; collective over the whole world."""
+    root = Path(root)
+    world = tr.mesh.world
+    final, tmp = root / step_dir_name(tr.step), root / f".tmp-{step_dir_name(tr.step)}"
+    catch = (CheckpointError, OSError)
+
+    def prepare() -> None:
+        if world.rank != 0:
+            return
+        if final.exists():
+            pointer = root / LATEST
+            if pointer.is_file() and pointer.read_text().strip() == final.name:
+                raise CheckpointError(
+                    f"{final} already exists and is the latest checkpoint; it is never overwritten "
+                    "(a run resumed from an earlier step needs its own run.out_dir)"
+                )
+            # Not selected by `latest`: committed by a save killed before it moved the pointer,
+            # or superseded. Nothing loads it; move it out of the way.
+            _discard(final)
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        tmp.mkdir()
+
+    agree(world, prepare, catch=catch, what="preparing the checkpoint")
+    agree(world, lambda: _write_rank_file(tr, tmp), catch=catch, what=f"writing {tmp}")
+    agree(world, lambda: _commit(tr, root, tmp, final, keep_last) if world.rank == 0 else None, catch=catch)
+    return final

@@ -1,0 +1,123 @@
+"""`shardwise checkpoint`: inspect, reshard and export training checkpoints (no ranks needed).
+
+    shardwise checkpoint info CKPT                 # manifest summary; --verify checks every SHA-256
+    shardwise checkpoint reshard SRC DST --tp M    # rewrite for tp=M, streaming chunk by chunk
+    shardwise checkpoint export-hf CKPT OUT        # a Hugging Face directory (transformers, `generate`)
+
+CKPT/SRC is a checkpoint directory or a directory whose `latest` pointer names one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from shardwise.cli.common import fail
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help="inspect, reshard or export a training checkpoint")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    info = actions.add_parser("info", help="summarise a checkpoint's manifest")
+    info.add_argument("ckpt", type=Path)
+    info.add_argument("--verify", action="store_true", help="check every file's size, SHA-256 and keys")
+    info.add_argument("--json", action="store_true")
+    rs = actions.add_parser("reshard", help="rewrite a checkpoint for another tp size, tensor by tensor")
+    rs.add_argument("src", type=Path)
+    rs.add_argument("dst", type=Path)
+    rs.add_argument("--tp", type=int, required=True, help="target tensor-parallel size")
+    rs.add_argument("--json", action="store_true")
+    ex = actions.add_parser("export-hf", help="write a Hugging Face model directory")
+    ex.add_argument("ckpt", type=Path)
+    ex.add_argument("out", type=Path)
+
+
+def _info(args) -> int:
+    from shardwise.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(args.ckpt)
+    if args.verify:
+        reader.verify()
+    m = reader.manifest
+    data_bytes = sum(f["bytes"] for f in m.files.values())
+    params = sum(_numel(e.global_shape) for k, e in m.tensors.items() if k.startswith("param/"))
+    summary = {
+        "path": str(reader.dir),
+        "step": m.step,
+        "layout": m.layout,
+        "family": m.model.get("family"),
+        "parameters": params,
+        "tensors": len(m.tensors),
+        "files": len(m.files),
+        "bytes": data_bytes,
+        "verified": bool(args.verify),
+        "last_loss": m.extra.get("history", [[None, None]])[-1][1] if m.extra.get("history") else None,
+    }
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"checkpoint {reader.dir}")
+    print(f"step {m.step}, saved at tp={m.layout['tp']} x dp={m.layout['dp']}, format {m.format} v{m.format_version}")
+    c = m.model
+    print(
+        f"model: {c['family']}, {c['num_layers']} layers, hidden {c['hidden_size']}, heads {c['num_heads']}/"
+        f"{c['num_kv_heads']} kv, vocab {c['vocab_size']}: {params:,} parameters"
+    )
+    print(f"tensors: {len(m.tensors)} (parameters and AdamW moments) in {len(m.files)} files, {data_bytes:,} bytes")
+    if summary["last_loss"] is not None:
+        print(f"last training loss: {summary['last_loss']:.4f}")
+    if args.verify:
+        print("verified: every file present, full size, SHA-256 and keys match the manifest")
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _reshard(args) -> int:
+    from shardwise.checkpoint.offline import reshard_checkpoint
+
+    start = time.perf_counter()
+    stats = reshard_checkpoint(args.src, args.dst, tp=args.tp, progress=not args.json)
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({**asdict(stats), "seconds": round(seconds, 3)}))
+        return 0
+    print(
+        f"resharded {stats.src} (tp={stats.tp_from}) -> {stats.dst} (tp={stats.tp_to}): {stats.tensors} tensors, "
+        f"{stats.bytes_written:,} bytes in {stats.tp_to} files, {seconds:.2f} s"
+    )
+    print(
+        f"largest chunk held in memory: {stats.peak_chunk_bytes:,} bytes "
+        f"(all tensors: {stats.total_tensor_bytes:,} bytes)"
+    )
+    return 0
+
+
+def _export(args) -> int:
+    from shardwise.checkpoint.export import export_hf
+
+    out = export_hf(args.ckpt, args.out)
+    files = ", ".join(sorted(p.name for p in out.iterdir()))
+    print(f"exported {args.ckpt} -> {out}: {files}")
+    print(f"try: shardwise generate --model {out} --tp 2 --prompt '...'")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardwise.hf import CheckpointError
+    from shardwise.layers import ShardError
+
+    try:
+        return {"info": _info, "reshard": _reshard, "export-hf": _export}[args.action](args)
+    except (CheckpointError, ShardError, OSError) as e:
+        return fail(str(e))

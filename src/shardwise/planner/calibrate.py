@@ -1,0 +1,269 @@
+"""`this-host`: a cluster built from measurements of this machine, cached in a JSON file.
+
+One device is one CPU core running one rank with one thread (as shardwise's launcher
+starts ranks). Measured (shardwise.planner.measure):
+- matmul FLOP/s per dtype (128 rows through layer-shaped weights), weight-streaming
+  bandwidth (one row through 384 MiB of them) and the fixed time per layer and per
+  forward (a tiny model's decode step), on one core alone, then on every core at once
+  (what a core keeps of its rates while the others work: busy_compute, busy_memory);
+- all-reduce latency and bus bandwidth over 2 ranks for every available backend
+  (shardwise.bench.comm.measure_all_reduce), fitted to time = latency + n / busbw; and
+  what a small all-reduce costs more when the ranks were computing just before it, as
+  inside a forward (in_forward_extra_us), added to every collective.
+
+Every figure is the fastest of several tries (per rank, then the median over ranks): the
+machine may be shared, and load elsewhere only ever adds time.
+
+The cache (~/.cache/shardwise/calibration.json; $SHARDWISE_CACHE_DIR overrides the folder)
+is reused while host, core count and torch version match; --recalibrate measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from shardwise.planner.specs import Cluster, Device, Link, PlanError
+
+__all__ = ["Calibration", "calibrate", "load_calibration", "this_host", "cache_path", "fit_link", "wait_idle"]
+
+COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
+
+
+@dataclass
+class Calibration:
+    host: str
+    torch: str
+    devices: int
+    """CPU cores this process may run on: one rank per core."""
+    memory_gib: float
+    """Host memory, shared by all ranks."""
+    gemm_tflops: dict[str, float]
+    """One core alone."""
+    mem_gbps: float
+    """One core alone."""
+    layer_overhead_us: float
+    step_overhead_us: float
+    busy_compute: float = 1.0
+    busy_memory: float = 1.0
+    """A core's FLOP/s and bandwidth while every core works, as a fraction of its rates alone."""
+    links: dict[str, dict] = field(default_factory=dict)
+    """backend -> {"latency_us", "busbw_gbps", "points": [{"size_bytes", "latency_us"}, ...],
+    "in_forward_extra_us"}: all-reduces of idle ranks, and what ranks that were computing add."""
+    unavailable: dict[str, str] = field(default_factory=dict)
+    """backend -> why it could not be measured."""
+    created: str = ""
+    seconds: float = 0.0
+    busy_launches: int = 0
+    """Probes that started while other processes were running (after waiting up to 30 s)."""
+
+    def cluster(self, backend: str = "gloo") -> Cluster:
+        if backend not in self.links:
+            why = self.unavailable.get(backend, "not measured")
+            raise PlanError(
+                f"backend {backend!r} has no calibration on this host ({why}); calibrated: {', '.join(self.links)}"
+            )
+        links = {}
+        for b, v in self.links.items():
+            extra = v.get("in_forward_extra_us", 0.0)  # NOTE: inside a forward, every collective pays it
+            pts = tuple((pt["size_bytes"], (pt["latency_us"] + extra) * 1e-6) for pt in v["points"])
+            links[b] = Link(f"{b} (measured)", v["busbw_gbps"], v["latency_us"] + extra, pts)
+        device = Device(
+            name=f"CPU core of {self.host} (1 thread)",
+            memory_gib=self.memory_gib,
+            peak_tflops=dict(self.gemm_tflops),
+            mem_bw_gbps=self.mem_gbps,
+            matmul_efficiency=1.0,
+            mem_efficiency=1.0,
+            layer_overhead_us=self.layer_overhead_us,
+            step_overhead_us=self.step_overhead_us,
+            reserved_gib=min(2.0, self.memory_gib / 4),
+            busy_compute=self.busy_compute,
+            busy_memory=self.busy_memory,
+        )
+        return Cluster(
+            name="this-host",
+            device=device,
+            devices=self.devices,
+            devices_per_node=self.devices,
+            intra=links[backend],
+            shared_memory=True,
+            other_links={b: link for b, link in links.items() if b != backend},
+            notes=(
+                f"calibrated {self.created} ({cache_path()})"
+                + (
+                    f"; {self.busy_launches} probe(s) started while other processes ran: --recalibrate when idle"
+                    if self.busy_launches
+                    else ""
+                ),
+            ),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Calibration:
+        return cls(**json.loads(text))
+
+
+def cache_path() -> Path:
+    root = os.environ.get("SHARDWISE_CACHE_DIR")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardwise"
+    return Path(root) / "calibration.json"
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _memory_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 8.0
+
+
+def wait_idle(max_s: float = 30.0) -> bool:
+    """Wait until no other process has been runnable for 1 s (sampled from /proc/loadavg), at
+    most max_s; True if the machine went idle (or cannot tell)."""
+    t0, quiet = time.time(), 0
+    while time.time() - t0 < max_s:
+        try:
+            running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1  # less this process
+        except (OSError, ValueError, IndexError):
+            return True
+        quiet = quiet + 1 if running <= 0 else 0
+        if quiet >= 5:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(latency_us, busbw_gbps) of time = latency + n / busbw over (bytes, seconds) points at
+    world size 2, by least squares on relative error (small and large sizes count alike)."""
+    import numpy as np
+
+    n = np.array([p[0] for p in points], dtype=float)
+    t = np.array([p[1] for p in points], dtype=float)
+    (a, b), *_ = np.linalg.lstsq(np.stack([1 / t, n / t], axis=1), np.ones_like(t), rcond=None)
+    if b <= 0:  # latency-bound everywhere: take the bandwidth of the largest message alone
+        b = t[-1] / n[-1]
+    a = max(a, float(t.min()) * 0.5) if a <= 0 else a
+    return a * 1e6, 1 / b / 1e9
+
+
+def _measure_links(devices: int, backends: list[str], repeats: int, rounds: int, log, quiet) -> tuple[dict, dict]:
+    from shardwise.bench.comm import available_backends, measure_all_reduce
+    from shardwise.launch import launch
+    from shardwise.planner.measure import in_forward_rank
+
+    links, unavailable = {}, {}
+    if devices < 2:
+        return links, {b: "one core: no collectives between devices" for b in backends}
+    found = available_backends()
+    for b in backends:
+        if b not in found:
+            unavailable[b] = "not available here"
+            continue
+        log(f"calibrating: all-reduce over 2 ranks, backend {b}")
+        best: dict[int, float] = {}
+        try:
+            for _ in range(rounds):  # the best of the rounds' medians (see measure.best_time)
+                quiet()
+                for pt in measure_all_reduce(b, 2, COMM_SIZES, repeats):
+                    best[pt.size_bytes] = min(best.get(pt.size_bytes, float("inf")), pt.latency_us)
+            log(f"calibrating: all-reduce between bursts of compute, backend {b}")
+            quiet()
+            inside = launch(in_forward_rank, 2, args=({},), backend=b)[0]
+        except Exception as e:  # noqa: BLE001 - a backend that fails is reported, not fatal
+            unavailable[b] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            continue
+        pts = sorted(best.items())
+        lat, bw = fit_link([(n, us * 1e-6) for n, us in pts])
+        links[b] = {
+            "latency_us": lat,
+            "busbw_gbps": bw,
+            "points": [{"size_bytes": n, "latency_us": us} for n, us in pts],
+            "in_forward_extra_us": max(0.0, inside["in_forward_us"] - inside["idle_us"]),
+        }
+    return links, unavailable
+
+
+def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) -> Calibration:
+    """Measure this host (about 30 s)."""
+    import torch
+
+    from shardwise.launch import launch
+    from shardwise.planner.measure import probe_rank
+
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    t0 = time.time()
+    devices = _cores()
+    busy_launches = 0
+
+    def quiet() -> None:
+        nonlocal busy_launches
+        busy_launches += not wait_idle()
+
+    log("calibrating: matmul and memory probes on one core")
+    quiet()
+    alone = launch(probe_rank, 1, args=({"repeats": repeats},))[0]
+    busy = alone
+    if devices > 1:
+        log(f"calibrating: the same on {devices} cores at once")
+        quiet()
+        per_rank = launch(probe_rank, devices, args=({"repeats": repeats},))
+        busy = {k: statistics.median(r[k] for r in per_rank) for k in ("mem_gbps",)}
+        busy["gemm_tflops"] = {"float32": statistics.median(r["gemm_tflops"]["float32"] for r in per_rank)}
+    links, unavailable = _measure_links(devices, backends or ["gloo", "mpi"], 10 * repeats, 3, log, quiet)
+    return Calibration(
+        host=platform.node() or "localhost",
+        torch=torch.__version__,
+        devices=devices,
+        memory_gib=_memory_gib(),
+        gemm_tflops=alone["gemm_tflops"],
+        mem_gbps=alone["mem_gbps"],
+        layer_overhead_us=alone["layer_overhead_us"],
+        step_overhead_us=alone["step_overhead_us"],
+        busy_compute=min(1.0, busy["gemm_tflops"]["float32"] / alone["gemm_tflops"]["float32"]),
+        busy_memory=min(1.0, busy["mem_gbps"] / alone["mem_gbps"]),
+        links=links,
+        unavailable=unavailable,
+        created=time.strftime("%Y-%m-%d %H:%M:%S"),
+        seconds=time.time() - t0,
+        busy_launches=busy_launches,
+    )
+
+
+def load_calibration(*, recalibrate: bool = False, path: Path | None = None, log=None) -> Calibration:
+    """The cached calibration of this host, measured (and cached) first if missing or stale."""
+    import torch
+
+    path = path or cache_path()
+    if not recalibrate and path.exists():
+        try:
+            cal = Calibration.from_json(path.read_text())
+        except (ValueError, TypeError) as e:
+            raise PlanError(f"{path}: not a calibration file ({e}); run with --recalibrate") from None
+        if cal.host == (platform.node() or "localhost") and cal.devices == _cores() and cal.torch == torch.__version__:
+            return cal
+    cal = calibrate(log=log)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(cal.to_json())
+    return cal
+
+
+def this_host(*, backend: str = "gloo", recalibrate: bool = False) -> Cluster:
+    return load_calibration(recalibrate=recalibrate).cluster(backend)

@@ -1,0 +1,199 @@
+"""The plan in plain words: why this layout, when tensor parallelism does not pay, and,
+when nothing fits, by how much and what would fit instead."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shardwise.planner.memory import kv_bytes_per_token, stage_params
+from shardwise.planner.specs import DTYPE_BYTES, GIB, InferenceWorkload, PlanError, TrainingWorkload
+
+__all__ = ["explain", "diagnose", "PAYOFF"]
+
+PAYOFF = 1.1
+"""tp > 1 pays off when it is at least this much faster than tp = 1."""
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f} GiB"
+
+
+def _ms(s: float) -> str:
+    if s >= 10:
+        return f"{s:.1f} s"
+    return f"{s * 1e3:.0f} ms" if s >= 0.1 else f"{s * 1e3:.3g} ms"
+
+
+def explain(plan) -> tuple[list[str], list[str]]:
+    """(explanation lines, warnings) for a plan with a recommendation."""
+    r, cfg, cl = plan.recommended, plan.cfg, plan.cluster
+    lay, mem, dev = r.layout, r.memory, cl.device
+    n = stage_params(cfg, 1)
+    why = [f"{plan.model}: {n / 1e9:.3g}B parameters, {_gib(n * DTYPE_BYTES[plan.dtype])} of weights in {plan.dtype}."]
+    usable = f"{_gib(mem.budget)} usable per {dev.name}"
+    one = [c for c in plan.candidates if c.layout.replica == 1]
+    if isinstance(plan.workload, TrainingWorkload):
+        need = f"at tp=1 pp=1 a device would hold {_gib(one[0].memory.total)}; " if one and lay.tp > 1 else ""
+        why.append(
+            f"Weights, gradients, optimizer state and activations: {need}the smallest tp that fits with "
+            f"{plan.headroom:.0%} headroom is tp={lay.tp}, at {lay} ({_gib(mem.total)} of {usable}, "
+            f"{_gib(mem.free)} free)."
+        )
+    elif lay.replica == 1:
+        why.append(
+            f"It fits on one device ({_gib(mem.total)} of {usable}, {_gib(mem.free)} free), so tp=1: "
+            "no tensor parallelism is needed for memory."
+        )
+    else:
+        need = f" (one device would need {_gib(one[0].memory.total)})" if one else ""
+        why.append(
+            f"It does not fit on one device{need}. The fewest devices that fit with {plan.headroom:.0%} headroom: "
+            f"{lay.tp} x {lay.pp} = {lay.replica} per replica ({_gib(mem.total)} of {usable}, {_gib(mem.free)} free)."
+        )
+    warn = [f"tp={lay.tp} crosses a node boundary: its collectives go over {cl.inter.name}."] if r.cross_node_tp else []
+    if lay.replica > cl.devices_per_node:
+        warn.append(
+            f"a replica spans {lay.replica // cl.devices_per_node} nodes: pipeline sends cross {cl.inter.name}."
+        )
+    if isinstance(plan.workload, InferenceWorkload):
+        _inference(plan, why, warn)
+    else:
+        _training(plan, why, warn)
+    return why, warn
+
+
+def _speedups(plan, pick) -> list[tuple[int, float, object]]:
+    """(tp, speed-up over the recommendation, candidate) for fitting pp=1 layouts with a larger tp."""
+    r = plan.recommended
+    out = []
+    for c in plan.candidates:
+        if c.fits and c.layout.pp == 1 and c.layout.tp > r.layout.tp and not c.cross_node_tp:
+            out.append((c.layout.tp, pick(r) / pick(c), c))
+    return sorted(out, key=lambda x: x[0])
+
+
+def _inference(plan, why: list[str], warn: list[str]) -> None:
+    r, wl, cfg = plan.recommended, plan.workload, plan.cfg
+    p, lay = r.inference, r.layout
+    kv = kv_bytes_per_token(cfg, 1, DTYPE_BYTES[plan.dtype])
+    why.append(
+        f"KV cache: {kv / 1024:.0f} KiB per token; {wl.batch} x {wl.prompt_len + wl.output_len} tokens take "
+        f"{_gib(wl.batch * (wl.prompt_len + wl.output_len) * kv)} in all."
+    )
+    comm = p.decode.comm_s / p.decode.total_s
+    why.append(
+        f"Predicted at {lay}: prefill {_ms(p.prefill.total_s)}, decode {_ms(p.decode.total_s)}/token "
+        f"({1 - comm:.0%} compute, {comm:.0%} communication), {_ms(p.request_s)} per request; "
+        f"{lay.dp} replica(s) of batch {wl.batch} give {p.tokens_per_s:.4g} tokens/s."
+    )
+    ups = _speedups(plan, lambda c: c.inference.decode.total_s)
+    if ups:
+        link = plan.cluster.link_for(ups[-1][0]).name
+        shown = ", ".join(f"tp={t}: {s:.2f}x" for t, s, _ in ups)
+        why.append(f"Decode speed-up of a larger tp over tp={lay.tp} (over {link}): {shown}.")
+    if lay.tp == 1 and ups and max(s for _, s, _ in ups) < PAYOFF:
+        t, s, c = max(ups, key=lambda x: x[1])
+        share = c.inference.decode.comm_s / c.inference.decode.total_s
+        warn.append(
+            f"tensor parallelism cannot pay off here: the best tp > 1 (tp={t}) decodes only {s:.2f}x as fast as "
+            f"{lay} with {c.layout.replica / lay.replica:g}x the devices; communication is {share:.0%} of its decode "
+            "step. Run replicas (dp) instead."
+        )
+    elif lay.tp > 1 and lay.pp == 1:
+        why.append(f"tp={lay.tp} is needed for memory, not chosen for speed.")
+    if wl.target_latency_ms is not None:
+        if r.meets_target:
+            why.append(f"Target {wl.target_latency_ms:g} ms per request: met ({_ms(p.request_s)}).")
+        else:
+            fast = min((c for c in plan.candidates if c.fits), key=lambda c: c.time_s)
+            over = fast.time_s * 1e3 - wl.target_latency_ms
+            warn.append(
+                f"no layout meets the target of {wl.target_latency_ms:g} ms per request: the fastest that fits, "
+                f"{fast.layout}, predicts {_ms(fast.time_s)} ({over:.4g} ms over)."
+            )
+
+
+def _training(plan, why: list[str], warn: list[str]) -> None:
+    r, wl = plan.recommended, plan.workload
+    t, lay = r.training, r.layout
+    s = t.step
+    why.append(
+        f"Predicted at {lay}: {_ms(s.total_s)} per step ({s.compute_s / s.total_s:.0%} compute, "
+        f"{s.comm_s / s.total_s:.0%} communication, {s.bubble_s / s.total_s:.0%} pipeline bubble with "
+        f"{t.micro_batches} micro-batches), {t.tokens_per_s:.4g} tokens/s, MFU {t.mfu:.0%}."
+    )
+    fastest = min((c for c in plan.candidates if c.fits), key=lambda c: c.time_s)
+    if fastest is not r and r.time_s / fastest.time_s >= 1.05:
+        why.append(
+            f"{fastest.layout} is predicted {r.time_s / fastest.time_s:.2f}x faster per step, with a larger tp; "
+            "pick it if throughput matters more than the smallest tp."
+        )
+    if lay.tp == 1:
+        ups = [c for c in plan.candidates if c.fits and c.layout.tp > 1]
+        if ups and max(r.time_s / c.time_s for c in ups) < PAYOFF:
+            warn.append(
+                "tensor parallelism cannot pay off here: no layout with tp > 1 is "
+                f"{PAYOFF:.1f}x faster per step than {lay}; data parallelism uses the devices better."
+            )
+    elif not wl.recompute and lay.tp > 1:
+        from shardwise.planner.search import evaluate
+
+        ranked, _ = evaluate(plan.cfg, replace(wl, recompute=True), plan.cluster, headroom=plan.headroom)
+        if ranked and ranked[0].fits and ranked[0].layout.tp < lay.tp:
+            c = ranked[0]
+            why.append(
+                f"With activation recomputation (--recompute) tp={c.layout.tp} would fit: {c.layout}, "
+                f"{_ms(c.time_s)} per step instead of {_ms(r.time_s)}."
+            )
+
+
+def diagnose(plan, allow_cross: bool) -> tuple[str, list[str]]:
+    """(how far the smallest footprint is over budget, what would fit instead)."""
+    from shardwise.planner.search import evaluate
+
+    cfg, wl, cl, h = plan.cfg, plan.workload, plan.cluster, plan.headroom
+    best = min(plan.candidates, key=lambda c: c.memory.total)
+    m = best.memory
+    need = m.total / (1 - h)
+    named = (("weights", m.weights), ("KV cache", m.kv_cache), ("activations", m.activations))
+    named += (("gradients", m.grads), ("optimizer state", m.optimizer))
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in named if v)
+    msg = (
+        f"nothing fits on {cl.devices} x {cl.device.name}: the smallest footprint, {best.layout}, needs "
+        f"{_gib(m.total)} per device ({parts}), but a device has "
+        f"{_gib(m.budget)} usable; with {h:.0%} headroom that is {_gib(need - m.budget)} short"
+    )
+
+    def first_fit(wl2, cl2):
+        try:
+            ranked, _ = evaluate(cfg, wl2, cl2, headroom=h, allow_cross_node_tp=allow_cross)
+        except PlanError:
+            return None
+        return ranked[0] if ranked and ranked[0].fits else None
+
+    alts = []
+    if cl.inter is not None:
+        for nodes in [*range(cl.nodes + 1, cl.nodes + 16), 32, 64, 128, 256]:
+            c = first_fit(wl, replace(cl, devices=nodes * cl.devices_per_node))
+            if c is not None:
+                alts.append(f"{nodes} nodes ({nodes * cl.devices_per_node} devices): {c.layout}")
+                break
+    alts.append(f"a device with at least {_gib(need + cl.device.reserved_gib * GIB)} of memory, at {best.layout}")
+    if isinstance(wl, InferenceWorkload):
+        if wl.batch > 1:
+            ok = [b for b in range(wl.batch - 1, 0, -1) if first_fit(replace(wl, batch=b), cl)]
+            if ok:
+                alts.append(f"batch {ok[0]} instead of {wl.batch}")
+        if (wl.dtype or cfg.dtype) == "float32" and first_fit(replace(wl, dtype="bfloat16"), cl):
+            alts.append("bfloat16 instead of float32 (--dtype bfloat16)")
+    elif isinstance(wl, TrainingWorkload):
+        tries = [("activation recomputation (--recompute)", dict(recompute=True))] if not wl.recompute else []
+        if wl.micro_batch > 1:
+            tries.append(("micro-batch 1", dict(micro_batch=1)))
+        if wl.precision == "fp32":
+            tries.append(("bf16-mixed precision", dict(precision="bf16-mixed")))
+        for what, kw in tries:
+            c = first_fit(replace(wl, **kw), cl)
+            if c is not None:
+                alts.append(f"{what}: {c.layout}")
+    return msg, alts

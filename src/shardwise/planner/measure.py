@@ -1,0 +1,172 @@
+"""What runs on the ranks for calibration and validation (importable, so that MPI ranks
+started by mpiexec can run it too).
+
+    probe_rank       matmul FLOP/s, weight-streaming bandwidth, fixed time per layer and per step
+    in_forward_rank  a small all-reduce between bursts of compute, as inside a forward
+    generation_rank  prefill and decode times of a checkpoint, steady state (after a warm-up)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from shardwise.comm import Communicator, ParallelDims
+
+__all__ = ["probe_rank", "in_forward_rank", "generation_rank", "best_time"]
+
+
+def best_time(fn: Callable[[], object], repeats: int, warmup: int = 1, sync: Communicator | None = None) -> float:
+    """Fastest seconds of fn() over `repeats` calls, after `warmup` calls; with `sync`, every
+    call starts after a barrier, so that all ranks run it at the same time.
+
+    NOTE: the fastest, not the median: on a shared machine other processes only ever add
+    time, and the planner predicts a machine that is not shared."""
+    times = []
+    for i in range(warmup + repeats):
+        if sync is not None and sync.size > 1:
+            sync.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _layers(dtype: torch.dtype, h: int = 1024, n: int = 6) -> list[torch.Tensor]:
+    """Weights shaped like n transformer layers (qkv, o, gated up, down; intermediate 4h):
+    64 MiB per layer in fp32, well beyond the caches, as a forward streams them."""
+    out = []
+    for _ in range(n):
+        out += [torch.randn(s, dtype=dtype) for s in ((3 * h, h), (h, h), (8 * h, h), (h, 4 * h))]
+    return out
+
+
+def _through(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    for i in range(0, len(weights), 4):
+        qkv, o, up, down = weights[i : i + 4]
+        F.linear(x, qkv)
+        F.linear(x, o)
+        F.linear(F.linear(x, up)[:, : down.shape[1]], down)
+
+
+def _tiny_step_s(layers: int, repeats: int) -> float:
+    """One decode step (T=1, with a KV cache) of a tiny model: its time is the fixed overhead."""
+    from shardwise.models.config import ModelConfig
+    from shardwise.models.decoder import DecoderLM
+
+    cfg = ModelConfig("llama", 256, 64, 128, layers, 4, 2, 16)
+    model = DecoderLM(cfg).eval()
+    caches = model.new_caches(1, 64)
+    ids, mask = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 33, dtype=torch.long)
+
+    @torch.no_grad()
+    def step():
+        model(ids, attention_mask=mask, caches=caches, start=32, last_only=True)[:, -1].argmax(-1)
+
+    return best_time(step, repeats)
+
+
+def probe_rank(world: Communicator, opts: dict) -> dict:
+    """Rates of one rank, every rank of `world` running each probe at the same time.
+
+    - matmul FLOP/s per dtype: 128 rows (a short prompt) through layer-shaped weights;
+    - weight streaming bytes/s: one row (a decode step) through the same weights;
+    - fixed time per layer and per forward: a tiny model's decode step, 1 vs 5 layers."""
+    torch.manual_seed(world.rank)
+    out: dict = {"gemm_tflops": {}}
+    rows = opts.get("rows", 128)
+    for name in opts.get("dtypes", ("float32", "bfloat16")):
+        dtype = getattr(torch, name)
+        ws = _layers(dtype)
+        x = torch.randn(rows, ws[0].shape[1], dtype=dtype)
+        flops = 2 * rows * sum(w.numel() for w in ws)
+        out["gemm_tflops"][name] = (
+            flops / best_time(lambda x=x, ws=ws: _through(x, ws), opts["repeats"], sync=world) / 1e12
+        )
+        if name == "float32":
+            one = x[:1].contiguous()
+            nbytes = sum(w.numel() for w in ws) * 4
+            out["mem_gbps"] = (
+                nbytes / best_time(lambda one=one, ws=ws: _through(one, ws), 2 * opts["repeats"], sync=world) / 1e9
+            )
+        del ws
+    if world.size > 1:
+        world.barrier()
+    t1, t5 = _tiny_step_s(1, 5 * opts["repeats"]), _tiny_step_s(5, 5 * opts["repeats"])
+    out["layer_overhead_us"] = max(t5 - t1, 0.0) / 4 * 1e6
+    out["step_overhead_us"] = max(t1 * 1e6 - out["layer_overhead_us"], 0.0)
+    return out
+
+
+def in_forward_rank(world: Communicator, opts: dict) -> dict:
+    """What a small all-reduce costs right after about a millisecond of weight streaming, as in
+    a decode step, and between idle ranks (after a barrier): the median over iterations of
+    (when a rank leaves it - when the last rank entered it), for the slowest rank (it sets
+    the pace of the next step). Waiting for a rank that came
+    late (noise, or an imbalance) is not counted; what the backend adds once every rank is
+    there (on gloo: waking threads that were computing) is.
+
+    NOTE: time.perf_counter is CLOCK_MONOTONIC on Linux, the same clock in every process."""
+    import statistics
+
+    w, x = torch.randn(4096, 1024), torch.randn(1, 1024)  # 16 MiB
+    t = torch.ones(opts.get("numel", 1024))
+    n = opts.get("iterations", 80)
+    times = torch.zeros(2, 2, n, dtype=torch.float64)  # (idle | in forward, enter | exit, iteration)
+    for phase in (0, 1):
+        for i in range(-5, n):
+            if phase == 0:
+                world.barrier()
+            else:
+                F.linear(x, w)
+            t0 = time.perf_counter()
+            world.all_reduce(t)
+            if i >= 0:
+                times[phase, 0, i], times[phase, 1, i] = t0, time.perf_counter()
+    every = world.all_gather(times.unsqueeze(0), dim=0)  # (ranks, 2, 2, n)
+    cost = every[:, :, 1] - every[:, :, 0].amax(dim=0)  # (ranks, 2, n): exit - last entry
+    per = [[statistics.median(cost[r, phase].tolist()) for r in range(world.size)] for phase in (0, 1)]
+    return {"idle_us": max(per[0]) * 1e6, "in_forward_us": max(per[1]) * 1e6}
+
+
+def generation_rank(world: Communicator, opts: dict) -> dict:
+    """Load opts["model"] sharded over the world; time prefill and decode of batch x prompt_len
+    prompts, `repeats` times after one warm-up (whose prefill is reported as cold). Returns
+    every prefill and decode step's time, and the time spent inside collectives in each
+    (waiting for the other ranks included), read from the accounting after every step."""
+    from shardwise.engine import generate
+    from shardwise.hf import load_pretrained
+
+    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    model, report = load_pretrained(opts["model"], comm=tp)
+    vocab = report.config.vocab_size
+    prompts = [[(31 * i + 7 * b + 3) % vocab for i in range(opts["prompt_len"])] for b in range(opts["batch"])]
+    cold = generate(model, prompts, comm=tp, max_new_tokens=2)
+    prefill, prefill_comm, decode, decode_comm = [], [], [], []
+    for _ in range(opts["repeats"]):
+        marks = [tp.stats.seconds()]
+        r = generate(
+            model,
+            prompts,
+            comm=tp,
+            max_new_tokens=opts["output_len"],
+            on_tokens=lambda _, marks=marks: marks.append(tp.stats.seconds()),
+        )
+        prefill.append(r.prefill_ms)
+        prefill_comm.append((marks[1] - marks[0]) * 1e3)
+        decode += r.decode_ms
+        decode_comm += [(b - a) * 1e3 for a, b in zip(marks[1:], marks[2:], strict=False)]
+    return {
+        "tp": tp.size,
+        "backend": tp.backend,
+        "cold_prefill_ms": cold.prefill_ms,
+        "prefill_ms": prefill,
+        "prefill_comm_ms": prefill_comm,
+        "decode_ms": decode,
+        "decode_comm_ms": decode_comm,
+        "collectives_per_token": r.comm_per_step,
+    }

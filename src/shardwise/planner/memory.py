@@ -1,0 +1,173 @@
+"""Memory per device: weights, KV cache or activations, gradients and optimizer state.
+
+Parameter counts per rank follow shardwise's own plan (sharding/plans/decoder.py): the
+embedding and head split by (padded) vocabulary, attention by heads (KV heads
+replicated when tp > KV heads), the MLP by its intermediate size; norms and biases of
+row-parallel layers replicated. tests/unit/test_planner_formulas.py checks these counts
+against the real sharded model built on the meta device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.layers.partition import HeadLayout, padded_size
+from shardwise.models.config import ModelConfig
+
+__all__ = [
+    "Memory",
+    "layer_params",
+    "stage_params",
+    "streamed_params",
+    "kv_cache_bytes",
+    "kv_bytes_per_token",
+    "optimizer_bytes_per_param",
+    "training_activation_bytes_per_layer",
+    "inference_memory",
+    "training_memory",
+]
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one device holds (its busiest pipeline stage), and the bytes it may use."""
+
+    weights: float
+    kv_cache: float
+    activations: float
+    grads: float
+    optimizer: float
+    budget: float
+    """Device memory less what the runtime reserves (and, for shared memory, less the other ranks' share)."""
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv_cache + self.activations + self.grads + self.optimizer
+
+    @property
+    def free(self) -> float:
+        return self.budget - self.total
+
+    def fits(self, headroom: float) -> bool:
+        """Fits and leaves `headroom` (a fraction of the budget) free."""
+        return self.free >= headroom * self.budget
+
+
+def _norm_params(cfg: ModelConfig, size: int) -> int:
+    return size if cfg.norm == "rms" else 2 * size
+
+
+def layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    """(parameters of one layer on one rank, of which matmul weights)."""
+    heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // tp
+    qkv_out = (heads.local_heads + 2 * heads.local_kv_heads) * hd
+    up_out = (2 if cfg.gated_mlp else 1) * inter
+    matmul = h * qkv_out + heads.local_heads * hd * h + h * up_out + inter * h
+    biases = (qkv_out if cfg.qkv_bias else 0) + (h if cfg.o_bias else 0) + ((up_out + h) if cfg.mlp_bias else 0)
+    norms = 2 * _norm_params(cfg, h) + (2 * hd if cfg.qk_norm else 0)
+    return matmul + biases + norms, matmul
+
+
+def _vocab_rows(cfg: ModelConfig, tp: int) -> int:
+    return padded_size(cfg.vocab_size, tp) // tp
+
+
+def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0) -> int:
+    """Parameters one rank of pipeline stage `stage` (of pp) holds at tensor-parallel size tp.
+
+    The first stage holds the embedding (and learned positions), the last the final norm
+    and the head; with tied embeddings and pp > 1 the last stage keeps its own copy
+    (Megatron-LM), with pp = 1 the head is the embedding.
+    """
+    h, rows = cfg.hidden_size, _vocab_rows(cfg, tp)
+    n = cfg.num_layers // pp * layer_params(cfg, tp)[0]
+    first, last = stage == 0, stage == pp - 1
+    if first:
+        n += rows * h + (cfg.max_positions * h if cfg.positions == "learned" else 0)
+    if last:
+        n += _norm_params(cfg, h)
+        if not cfg.tie_embeddings or not first:
+            n += rows * h
+    return n
+
+
+def streamed_params(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0) -> int:
+    """Parameters a forward reads whole from memory: every layer's, and the head's (the
+    embedding is a lookup of a few rows)."""
+    n = cfg.num_layers // pp * layer_params(cfg, tp)[0]
+    if stage == pp - 1:
+        n += _norm_params(cfg, cfg.hidden_size) + _vocab_rows(cfg, tp) * cfg.hidden_size
+    return n
+
+
+def kv_bytes_per_token(cfg: ModelConfig, tp: int, width: int, layers: int | None = None) -> int:
+    """K and V of one token, all layers (or `layers`), on one rank: 2 * L * local KV heads * head_dim * width."""
+    local_kv = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp).local_kv_heads
+    return 2 * (cfg.num_layers if layers is None else layers) * local_kv * cfg.head_dim * width
+
+
+def kv_cache_bytes(cfg: ModelConfig, tp: int, pp: int, batch: int, tokens: int, width: int) -> int:
+    return batch * tokens * kv_bytes_per_token(cfg, tp, width, cfg.num_layers // pp)
+
+
+def optimizer_bytes_per_param(optimizer: str, master_bytes: int) -> int:
+    """Optimizer state per parameter: fp32 master copy (mixed precision) + Adam's m and v
+    (2 x 4 bytes) or SGD's momentum (4 bytes). Mixed-precision Adam: 2 + 2 + 12 = 16 bytes
+    per parameter with weights and gradients (ZeRO, Rajbhandari et al. 2020, section 3.1)."""
+    return master_bytes + (8 if optimizer == "adam" else 4)
+
+
+def training_activation_bytes_per_layer(
+    cfg: ModelConfig, tp: int, micro_batch: int, seq: int, width: int, *, recompute: bool, flash: bool
+) -> float:
+    """Activations one layer keeps for backward, per micro-batch (Korthikanti et al. 2022, eq. 2,
+    tensor parallel without sequence parallelism): s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes with
+    16-bit activations; FlashAttention drops the 5*a*s/(h*t) term (no s x s scores kept);
+    full recomputation keeps only the layer input, 2*s*b*h bytes. Scaled by width / 2."""
+    sbh = seq * micro_batch * cfg.hidden_size
+    if recompute:
+        return sbh * width
+    scores = 0.0 if flash else 5 * cfg.num_heads * seq / (cfg.hidden_size * tp)
+    return sbh * (10 + 24 / tp + scores) * width / 2
+
+
+def inference_memory(
+    cfg: ModelConfig, tp: int, pp: int, *, batch: int, prompt_len: int, output_len: int, width: int,
+    flash: bool, budget: float,
+) -> Memory:  # fmt: skip
+    """The busiest stage: weights, KV cache for prompt + output tokens, and the transient
+    activations of a prefill (one layer's intermediates and the logits)."""
+    heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)
+    inter = cfg.intermediate_size // tp
+    qkv_out = (heads.local_heads + 2 * heads.local_kv_heads) * cfg.head_dim
+    bs = batch * prompt_len
+    act = bs * (3 * cfg.hidden_size + qkv_out + (3 if cfg.gated_mlp else 2) * inter) * width
+    act += batch * padded_size(cfg.vocab_size, tp) * 4  # logits of the last position, gathered, fp32
+    if not flash:
+        act += batch * heads.local_heads * prompt_len * prompt_len * width
+    kv = kv_cache_bytes(cfg, tp, pp, batch, prompt_len + output_len, width)
+    weights = max(stage_params(cfg, tp, pp, s) for s in {0, pp - 1}) * width
+    return Memory(weights, kv, act, 0.0, 0.0, budget)
+
+
+def training_memory(
+    cfg: ModelConfig, tp: int, pp: int, *, micro_batches: int, micro_batch: int, seq: int, width: int,
+    weight_bytes: int, grad_bytes: int, optimizer: str, master_bytes: int, recompute: bool, flash: bool,
+    budget: float,
+) -> Memory:  # fmt: skip
+    """The busier of the first stage (holds min(pp, m) micro-batches in flight under 1F1B,
+    Narayanan et al. 2021) and the last stage (one micro-batch, plus fp32 logits)."""
+    per_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, width, recompute=recompute, flash=flash)
+    layers = cfg.num_layers // pp
+    full_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, width, recompute=False, flash=flash)
+    extra = full_layer if recompute else 0.0  # the layer being recomputed
+    logits = 4.0 * seq * micro_batch * _vocab_rows(cfg, tp)
+    out = []
+    for stage in sorted({0, pp - 1}):
+        in_flight = min(pp - stage, micro_batches)  # 1F1B: stage k holds up to p - k micro-batches
+        act = per_layer * layers * in_flight + extra + (logits if stage == pp - 1 else 0.0)
+        n = stage_params(cfg, tp, pp, stage)
+        opt = n * optimizer_bytes_per_param(optimizer, master_bytes)
+        out.append(Memory(n * weight_bytes, 0.0, act, n * grad_bytes, opt, budget))
+    return max(out, key=lambda m: m.total)

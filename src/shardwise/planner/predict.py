@@ -1,0 +1,200 @@
+"""Predicted time of one layout: inference (prefill, decode) and training (one step).
+
+Compute on a device is a roofline: max(FLOPs / achieved FLOP/s, bytes streamed / achieved
+memory bandwidth), plus a fixed overhead per layer and per forward. Collectives follow the
+alpha-beta model of their link (specs.Link). Nothing overlaps: communication adds to
+compute, as it does in shardwise's eager forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.models.config import ModelConfig
+from shardwise.planner.cost import (
+    Collective,
+    head_flops_per_token,
+    layer_flops_per_token,
+    pipeline_bubble_fraction,
+    tp_backward_collectives,
+    tp_forward_collectives,
+    training_flops_per_token,
+)
+from shardwise.planner.memory import kv_bytes_per_token, optimizer_bytes_per_param, stage_params, streamed_params
+from shardwise.planner.specs import Cluster, TrainingWorkload
+
+__all__ = [
+    "Layout",
+    "Timing",
+    "merge",
+    "InferencePrediction",
+    "TrainingPrediction",
+    "predict_inference",
+    "predict_training",
+]
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def replica(self) -> int:
+        """Devices of one model replica: tp x pp."""
+        return self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}"
+
+
+@dataclass(frozen=True)
+class Timing:
+    compute_s: float
+    comm_s: float
+    bubble_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s + self.bubble_s
+
+
+@dataclass(frozen=True)
+class InferencePrediction:
+    prefill: Timing
+    decode: Timing
+    """One decode step (one token per sequence), at the mean context of the output."""
+    request_s: float
+    """Prefill (gives the first token) + (output_len - 1) decode steps."""
+    tokens_per_s: float
+    """Decode throughput of all dp replicas together."""
+    collectives: list[Collective]
+    """Collectives of one decode step on the critical path (every stage's, one rank each)."""
+    idle_fraction: float
+    """Share of the time each device of a pipeline waits for the other stages: (pp - 1) / pp."""
+
+
+@dataclass(frozen=True)
+class TrainingPrediction:
+    step: Timing
+    micro_batches: int
+    bubble_fraction: float
+    tokens_per_s: float
+    mfu: float
+    """Model FLOPs (without recomputation) per second over the devices' dense peak."""
+    collectives: list[Collective]
+    """Collectives of one step on one rank of the busiest stage."""
+
+
+def _timed(c: Collective, cluster: Cluster, group_size: int, span: int) -> Collective:
+    link = cluster.link_for(span)
+    each = c.bytes / c.calls
+    if c.op == "all_gather":
+        s = link.all_gather_s(each, group_size)
+    elif c.op == "send":
+        s = link.send_s(each)
+    else:  # all_reduce, broadcast (a tiny payload: its latency)
+        s = link.all_reduce_s(each, group_size)
+    return Collective(c.op, c.group, c.calls, c.bytes, link.name, s * c.calls)
+
+
+def merge(colls: list[Collective]) -> list[Collective]:
+    """Sum collectives of the same op, group and link."""
+    out: dict[tuple, Collective] = {}
+    for c in colls:
+        k = (c.op, c.group, c.link)
+        o = out.get(k)
+        if o is not None:
+            c = Collective(c.op, c.group, o.calls + c.calls, o.bytes + c.bytes, c.link, o.seconds + c.seconds)
+        out[k] = c
+    return list(out.values())
+
+
+def _stages(pp: int) -> list[tuple[int, int]]:
+    """(stage, how many stages like it): the first, the middle ones (all alike), the last."""
+    if pp == 1:
+        return [(0, 1)]
+    return [(0, 1), *([(1, pp - 2)] if pp > 2 else []), (pp - 1, 1)]
+
+
+def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int, tokens: int, context: float,
+             width: int, dtype: str) -> tuple[Timing, list[Collective]]:  # fmt: skip
+    """One forward of `tokens` new tokens per sequence through every stage, in sequence."""
+    dev, layers = cluster.device, cfg.num_layers // pp
+    compute, colls = dev.step_overhead_us * 1e-6, []
+    for stage, count in _stages(pp):
+        first, last = stage == 0, stage == pp - 1
+        flops = batch * tokens * layers * layer_flops_per_token(cfg, context, tp)
+        flops += batch * head_flops_per_token(cfg, tp) if last else 0.0  # the last position only
+        kv = batch * context * kv_bytes_per_token(cfg, tp, width, layers)
+        nbytes = streamed_params(cfg, tp, pp, stage) * width + kv
+        busy = tp > 1  # the tp ranks of a stage compute at the same time
+        t = max(flops / dev.flops(dtype, busy), nbytes / dev.bytes_per_s(busy)) + layers * dev.layer_overhead_us * 1e-6
+        compute += count * t
+        kw = dict(batch=batch, tokens=tokens, width=width, layers=layers, first=first, last=last)
+        for c in tp_forward_collectives(cfg, tp, **kw):
+            colls.append(_timed(Collective(c.op, c.group, c.calls * count, c.bytes * count), cluster, tp, tp))
+    if tp > 1:  # the engine samples on rank 0 and broadcasts the tokens (int64)
+        colls.append(_timed(Collective("broadcast", "tp", 1, 8 * batch), cluster, tp, tp))
+    if pp > 1:
+        act = batch * tokens * cfg.hidden_size * width
+        colls.append(_timed(Collective("send", "pp", pp - 1, (pp - 1) * act), cluster, pp, tp * pp))
+    colls = merge(colls)
+    return Timing(compute, sum(c.seconds for c in colls)), colls
+
+
+def predict_inference(cfg: ModelConfig, cluster: Cluster, layout: Layout, *, batch: int, prompt_len: int,
+                      output_len: int, width: int, dtype: str) -> InferencePrediction:  # fmt: skip
+    tp, pp = layout.tp, layout.pp
+    prefill, _ = _forward(
+        cfg, cluster, tp, pp, batch=batch, tokens=prompt_len, context=prompt_len, width=width, dtype=dtype
+    )
+    context = prompt_len + output_len / 2
+    decode, colls = _forward(cfg, cluster, tp, pp, batch=batch, tokens=1, context=context, width=width, dtype=dtype)
+    request = prefill.total_s + (output_len - 1) * decode.total_s
+    return InferencePrediction(prefill, decode, request, layout.dp * batch / decode.total_s, colls, (pp - 1) / pp)
+
+
+def predict_training(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: TrainingWorkload) -> TrainingPrediction:
+    """One optimizer step: m micro-batches through a 1F1B pipeline, then the data-parallel
+    gradient all-reduce (not overlapped) and the optimizer update (memory-bound)."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    prec, dev = wl.prec, cluster.device
+    width, m = prec.weight_bytes, wl.global_batch // (wl.micro_batch * dp)
+    layers, tokens = cfg.num_layers // pp, wl.micro_batch * wl.seq_len
+    passes = 4 if wl.recompute else 3
+    worst: tuple[float, float, float, list[Collective], int] | None = None
+    for stage in sorted({0, pp - 1}):
+        first, last = stage == 0, stage == pp - 1
+        flops = tokens * passes * layers * layer_flops_per_token(cfg, wl.seq_len, tp)
+        flops += tokens * 3 * head_flops_per_token(cfg, tp) if last else 0.0
+        nbytes = 3 * streamed_params(cfg, tp, pp, stage) * width
+        busy = cluster.devices > 1  # in training every device works at once
+        compute = max(flops / dev.flops(prec.compute, busy), nbytes / dev.bytes_per_s(busy))
+        compute += passes * (layers * dev.layer_overhead_us + dev.step_overhead_us) * 1e-6
+        kw = dict(batch=wl.micro_batch, tokens=wl.seq_len, width=width, layers=layers, last=last)
+        colls = [_timed(c, cluster, tp, tp) for c in tp_forward_collectives(cfg, tp, first=first, logit_rows=0, **kw)]
+        colls += [_timed(c, cluster, tp, tp) for c in tp_backward_collectives(cfg, tp, recompute=wl.recompute, **kw)]
+        if pp > 1:  # activations forward, their gradients backward
+            act = tokens * cfg.hidden_size * width
+            colls.append(_timed(Collective("send", "pp", 2, 2 * act), cluster, pp, tp * dp * pp))
+        comm = sum(c.seconds for c in colls)
+        if worst is None or compute + comm > worst[0] + worst[1]:
+            worst = (compute, comm, 0.0, colls, stage)
+    compute, comm, _, colls, stage = worst
+    tau = compute + comm
+    per_step = [Collective(c.op, c.group, c.calls * m, c.bytes * m, c.link, c.seconds * m) for c in colls]
+    n_params = stage_params(cfg, tp, pp, stage)
+    if dp > 1:
+        per_step.append(_timed(Collective("all_reduce", "dp", 1, n_params * prec.grad_bytes), cluster, dp, tp * dp))
+    per_step = merge(per_step)
+    state = prec.weight_bytes + prec.grad_bytes + optimizer_bytes_per_param(wl.optimizer, prec.master_bytes)
+    optimizer_s = 2 * n_params * state / dev.bytes_per_s(cluster.devices > 1)  # read and write every byte once
+    comm_s = sum(c.seconds for c in per_step)
+    step = Timing(m * compute + optimizer_s, comm_s, (pp - 1) * tau)
+    tokens_step = wl.global_batch * wl.seq_len
+    model_flops = tokens_step * training_flops_per_token(cfg, wl.seq_len, recompute=False)
+    peak = dev.peak_tflops.get(prec.compute, dev.peak_tflops.get("float32", 0.0)) * 1e12
+    mfu = model_flops / (step.total_s * layout.tp * pp * dp * peak) if peak else 0.0
+    return TrainingPrediction(step, m, pipeline_bubble_fraction(pp, m), tokens_step / step.total_s, mfu, per_step)

@@ -1,0 +1,242 @@
+"""A plan as text, as JSON, and as a plot of predicted latency against tp per interconnect."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+
+from shardwise.planner.cost import Collective
+from shardwise.planner.memory import stage_params
+from shardwise.planner.search import Candidate, Plan, evaluate
+from shardwise.planner.specs import GIB, Cluster, InferenceWorkload
+
+__all__ = ["render_text", "to_json", "plot"]
+
+
+def _size(n: float) -> str:
+    for unit, div in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _colls(colls: list[Collective]) -> str:
+    if not colls:
+        return "none"
+    by_link: dict[str, list[str]] = {}
+    for c in colls:
+        by_link.setdefault(c.link, []).append(f"{c.key()} x{c.calls} ({_size(c.bytes)})")
+    return "; ".join(f"{', '.join(v)} over {link}" for link, v in by_link.items())
+
+
+def _cluster_line(cl: Cluster) -> str:
+    d = cl.device
+    peaks = ", ".join(f"{k} {v:.3g}" for k, v in d.peak_tflops.items())
+    s = (
+        f"cluster: {cl.name}: {cl.devices} x {d.name} ({cl.devices_per_node} per node), {d.memory_gib:.4g} GiB"
+        f"{' shared' if cl.shared_memory else ''}, peak TFLOP/s {peaks}, {d.mem_bw_gbps:.4g} GB/s memory\n"
+        f"  intra-node: {cl.intra.name}: {cl.intra.busbw_gbps:.3g} GB/s, {cl.intra.latency_us:.3g} us"
+    )
+    if cl.inter is not None:
+        s += f"; inter-node: {cl.inter.name}: {cl.inter.busbw_gbps:.3g} GB/s, {cl.inter.latency_us:.3g} us"
+    if d.busy_compute < 1 or d.busy_memory < 1:
+        s += (
+            f"\n  with every device busy a device keeps {d.busy_compute:.0%} of its FLOP/s and "
+            f"{d.busy_memory:.0%} of its memory bandwidth"
+        )
+    return s + "".join(f"\n  {n}" for n in cl.notes)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}" if s < 1 else f"{s * 1e3:.0f}"
+
+
+def render_text(plan: Plan, *, top: int = 12) -> str:
+    cfg, wl = plan.cfg, plan.workload
+    inf = isinstance(wl, InferenceWorkload)
+    out = [
+        f"plan: {plan.model} ({cfg.family}, {stage_params(cfg, 1) / 1e9:.3g}B parameters, {plan.dtype})",
+        _cluster_line(plan.cluster),
+        (
+            f"workload: inference, batch {wl.batch} per replica, prompt {wl.prompt_len} + {wl.output_len} new tokens"
+            + (f", target {wl.target_latency_ms:g} ms per request" if wl.target_latency_ms else "")
+            if inf
+            else f"workload: training, global batch {wl.global_batch}, micro-batch {wl.micro_batch}, sequence "
+            f"{wl.seq_len}, {wl.optimizer}, {wl.precision}, recomputation {'on' if wl.recompute else 'off'}"
+        ),
+        f"headroom: {plan.headroom:.0%} of each device's usable memory kept free",
+        "",
+    ]
+    shown = plan.candidates[:top]
+    if inf:
+        out.append(
+            f"  {'layout':<18} {'fits':<4} {'weights':>8} {'KV':>7} {'act':>6} {'total':>7} {'free':>7} GiB/device |"
+            f" {'prefill ms':>10} | {'decode ms/token = compute + comm':>32} | {'request ms':>10} | {'tokens/s':>9}"
+        )
+    else:
+        out.append(
+            f"  {'layout':<18} {'fits':<4} {'weights':>8} {'grads':>7} {'optim':>7} {'act':>7} {'total':>7}"
+            f" {'free':>7} GiB/device | {'step ms = compute + comm + bubble':>38} | {'tokens/s':>9} | MFU"
+        )
+    for c in shown:
+        m = c.memory
+        mark = ">" if c is plan.recommended else " "
+        fit = "yes" if c.fits else "no"
+        row = f"{mark} {str(c.layout):<18} {fit:<4} {m.weights / GIB:>8.2f}"
+        if inf:
+            p = c.inference
+            d = p.decode
+            row += (
+                f" {m.kv_cache / GIB:>7.2f} {m.activations / GIB:>6.2f} {m.total / GIB:>7.2f} {m.free / GIB:>7.2f}"
+                f"            | {_ms(p.prefill.total_s):>10} | {_ms(d.total_s):>12} = {_ms(d.compute_s):>8} + "
+                f"{_ms(d.comm_s):>7} | {_ms(p.request_s):>10} | {p.tokens_per_s:>9.4g}"
+            )
+        else:
+            t = c.training
+            s = t.step
+            row += (
+                f" {m.grads / GIB:>7.2f} {m.optimizer / GIB:>7.2f} {m.activations / GIB:>7.2f} {m.total / GIB:>7.2f}"
+                f" {m.free / GIB:>7.2f}            | {_ms(s.total_s):>9} = {_ms(s.compute_s):>8} + {_ms(s.comm_s):>7}"
+                f" + {_ms(s.bubble_s):>7} | {t.tokens_per_s:>9.4g} | {t.mfu:.0%}"
+            )
+        out.append(row + ("  (tp crosses nodes)" if c.cross_node_tp else ""))
+    if len(plan.candidates) > top:
+        out.append(f"  ... {len(plan.candidates) - top} more layouts (--top N, or --json for all)")
+    out.append("")
+    out.append(f"communication per {'decode token' if inf else 'step'} (one rank; every stage on the critical path):")
+    for c in shown:
+        pred = c.inference or c.training
+        secs = pred.decode.comm_s if inf else pred.step.comm_s
+        out.append(f"  {str(c.layout):<18} {_colls(pred.collectives)}: {_ms(secs)} ms")
+    if plan.skipped:
+        out.append(f"left out: {'; '.join(plan.skipped[:4])}" + (" ..." if len(plan.skipped) > 4 else ""))
+    out.append("")
+    if plan.recommended is None:
+        out.append(f"{plan.nothing_fits[0].upper()}{plan.nothing_fits[1:]}.")
+        if plan.alternatives:
+            out.append("what would fit instead:")
+            out += [f"  - {a}" for a in plan.alternatives]
+        return "\n".join(out)
+    r = plan.recommended
+    extra = f", {r.layout.dp} replicas" if inf and r.layout.dp > 1 else ""
+    out.append(f"recommended: {r.layout} (tp={r.layout.tp}{extra})")
+    out += [f"  {line}" for line in plan.explanation]
+    out += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(out)
+
+
+def _cand_json(c: Candidate) -> dict:
+    m = c.memory
+    d = {
+        "layout": asdict(c.layout),
+        "fits": c.fits,
+        "cross_node_tp": c.cross_node_tp,
+        "memory_gib": {
+            k: getattr(m, k) / GIB
+            for k in ("weights", "kv_cache", "activations", "grads", "optimizer", "total", "free")
+        }
+        | {"usable": m.budget / GIB},
+    }
+    pred = c.inference or c.training
+    d["collectives"] = [asdict(x) for x in pred.collectives]
+    if c.inference is not None:
+        p = c.inference
+        d["inference"] = {
+            "prefill_ms": {k: v * 1e3 for k, v in asdict(p.prefill).items()} | {"total": p.prefill.total_s * 1e3},
+            "decode_ms_per_token": {k: v * 1e3 for k, v in asdict(p.decode).items()}
+            | {"total": p.decode.total_s * 1e3},
+            "request_ms": p.request_s * 1e3,
+            "tokens_per_s": p.tokens_per_s,
+            "idle_fraction": p.idle_fraction,
+            "meets_target": c.meets_target,
+        }
+    else:
+        t = c.training
+        d["training"] = {
+            "step_ms": {k: v * 1e3 for k, v in asdict(t.step).items()} | {"total": t.step.total_s * 1e3},
+            "micro_batches": t.micro_batches,
+            "bubble_fraction": t.bubble_fraction,
+            "tokens_per_s": t.tokens_per_s,
+            "mfu": t.mfu,
+        }
+    return d
+
+
+def to_json(plan: Plan) -> dict:
+    cfg, cl = plan.cfg, plan.cluster
+    return {
+        "model": {
+            "name": plan.model,
+            "family": cfg.family,
+            "parameters": stage_params(cfg, 1),
+            "dtype": plan.dtype,
+            "layers": cfg.num_layers,
+            "hidden": cfg.hidden_size,
+            "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads,
+        },
+        "workload": {"kind": plan.workload.kind, **asdict(plan.workload)},
+        "cluster": {
+            "name": cl.name,
+            "devices": cl.devices,
+            "devices_per_node": cl.devices_per_node,
+            "device": asdict(cl.device),
+            "intra": asdict(cl.intra),
+            "inter": None if cl.inter is None else asdict(cl.inter),
+            "shared_memory": cl.shared_memory,
+        },
+        "headroom": plan.headroom,
+        "layouts": [_cand_json(c) for c in plan.candidates],
+        "recommended": None if plan.recommended is None else _cand_json(plan.recommended),
+        "explanation": plan.explanation,
+        "warnings": plan.warnings,
+        "skipped": plan.skipped,
+        "nothing_fits": plan.nothing_fits,
+        "alternatives": plan.alternatives,
+    }
+
+
+def _links(cl: Cluster) -> dict[str, Cluster]:
+    """The cluster once per interconnect, with tp groups on that interconnect."""
+    out = {cl.intra.name: cl}
+    for link in [*([cl.inter] if cl.inter else []), *cl.other_links.values()]:
+        out[link.name] = replace(cl, intra=link, inter=None, devices_per_node=cl.devices, other_links={})
+    return out
+
+
+def plot(plan: Plan, path: str) -> None:
+    """Predicted latency against tp (pp = 1), one line per interconnect; hollow = does not fit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    inf = isinstance(plan.workload, InferenceWorkload)
+    panels = (
+        [("decode ms / token", lambda c: c.inference.decode.total_s), ("prefill ms", lambda c: c.inference.prefill.total_s)]
+        if inf
+        else [("step ms", lambda c: c.training.step.total_s)]
+    )  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+    for name, cl in _links(plan.cluster).items():
+        ranked, _ = evaluate(plan.cfg, plan.workload, cl, headroom=plan.headroom, allow_cross_node_tp=True)
+        best: dict[int, Candidate] = {}
+        for c in ranked:  # per tp: pp = 1 for inference; the fastest fitting pp for training
+            if (inf and c.layout.pp != 1) or c.layout.tp in best and not (c.fits and not best[c.layout.tp].fits):
+                continue
+            best[c.layout.tp] = c
+        tps = sorted(best)
+        for ax, (label, get) in zip(axes[0], panels, strict=True):
+            ys = [get(best[t]) * 1e3 for t in tps]
+            (line,) = ax.plot(tps, ys, "-", label=name)
+            for t, y in zip(tps, ys, strict=True):
+                face = line.get_color() if best[t].fits else "none"
+                ax.plot([t], [y], "o", color=line.get_color(), markerfacecolor=face)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(tps, [str(t) for t in tps])
+            ax.set_xlabel("tp")
+            ax.set_ylabel(f"predicted {label}")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{plan.model} on {plan.cluster.name} (hollow: does not fit in memory)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,194 @@
+"""Enumerate the valid tp x pp x dp layouts, predict each, rank them, recommend one.
+
+Ranks are ordered tp fastest, then dp, then pp (Megatron-LM's order), so a tp group is
+tp consecutive devices: inside one node whenever tp <= devices per node. Layouts with tp
+across nodes are left out unless allowed.
+
+Inference: one replica is tp x pp devices, dp replicas fill the cluster. The
+recommendation is the smallest replica that fits with headroom (and meets the latency
+target, if any), the fastest of those: with pp = 1 that is the smallest tp that fits.
+Training: every layout uses all devices; the recommendation is the smallest tp that
+fits, with the best throughput among its layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardwise.layers.partition import HeadLayout
+from shardwise.models.config import ModelConfig
+from shardwise.planner.memory import Memory, inference_memory, training_memory
+from shardwise.planner.predict import (
+    InferencePrediction,
+    Layout,
+    TrainingPrediction,
+    predict_inference,
+    predict_training,
+)
+from shardwise.planner.specs import DTYPE_BYTES, GIB, Cluster, InferenceWorkload, PlanError, TrainingWorkload
+
+__all__ = ["Candidate", "Plan", "make_plan", "evaluate", "valid_tp_sizes"]
+
+Workload = InferenceWorkload | TrainingWorkload
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: Memory
+    fits: bool
+    """Fits in the device's budget with the requested headroom left free."""
+    cross_node_tp: bool
+    inference: InferencePrediction | None = None
+    training: TrainingPrediction | None = None
+    meets_target: bool | None = None
+
+    @property
+    def time_s(self) -> float:
+        """Inference: one request (prefill + decode); training: one step."""
+        return self.inference.request_s if self.inference else self.training.step.total_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.inference.tokens_per_s if self.inference else self.training.tokens_per_s
+
+
+@dataclass
+class Plan:
+    model: str
+    cfg: ModelConfig
+    workload: Workload
+    cluster: Cluster
+    headroom: float
+    dtype: str
+    candidates: list[Candidate]
+    """Ranked, best first."""
+    recommended: Candidate | None
+    skipped: list[str] = field(default_factory=list)
+    explanation: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    nothing_fits: str | None = None
+    alternatives: list[str] = field(default_factory=list)
+    """When nothing fits: what would."""
+
+
+def valid_tp_sizes(cfg: ModelConfig) -> list[int]:
+    """tp sizes shardwise can split this model over (heads, KV heads, intermediate size)."""
+    return [t for t in HeadLayout.valid_tp_sizes(cfg.num_heads, cfg.num_kv_heads) if cfg.intermediate_size % t == 0]
+
+
+def compute_dtype(cfg: ModelConfig, wl: Workload) -> str:
+    return (wl.dtype or cfg.dtype) if isinstance(wl, InferenceWorkload) else wl.prec.compute
+
+
+def check_inputs(cfg: ModelConfig, wl: Workload, headroom: float) -> None:
+    if not 0 <= headroom < 1:
+        raise PlanError(f"headroom must be a fraction in [0, 1), got {headroom}")
+    if isinstance(wl, InferenceWorkload):
+        if wl.prompt_len + wl.output_len > cfg.max_positions:
+            raise PlanError(
+                f"prompt_len={wl.prompt_len} + output_len={wl.output_len} = {wl.prompt_len + wl.output_len} "
+                f"exceeds the model's context of {cfg.max_positions} tokens"
+            )
+    elif wl.seq_len > cfg.max_positions:
+        raise PlanError(f"seq_len={wl.seq_len} exceeds the model's context of {cfg.max_positions} tokens")
+
+
+def _layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, allow_cross: bool) -> tuple[list[Layout], list[str]]:
+    skipped: list[str] = []
+    tps = [t for t in valid_tp_sizes(cfg) if t <= cluster.devices]
+    if not allow_cross:
+        crossing = [t for t in tps if t > cluster.devices_per_node]
+        if crossing:
+            skipped.append(
+                f"tp={', '.join(map(str, crossing))}: would cross a node boundary ({cluster.devices_per_node} devices "
+                "per node); --allow-cross-node-tp to consider"
+            )
+        tps = [t for t in tps if t <= cluster.devices_per_node]
+    pps = [p for p in range(1, cfg.num_layers + 1) if cfg.num_layers % p == 0]
+    out = []
+    for tp in tps:
+        for pp in pps:
+            if tp * pp > cluster.devices:
+                continue
+            dp = cluster.devices // (tp * pp)
+            if isinstance(wl, TrainingWorkload):
+                if tp * pp * dp != cluster.devices:
+                    skipped.append(f"tp={tp} pp={pp}: tp x pp = {tp * pp} does not divide {cluster.devices} devices")
+                    continue
+                if wl.global_batch % (wl.micro_batch * dp):
+                    skipped.append(
+                        f"tp={tp} pp={pp} dp={dp}: global_batch={wl.global_batch} is not a multiple of "
+                        f"micro_batch x dp = {wl.micro_batch * dp}"
+                    )
+                    continue
+            out.append(Layout(tp, pp, dp))
+    return out, skipped
+
+
+def _candidate(cfg: ModelConfig, wl: Workload, cluster: Cluster, lay: Layout, headroom: float) -> Candidate:
+    cross = lay.tp > cluster.devices_per_node
+    if isinstance(wl, InferenceWorkload):
+        dtype = compute_dtype(cfg, wl)
+        width = DTYPE_BYTES[dtype]
+        budget = cluster.memory_budget_gib(lay.replica) * GIB
+        kw = dict(batch=wl.batch, prompt_len=wl.prompt_len, output_len=wl.output_len, width=width)
+        mem = inference_memory(cfg, lay.tp, lay.pp, flash=wl.flash_attention, budget=budget, **kw)
+        fits = mem.fits(headroom)
+        if cluster.shared_memory and fits:  # replicas share the node's memory too
+            node = cluster.memory_budget_gib(1) * GIB * (1 - headroom)
+            lay = Layout(lay.tp, lay.pp, max(1, min(lay.dp, int(node // (lay.replica * mem.total)))))
+        pred = predict_inference(cfg, cluster, lay, dtype=dtype, **kw)
+        meets = None if wl.target_latency_ms is None else pred.request_s * 1e3 <= wl.target_latency_ms
+        return Candidate(lay, mem, fits, cross, inference=pred, meets_target=meets)
+    p = wl.prec
+    budget = cluster.memory_budget_gib(cluster.devices) * GIB
+    mem = training_memory(
+        cfg, lay.tp, lay.pp, micro_batches=wl.global_batch // (wl.micro_batch * lay.dp), micro_batch=wl.micro_batch,
+        seq=wl.seq_len, width=p.weight_bytes, weight_bytes=p.weight_bytes, grad_bytes=p.grad_bytes,
+        optimizer=wl.optimizer, master_bytes=p.master_bytes, recompute=wl.recompute, flash=wl.flash_attention,
+        budget=budget,
+    )  # fmt: skip
+    return Candidate(lay, mem, mem.fits(headroom), cross, training=predict_training(cfg, cluster, lay, wl))
+
+
+def _rank_key(c: Candidate) -> tuple:
+    if c.inference is not None:
+        return (not c.fits, c.meets_target is False, c.layout.replica, c.time_s, c.layout.tp)
+    return (not c.fits, c.layout.tp, c.time_s, c.layout.pp)
+
+
+def evaluate(
+    cfg: ModelConfig, wl: Workload, cluster: Cluster, *, headroom: float = 0.1, allow_cross_node_tp: bool = False
+) -> tuple[list[Candidate], list[str]]:
+    """Every valid layout, predicted and ranked (best first), and the layouts left out, with why."""
+    check_inputs(cfg, wl, headroom)
+    layouts, skipped = _layouts(cfg, wl, cluster, allow_cross_node_tp)
+    ranked = sorted((_candidate(cfg, wl, cluster, lay, headroom) for lay in layouts), key=_rank_key)
+    return ranked, skipped
+
+
+def make_plan(
+    model: str,
+    cfg: ModelConfig,
+    wl: Workload,
+    cluster: Cluster,
+    *,
+    headroom: float = 0.1,
+    allow_cross_node_tp: bool = False,
+) -> Plan:
+    """The ranked layouts, the recommendation and its explanation; when nothing fits, by
+    how much and what would fit instead."""
+    from shardwise.planner.explain import diagnose, explain
+
+    ranked, skipped = evaluate(cfg, wl, cluster, headroom=headroom, allow_cross_node_tp=allow_cross_node_tp)
+    if not ranked:
+        raise PlanError(f"no valid layout of {model} on {cluster.devices} devices: " + "; ".join(skipped))
+    best = ranked[0] if ranked[0].fits else None
+    plan = Plan(model, cfg, wl, cluster, headroom, compute_dtype(cfg, wl), ranked, best, skipped)
+    if best is None:
+        plan.candidates.sort(key=lambda c: c.memory.total)  # the closest to fitting first
+        plan.nothing_fits, plan.alternatives = diagnose(plan, allow_cross_node_tp)
+    else:
+        plan.explanation, plan.warnings = explain(plan)
+    return plan

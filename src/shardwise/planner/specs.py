@@ -1,0 +1,263 @@
+"""The planner's inputs as typed values that check themselves: links, devices, clusters, workloads.
+
+Every number that is out of range, or inconsistent with another, is refused with a
+PlanError that names the numbers, before anything is computed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "PlanError",
+    "Link",
+    "Device",
+    "Cluster",
+    "InferenceWorkload",
+    "TrainingWorkload",
+    "Precision",
+    "PRECISIONS",
+    "DTYPE_BYTES",
+]
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class PlanError(ValueError):
+    """Input the planner cannot plan for: unknown names, impossible or inconsistent numbers."""
+
+
+def _check(obj: object, *, positive: tuple[str, ...] = (), nonneg: tuple[str, ...] = ()) -> None:
+    what = type(obj).__name__
+    for name in positive:
+        v = getattr(obj, name)
+        if v is None or not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+            raise PlanError(f"{what}: {name} must be > 0, got {v}")
+    for name in nonneg:
+        v = getattr(obj, name)
+        if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+            raise PlanError(f"{what}: {name} must be >= 0, got {v}")
+
+
+@dataclass(frozen=True)
+class Link:
+    """An interconnect, as the all-reduce sees it (alpha-beta model).
+
+    time(all-reduce of n bytes over p devices) = latency * ceil(log2 p) + 2 (p - 1) / p * n / busbw
+    """
+
+    name: str
+    busbw_gbps: float
+    """All-reduce bus bandwidth per device, GB/s (1e9 bytes), NCCL-tests convention."""
+    latency_us: float
+    """Time of a tiny all-reduce between 2 devices, microseconds."""
+    points: tuple[tuple[int, float], ...] = ()
+    """Measured (bytes, seconds) of all-reduces over 2 devices: between them, time is
+    interpolated (log-log) instead of modelled."""
+
+    def __post_init__(self) -> None:
+        _check(self, positive=("busbw_gbps",), nonneg=("latency_us",))
+        if any(n <= 0 or s <= 0 for n, s in self.points):
+            raise PlanError(f"Link {self.name}: measured points must be positive, got {self.points}")
+
+    def _alpha(self, p: int) -> float:
+        return self.latency_us * 1e-6 * math.ceil(math.log2(p))
+
+    def _measured(self, nbytes: float) -> float | None:
+        pts = sorted(self.points)
+        for (n0, s0), (n1, s1) in zip(pts, pts[1:], strict=False):
+            if n0 <= nbytes <= n1:
+                f = math.log(nbytes / n0) / math.log(n1 / n0)
+                return math.exp(math.log(s0) + f * math.log(s1 / s0))
+        return None
+
+    def all_reduce_s(self, nbytes: float, p: int) -> float:
+        """Seconds for one all-reduce of `nbytes` (each rank's buffer) over p devices."""
+        if p <= 1:
+            return 0.0
+        measured = self._measured(nbytes) if p == 2 else None
+        if measured is not None:
+            return measured
+        return self._alpha(p) + 2 * (p - 1) / p * nbytes / (self.busbw_gbps * 1e9)
+
+    def all_gather_s(self, nbytes_in: float, p: int) -> float:
+        """Seconds for one all-gather of `nbytes_in` per rank (ring: each rank receives (p-1) pieces)."""
+        return 0.0 if p <= 1 else self._alpha(p) + (p - 1) * nbytes_in / (self.busbw_gbps * 1e9)
+
+    def send_s(self, nbytes: float) -> float:
+        """Seconds for one point-to-point transfer (pipeline stage boundary)."""
+        return self.latency_us * 1e-6 + nbytes / (self.busbw_gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or one CPU core running one rank, for this host)."""
+
+    name: str
+    memory_gib: float
+    peak_tflops: dict[str, float]
+    """Dense peak per compute dtype (float32, bfloat16, float16), TFLOP/s."""
+    mem_bw_gbps: float
+    """Memory bandwidth, GB/s."""
+    matmul_efficiency: float = 0.6
+    """Fraction of peak FLOP/s that the model's matmuls reach (1.0 when peak is measured)."""
+    mem_efficiency: float = 0.8
+    """Fraction of memory bandwidth reached when streaming weights (1.0 when measured)."""
+    layer_overhead_us: float = 0.0
+    """Fixed time per layer per forward (kernel launches, Python), microseconds."""
+    step_overhead_us: float = 0.0
+    """Fixed time per forward outside the layers (embedding, head, sampling), microseconds."""
+    reserved_gib: float = 0.0
+    """Memory the runtime takes before the model (CUDA context, allocator)."""
+    busy_compute: float = 1.0
+    busy_memory: float = 1.0
+    """FLOP/s and memory bandwidth of a device while the other devices of its node work too,
+    as a fraction of its rates alone (CPU cores share memory and power; GPUs: 1.0)."""
+
+    def __post_init__(self) -> None:
+        _check(self, positive=("memory_gib", "mem_bw_gbps", "matmul_efficiency", "mem_efficiency"))
+        _check(self, positive=("busy_compute", "busy_memory"))
+        _check(self, nonneg=("layer_overhead_us", "step_overhead_us", "reserved_gib"))
+        for dtype, v in self.peak_tflops.items():
+            if dtype not in DTYPE_BYTES:
+                raise PlanError(f"Device {self.name}: peak_tflops has unknown dtype {dtype!r}")
+            if not v > 0:
+                raise PlanError(f"Device {self.name}: peak_tflops[{dtype}] must be > 0, got {v}")
+        if self.matmul_efficiency > 1 or self.mem_efficiency > 1:
+            raise PlanError(
+                f"Device {self.name}: efficiencies must be <= 1, got matmul {self.matmul_efficiency}, "
+                f"memory {self.mem_efficiency}"
+            )
+        if self.reserved_gib >= self.memory_gib:
+            raise PlanError(f"Device {self.name}: reserved_gib={self.reserved_gib} >= memory_gib={self.memory_gib}")
+
+    def flops(self, dtype: str, busy: bool = False) -> float:
+        """Achieved matmul FLOP/s in `dtype` (falls back to float32's peak when not listed),
+        alone or while the node's other devices work too (`busy`)."""
+        peak = self.peak_tflops.get(dtype, self.peak_tflops.get("float32"))
+        if peak is None:
+            raise PlanError(f"Device {self.name} has no peak_tflops for {dtype} or float32")
+        return peak * 1e12 * self.matmul_efficiency * (self.busy_compute if busy else 1.0)
+
+    def bytes_per_s(self, busy: bool = False) -> float:
+        return self.mem_bw_gbps * 1e9 * self.mem_efficiency * (self.busy_memory if busy else 1.0)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    device: Device
+    devices: int
+    devices_per_node: int
+    intra: Link
+    """The link between devices of one node."""
+    inter: Link | None = None
+    """The link between nodes (None for a single node)."""
+    shared_memory: bool = False
+    """The devices of a node share one memory (CPU cores): memory_gib is the node's."""
+    other_links: dict[str, Link] = field(default_factory=dict)
+    """Further interconnects to compare in the plot (this host: one per calibrated backend)."""
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self, positive=("devices", "devices_per_node"))
+        if self.devices > self.devices_per_node and self.devices % self.devices_per_node:
+            raise PlanError(
+                f"cluster {self.name}: devices={self.devices} is not a multiple of "
+                f"devices_per_node={self.devices_per_node} (whole nodes only)"
+            )
+        if self.devices > self.devices_per_node and self.inter is None:
+            raise PlanError(
+                f"cluster {self.name}: {self.devices} devices span {self.nodes} nodes but no inter-node link is given"
+            )
+
+    @property
+    def nodes(self) -> int:
+        return max(1, -(-self.devices // self.devices_per_node))
+
+    def link_for(self, span: int) -> Link:
+        """The link a group of `span` consecutive ranks crosses."""
+        if span <= self.devices_per_node or self.inter is None:
+            return self.intra
+        return self.inter
+
+    def memory_budget_gib(self, ranks_on_node: int) -> float:
+        """Memory one device may use when `ranks_on_node` ranks of the job share its node."""
+        d = self.device
+        if self.shared_memory:
+            return (d.memory_gib - d.reserved_gib) / max(1, min(ranks_on_node, self.devices_per_node))
+        return d.memory_gib - d.reserved_gib
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute: str
+    """dtype of weights used in matmuls and of activations."""
+    weight_bytes: int
+    grad_bytes: int
+    master_bytes: int
+    """fp32 master copy of the weights (mixed precision), else 0."""
+
+
+PRECISIONS = {
+    "bf16-mixed": Precision("bfloat16", 2, 2, 4),
+    "fp16-mixed": Precision("float16", 2, 2, 4),
+    "fp32": Precision("float32", 4, 4, 0),
+}
+
+
+@dataclass(frozen=True)
+class InferenceWorkload:
+    batch: int = 1
+    """Sequences one model replica processes together."""
+    prompt_len: int = 512
+    output_len: int = 128
+    target_latency_ms: float | None = None
+    """End-to-end latency of one request (prefill + every output token), if there is a target."""
+    dtype: str | None = None
+    """Weights and activations; None = the model's own."""
+    flash_attention: bool = True
+    """Attention scores are not materialised (FlashAttention); False counts B*heads*S*S of them."""
+
+    kind = "inference"
+
+    def __post_init__(self) -> None:
+        _check(self, positive=("batch", "prompt_len", "output_len"))
+        if self.target_latency_ms is not None:
+            _check(self, positive=("target_latency_ms",))
+        if self.dtype is not None and self.dtype not in DTYPE_BYTES:
+            raise PlanError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class TrainingWorkload:
+    global_batch: int = 512
+    """Sequences per optimizer step, over all data-parallel replicas."""
+    micro_batch: int = 1
+    """Sequences per forward/backward on one pipeline (per data-parallel replica)."""
+    seq_len: int = 2048
+    optimizer: Literal["adam", "sgd"] = "adam"
+    precision: str = "bf16-mixed"
+    recompute: bool = False
+    """Full activation recomputation: keep each layer's input only, redo the forward in backward."""
+    flash_attention: bool = True
+
+    kind = "training"
+
+    def __post_init__(self) -> None:
+        _check(self, positive=("global_batch", "micro_batch", "seq_len"))
+        if self.micro_batch > self.global_batch:
+            raise PlanError(f"micro_batch={self.micro_batch} is larger than global_batch={self.global_batch}")
+        if self.global_batch % self.micro_batch:
+            raise PlanError(f"global_batch={self.global_batch} is not a multiple of micro_batch={self.micro_batch}")
+        if self.optimizer not in ("adam", "sgd"):
+            raise PlanError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+    @property
+    def prec(self) -> Precision:
+        return PRECISIONS[self.precision]

@@ -1,0 +1,62 @@
+"""Training on a tp x dp mesh: config, data, RNG streams, optimizer, dp sync, step and loop."""
+
+from shardwise.train.agree import AgreedError, agree
+from shardwise.train.config import (
+    ConfigError,
+    DataSection,
+    ModelSection,
+    OptimSection,
+    ParallelSection,
+    RunSection,
+    TrainConfig,
+)
+from shardwise.train.data import DataError, DPSampler, TokenFile, tokenize_text, write_token_file
+from shardwise.train.layout import all_rank_specs, build_model, full_state, owned_intervals, rank_specs, train_plan
+from shardwise.train.loop import Checkpointing, TrainResult, model_config, plot_losses, setup, token_file, train
+from shardwise.train.optim import STATE_KEYS, GradNorm, build_optimizer, lr_at
+from shardwise.train.rng import RNGTracker
+from shardwise.train.step import StepStats, Trainer, train_step
+from shardwise.train.sync import BucketedSync, DDPSync, GradSync, NoSync, make_grad_sync
+
+__all__ = [
+    "AgreedError",
+    "agree",
+    "ConfigError",
+    "DataSection",
+    "ModelSection",
+    "OptimSection",
+    "ParallelSection",
+    "RunSection",
+    "TrainConfig",
+    "DataError",
+    "DPSampler",
+    "TokenFile",
+    "tokenize_text",
+    "write_token_file",
+    "all_rank_specs",
+    "build_model",
+    "full_state",
+    "owned_intervals",
+    "rank_specs",
+    "train_plan",
+    "Checkpointing",
+    "TrainResult",
+    "model_config",
+    "plot_losses",
+    "setup",
+    "token_file",
+    "train",
+    "STATE_KEYS",
+    "GradNorm",
+    "build_optimizer",
+    "lr_at",
+    "RNGTracker",
+    "StepStats",
+    "Trainer",
+    "train_step",
+    "BucketedSync",
+    "DDPSync",
+    "GradSync",
+    "NoSync",
+    "make_grad_sync",
+]

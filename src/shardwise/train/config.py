@@ -1,0 +1,300 @@
+"""Training configuration: typed dataclasses, loaded from TOML, that validate themselves.
+
+    [model]     the architecture (or a Hugging Face directory to start from) and its tokenizer
+    [data]      the token file or text, sequence length, global and micro batch sizes
+    [optim]     AdamW, learning-rate schedule, gradient clipping
+    [parallel]  tp x dp layout, backend, how dp gradients are averaged
+    [run]       steps, seed, bf16, logging, checkpoints, resuming
+
+Paths in a TOML file are relative to that file. Every error names the field and the
+numbers involved. See configs/*.toml and docs/training.md for examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from shardwise.models.config import ModelConfig
+from shardwise.train.fields import ConfigError, build_section
+
+PATH_FIELDS = {
+    ("model", "pretrained"),
+    ("model", "tokenizer"),
+    ("data", "tokens"),
+    ("data", "text"),
+    ("run", "out_dir"),
+}
+"""Fields holding paths: relative ones are taken from the TOML file's directory."""
+
+__all__ = ["ModelSection", "DataSection", "OptimSection", "ParallelSection", "RunSection", "TrainConfig", "ConfigError"]
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{type(obj).__name__}.{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The model to train: a Llama-shaped decoder of these sizes, or a Hugging Face directory."""
+
+    pretrained: str | None = None
+    """A Hugging Face directory to start from (its config.json decides the architecture and
+    the size fields below are ignored); None = random initialisation of the sizes below."""
+    vocab_size: int = 512
+    """Tokens in the vocabulary; must match the tokenizer."""
+    hidden_size: int = 256
+    """Width of the residual stream."""
+    intermediate_size: int = 512
+    """Width of the gated MLP's hidden layer (gate and up each)."""
+    num_layers: int = 4
+    """Decoder layers."""
+    num_heads: int = 8
+    """Query heads; tp must divide it."""
+    num_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); tp must divide it, or be a multiple of it."""
+    head_dim: int | None = None
+    """Per-head width; None = hidden_size // num_heads."""
+    max_positions: int = 512
+    """Longest sequence the rotary embedding is configured for (>= data.seq_len)."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    tie_embeddings: bool = False
+    """Share one matrix between the token embedding and the LM head."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of every linear and embedding weight."""
+    tokenizer: str | None = None
+    """A tokenizer.json: tokenizes data.text, and is copied into checkpoints and exports."""
+    bos_token_id: int | None = None
+    """Written into exported configs; None = unset."""
+    eos_token_id: int | None = None
+    """Written into exported configs and used by `shardwise generate` to stop; None = unset."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
+        _positive(self, "num_kv_heads", "head_dim", "max_positions", "rope_theta", "init_std")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not a multiple of model.num_heads={self.num_heads}; "
+                "set model.head_dim"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}"
+            )
+
+    def model_config(self) -> ModelConfig:
+        """The ModelConfig of a randomly initialised model (not used when `pretrained` is set)."""
+        return ModelConfig(
+            family="llama",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim or self.hidden_size // self.num_heads,
+            max_positions=self.max_positions,
+            rope_theta=self.rope_theta,
+            tie_embeddings=self.tie_embeddings,
+        )
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """What to train on, and how it is batched."""
+
+    tokens: str | None = None
+    """A token file (see shardwise.train.data): a safetensors file with one 1-D `tokens` tensor."""
+    text: str | None = None
+    """A UTF-8 text file, tokenized with model.tokenizer into `<run.out_dir>/tokens.safetensors`
+    (once; reused while the text and tokenizer are unchanged). Exactly one of tokens/text."""
+    seq_len: int = 128
+    """Tokens per training sequence (each sample reads seq_len + 1 tokens: inputs and targets)."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, over all dp ranks; the same at any tp x dp layout."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward on one dp rank. Gradient accumulation steps =
+    global_batch_size / (micro_batch_size * dp), which must be a whole number."""
+    seed: int = 0
+    """Seed of the sample order (a new permutation of the samples every epoch)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "seq_len", "global_batch_size", "micro_batch_size")
+        if (self.tokens is None) == (self.text is None):
+            raise ConfigError("set exactly one of data.tokens and data.text")
+
+    def grad_accum(self, dp: int) -> int:
+        """Micro-steps per optimizer step on each dp rank."""
+        per_step = self.micro_batch_size * dp
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"data.global_batch_size={self.global_batch_size} is not a multiple of data.micro_batch_size="
+                f"{self.micro_batch_size} * dp={dp} (= {per_step})"
+            )
+        return self.global_batch_size // per_step
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    """AdamW with warmup and cosine (or constant) learning rate, and global-norm clipping."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from lr / warmup_steps to lr."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """After warmup: cosine decay to min_lr, or constant lr."""
+    decay_steps: int | None = None
+    """Step at which the cosine reaches min_lr; None = run.steps. Set it when a run will be
+    stopped and resumed with more steps, so the schedule does not depend on where it stops."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices and embeddings only (not norms or biases)."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm (across all shards, replicated parameters once) to this;
+    None = no clipping (the norm is still computed and logged)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "lr", "eps", "grad_clip", "decay_steps")
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
+        if self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps} and weight_decay must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"optim.{name}={getattr(self, name)} must be in [0, 1)")
+        if self.schedule not in ("cosine", "constant"):
+            raise ConfigError(f"optim.schedule must be 'cosine' or 'constant', got {self.schedule!r}")
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """The tp x dp layout: tp ranks hold one copy of the model; dp copies take different batches."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    dp: int = 1
+    """Data-parallel size. The job runs tp * dp ranks."""
+    backend: Literal["auto", "mpi", "gloo", "nccl"] = "auto"
+    """Communication backend: "auto" = NCCL on CUDA, else MPI when installed, else gloo (as
+    every shardwise command). "mpi" runs the ranks under mpiexec."""
+    dp_sync: Literal["auto", "ddp", "bucketed"] = "auto"
+    """How gradients are averaged over dp: "ddp" = PyTorch DistributedDataParallel on the dp
+    process group (gloo, nccl); "bucketed" = flattened buckets all-reduced through the
+    Communicator (any backend; the one MPI uses); "auto" = ddp on gloo/nccl, else bucketed."""
+    bucket_mb: float = 25.0
+    """Bucket size of the bucketed all-reduce, MiB."""
+    timeout_s: float = 120.0
+    """Collective timeout, seconds."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "tp", "dp", "bucket_mb", "timeout_s")
+        if self.dp_sync not in ("auto", "ddp", "bucketed"):
+            raise ConfigError(f"parallel.dp_sync must be auto, ddp or bucketed, got {self.dp_sync!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """How long to train, and what to write."""
+
+    steps: int = 100
+    """Optimizer steps to reach (a resumed run counts from its checkpoint's step)."""
+    seed: int = 0
+    """Seed of the weight initialisation and of the dropout RNG streams."""
+    bf16: bool = False
+    """Run forward and backward under bfloat16 autocast (weights and optimizer stay fp32)."""
+    log_every: int = 10
+    """Log a line (loss, tokens/s, step time) every this many steps."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0."""
+    out_dir: str = "runs/default"
+    """Where checkpoints, the token cache and the loss curve go."""
+    save_every: int = 0
+    """Save a checkpoint every this many steps (0 = only at the end)."""
+    save_at_end: bool = True
+    """Save a checkpoint after the last step."""
+    keep_last: int = 3
+    """Committed checkpoints to keep under out_dir/checkpoints (older ones are deleted)."""
+    resume: str | None = None
+    """Checkpoint to resume from: a checkpoint directory, a directory with a `latest`
+    pointer, or "latest" (= out_dir/checkpoints). Any tp x dp layout can resume it."""
+    plot: bool = True
+    """Write the loss curve to out_dir/loss.png at the end (needs matplotlib)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "steps", "log_every", "keep_last")
+        if self.save_every < 0:
+            raise ConfigError(f"run.save_every must be >= 0, got {self.save_every}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A whole training job."""
+
+    data: DataSection
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def __post_init__(self) -> None:
+        self.data.grad_accum(self.parallel.dp)  # raises if the batch does not split
+        if self.model.pretrained is None and self.data.seq_len > self.model.max_positions:
+            raise ConfigError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_positions={self.model.max_positions}"
+            )
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> TrainConfig:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML ({e})") from None
+        try:
+            return cls.from_dict(raw, base_dir=path.parent)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_dict(cls, raw: dict, *, base_dir: str | Path | None = None) -> TrainConfig:
+        """Build from nested dicts (TOML tables); relative paths are taken from base_dir."""
+        unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(
+                f"unknown section(s) [{'], ['.join(sorted(unknown))}]; known: data, model, optim, parallel, run"
+            )
+        sections = {}
+        for f in dataclasses.fields(cls):
+            section_cls = typing.get_type_hints(cls)[f.name]
+            sections[f.name] = build_section(section_cls, raw.get(f.name, {}), f.name, base_dir, PATH_FIELDS)
+        return cls(**sections)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **sections: dict) -> TrainConfig:
+        """A copy with some fields changed: replace(parallel={"tp": 4}, run={"steps": 20})."""
+        changed = {name: dataclasses.replace(getattr(self, name), **values) for name, values in sections.items()}
+        return dataclasses.replace(self, **changed)

@@ -1,0 +1,237 @@
+"""The training loop on one rank: set up, step, report, checkpoint, plot.
+
+    from shardwise.checkpoint import Checkpointer
+    from shardwise.launch import launch
+    launch(train, 4, args=(cfg, Checkpointer()))      # cfg.parallel: tp=2, dp=2
+
+`train(world, cfg)` runs on every rank of a tp x dp job (started by `launch`, by
+`run_job`, torchrun or mpiexec). Checkpointing is passed in (any object with `save` and
+`resume`, normally shardwise.checkpoint.Checkpointer), so this package does not depend
+on the checkpoint format.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from tqdm.auto import tqdm
+
+from shardwise.comm import Communicator, ParallelDims
+from shardwise.log import get_logger
+from shardwise.train.agree import agree
+from shardwise.train.config import TrainConfig
+from shardwise.train.data import DataError, DPSampler, TokenFile, tokenize_text
+from shardwise.train.layout import all_rank_specs, build_model, full_state
+from shardwise.train.optim import GradNorm, build_optimizer
+from shardwise.train.rng import RNGTracker
+from shardwise.train.step import StepStats, Trainer, train_step
+from shardwise.train.sync import make_grad_sync
+
+__all__ = ["Checkpointing", "TrainResult", "setup", "train", "token_file", "model_config", "plot_losses"]
+
+log = get_logger("train")
+
+
+class Checkpointing(Protocol):
+    """What train() needs from a checkpoint implementation (shardwise.checkpoint.Checkpointer)."""
+
+    def resume(self, tr: Trainer, source: str) -> None:
+        """Fill tr.model (allocated, uninitialised), the optimizer state, tr.step, tr.history, tr.rng."""
+
+    def save(self, tr: Trainer) -> Path:
+        """Commit a checkpoint of tr (collective); return its directory."""
+
+
+@dataclass
+class TrainResult:
+    history: list[tuple[int, float]]
+    """(step, loss) of every step, including those before a resume."""
+    step: int
+    """Steps taken in total."""
+    stats: list[StepStats] = field(default_factory=list)
+    """This run's steps."""
+    checkpoint: str | None = None
+    """The last checkpoint committed by this run."""
+    plot: str | None = None
+    """The loss-curve PNG (rank 0)."""
+    tokens_per_s: float = 0.0
+    state: dict | None = None
+    """The unsharded parameters at the end, when asked for (return_state=True)."""
+
+
+def token_file(cfg: TrainConfig) -> Path:
+    """The token file to read: data.tokens, or data.text tokenized into out_dir (done once)."""
+    if cfg.data.tokens is not None:
+        return Path(cfg.data.tokens)
+    if cfg.model.tokenizer is None:
+        raise DataError("data.text needs model.tokenizer (a tokenizer.json) to tokenize it")
+    out = Path(cfg.run.out_dir) / "tokens.safetensors"
+    return tokenize_text(cfg.data.text, cfg.model.tokenizer, out, vocab_size=_vocab_size(cfg))
+
+
+def _vocab_size(cfg: TrainConfig) -> int:
+    if cfg.model.pretrained is None:
+        return cfg.model.vocab_size
+    from shardwise.hf import read_config
+
+    return read_config(cfg.model.pretrained)[1].vocab_size
+
+
+def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing | None = None) -> Trainer:
+    """Mesh, data, model, optimizer, RNG; resumed from cfg.run.resume if set. Collective."""
+    par = cfg.parallel
+    mesh = ParallelDims(world_size=world.size, tp=par.tp, dp=par.dp).build(world)
+    tp, dp = mesh.tp, mesh.dp
+    # Rank 0 tokenizes data.text (once); then every rank opens the token file, failing together.
+    agree(world, lambda: token_file(cfg) if world.rank == 0 else None, catch=(DataError, OSError))
+    tokens = Path(cfg.data.tokens) if cfg.data.tokens is not None else Path(cfg.run.out_dir) / "tokens.safetensors"
+    data = agree(world, lambda: TokenFile(tokens, cfg.data.seq_len), catch=(DataError,))
+
+    resuming = cfg.run.resume is not None
+    if cfg.model.pretrained is not None and not resuming:
+        from shardwise.hf import load_pretrained
+
+        model, report = load_pretrained(cfg.model.pretrained, comm=tp)
+        model_cfg = report.config
+        model.lm_head.gather_output = False  # vocab-parallel logits for the loss
+        model.train()
+    else:
+        model_cfg = model_config(cfg)
+        model = build_model(model_cfg, tp, init_std=None if resuming else cfg.model.init_std, seed=cfg.run.seed)
+        if resuming:
+            model.to_empty(device="cpu")  # this rank's shards only; the checkpoint fills them
+    if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
+        raise DataError(
+            f"{tokens}: token ids up to {data.vocab_size} exceed the model's vocab_size={model_cfg.vocab_size}"
+        )
+
+    sampler = DPSampler(
+        data.num_samples,
+        global_batch=cfg.data.global_batch_size,
+        micro_batch=cfg.data.micro_batch_size,
+        dp=dp.size,
+        dp_rank=dp.rank,
+        seed=cfg.data.seed,
+    )
+    specs = all_rank_specs(model_cfg, tp.size)
+    tr = Trainer(
+        cfg=cfg,
+        mesh=mesh,
+        model_cfg=model_cfg,
+        model=model,
+        specs=specs,
+        optimizer=build_optimizer(model, cfg.optim),
+        sync=None,  # type: ignore[arg-type]  - set below, after resuming
+        grad_norm=GradNorm(model, specs, tp),
+        data=data,
+        sampler=sampler,
+        rng=RNGTracker(cfg.run.seed, tp_rank=tp.rank, dp_rank=dp.rank),
+        extra={
+            "tokenizer": cfg.model.tokenizer,
+            "bos_token_id": cfg.model.bos_token_id,
+            "eos_token_id": cfg.model.eos_token_id,
+        },
+    )
+    if resuming:
+        if checkpointer is None:
+            raise ValueError("run.resume is set but no checkpointer was given to train()/setup()")
+        checkpointer.resume(tr, cfg.run.resume)
+    tr.sync = make_grad_sync(model, dp, mode=par.dp_sync, bucket_mb=par.bucket_mb)
+    return tr
+
+
+def model_config(cfg: TrainConfig):
+    """The ModelConfig to train: from [model], or from the pretrained directory's config.json."""
+    if cfg.model.pretrained is None:
+        return cfg.model.model_config()
+    from shardwise.hf import read_config
+
+    return read_config(cfg.model.pretrained)[1]
+
+
+def train(
+    world: Communicator,
+    cfg: TrainConfig,
+    checkpointer: Checkpointing | None = None,
+    *,
+    return_state: bool = False,
+) -> TrainResult:
+    """Train to cfg.run.steps on this rank; checkpoint and plot as configured. Collective."""
+    tr = setup(world, cfg, checkpointer=checkpointer)
+    run, lead = cfg.run, world.rank == 0
+    log.info(
+        "training %s: %d layers, hidden %d, %s parameters per rank; tp=%d x dp=%d, %d micro-step(s) of %d x %d "
+        "tokens per rank per step; from step %d to %d",
+        tr.model_cfg.family,
+        tr.model_cfg.num_layers,
+        tr.model_cfg.hidden_size,
+        f"{sum(p.numel() for p in tr.model.parameters()):,}",
+        tr.mesh.tp.size,
+        tr.mesh.dp.size,
+        tr.sampler.grad_accum,
+        cfg.data.micro_batch_size,
+        cfg.data.seq_len,
+        tr.step,
+        run.steps,
+    )
+    bar = tqdm(total=run.steps, initial=tr.step, desc="train", unit="step", disable=not (lead and run.progress))
+    result = TrainResult(history=tr.history, step=tr.step)
+    start, saved_at = time.perf_counter(), None
+    while tr.step < run.steps:
+        stats = train_step(tr)
+        result.stats.append(stats)
+        tok_s = stats.tokens / stats.seconds
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{tok_s:,.0f}", ms=f"{stats.seconds * 1e3:.0f}")
+        if stats.step % run.log_every == 0 or stats.step == run.steps:
+            log.info(
+                "step %d/%d  loss %.4f  grad norm %.3f  lr %.2e  %s tok/s  %.0f ms/step",
+                stats.step, run.steps, stats.loss, stats.grad_norm, stats.lr, f"{tok_s:,.0f}", stats.seconds * 1e3,
+            )  # fmt: skip
+        if checkpointer is not None and run.save_every and stats.step % run.save_every == 0:
+            result.checkpoint, saved_at = str(checkpointer.save(tr)), tr.step
+    bar.close()
+    elapsed = time.perf_counter() - start
+    if result.stats:
+        result.tokens_per_s = sum(s.tokens for s in result.stats) / elapsed
+    if checkpointer is not None and run.save_at_end and result.stats and saved_at != tr.step:
+        result.checkpoint = str(checkpointer.save(tr))
+    result.step = tr.step
+    if run.plot and lead and tr.history:
+        result.plot = str(plot_losses(tr.history, Path(run.out_dir) / "loss.png", title=_title(tr)))
+    if return_state:
+        result.state = full_state(tr.model, tr.mesh.tp, tr.specs)
+    return result
+
+
+def _title(tr: Trainer) -> str:
+    c = tr.model_cfg
+    return (
+        f"{c.family}, {c.num_layers} layers x {c.hidden_size}, tp={tr.mesh.tp.size} x dp={tr.mesh.dp.size}, "
+        f"batch {tr.cfg.data.global_batch_size} x {tr.cfg.data.seq_len} tokens"
+    )
+
+
+def plot_losses(history: list[tuple[int, float]], path: Path, *, title: str = "") -> Path:
+    """The loss curve as a PNG (matplotlib, headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, losses = zip(*history, strict=True)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(steps, losses, lw=1.2, label="training loss (mean over the global batch)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,89 @@
+"""AdamW, its learning-rate schedule, and gradient clipping by the global norm across tp shards.
+
+The global norm is that of the unsharded gradient:
+
+    ||g||^2 = sum over tp ranks of (sum of squares of the rows this rank owns)
+
+A row held by several ranks (a replicated norm weight, or a KV head replicated when
+tp > num_kv_heads) is counted once, by its owner (see shardwise.train.layout). The dp
+replicas hold identical, already averaged gradients, so one all-reduce over tp suffices,
+and every rank of the job gets the same norm and the same clipping factor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from shardwise.comm import Communicator
+from shardwise.layers import ShardSpec
+from shardwise.train.config import OptimSection
+from shardwise.train.layout import owned_mask
+
+__all__ = ["build_optimizer", "lr_at", "GradNorm", "STATE_KEYS"]
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+"""The per-parameter AdamW state tensors, each shaped and sharded like its parameter."""
+
+
+def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings (dim >= 2) only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def lr_at(step: int, cfg: OptimSection, total_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine or constant."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(total_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+class GradNorm:
+    """The global gradient norm of a tp-sharded model, and clipping by it."""
+
+    def __init__(self, model: nn.Module, specs: dict[str, list[ShardSpec]], tp: Communicator) -> None:
+        self.tp = tp
+        params = dict(model.named_parameters())
+        # (param, None | bool mask over rows of the split dim, split dim)
+        self.items: list[tuple[nn.Parameter, torch.Tensor | None, int]] = []
+        for name, per_rank in specs.items():
+            spec = per_rank[tp.rank]
+            self.items.append((params[name], owned_mask(per_rank, tp.rank), spec.dim or 0))
+
+    def norm(self) -> torch.Tensor:
+        """The unsharded gradient's L2 norm, as a 0-d fp32 tensor (collective over tp)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for p, mask, dim in self.items:
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().pow(2)
+            if mask is not None:
+                shape = [1] * sq.dim()
+                if sq.dim():
+                    shape[dim] = -1
+                    sq = sq * mask.view(shape)
+                else:
+                    sq = sq * mask.any()
+            total += sq.sum()
+        return self.tp.all_reduce(total.view(1)).sqrt().float()[0]
+
+    def clip_(self, max_norm: float | None) -> float:
+        """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_
+        does; return the norm before clipping."""
+        norm = self.norm()
+        if max_norm is not None:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p, _, _ in self.items:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef.to(p.grad.dtype))
+        return float(norm)

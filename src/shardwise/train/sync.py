@@ -1,0 +1,100 @@
+"""Data parallelism: averaging gradients over the dp group.
+
+Two ways, chosen by ParallelSection.dp_sync:
+
+- DDPSync: PyTorch DistributedDataParallel on the dp process group (torch.distributed
+  backends). Its all-reduces overlap with backward; micro-steps before the last run
+  under `no_sync()`, so gradient accumulation costs one round of all-reduces per step.
+- BucketedSync: after the last micro-step, gradients are packed into flat buckets of
+  about bucket_mb each and every bucket is all-reduced through the Communicator. It
+  works on any Communicator (MPI included), with one collective per bucket.
+
+Both leave each rank with the dp mean of the gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from shardwise.comm import Communicator
+
+__all__ = ["GradSync", "NoSync", "DDPSync", "BucketedSync", "make_grad_sync"]
+
+
+class GradSync:
+    """Runs the forward passes (`module`) and averages gradients over dp (`finish`)."""
+
+    module: nn.Module
+
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        """Wraps one micro-step's forward and backward; `last` = the step's final one."""
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        """After the last micro-step's backward: make every gradient the dp mean."""
+
+
+class NoSync(GradSync):
+    """dp = 1: nothing to average."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.module = model
+
+
+class DDPSync(GradSync):
+    """DistributedDataParallel over the dp communicator's torch.distributed process group."""
+
+    def __init__(self, model: nn.Module, dp: Communicator, bucket_mb: float) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        group = getattr(dp, "group", None)
+        # NOTE: parameters are already identical on every dp rank (same seed or same checkpoint);
+        # DDP's initial broadcast from dp rank 0 keeps them so.
+        self.module = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
+
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if last else self.module.no_sync()
+
+
+class BucketedSync(GradSync):
+    """Flat-bucket all-reduce of the gradients through any Communicator."""
+
+    def __init__(self, model: nn.Module, dp: Communicator, bucket_mb: float) -> None:
+        self.module, self.dp = model, dp
+        self.buckets: list[list[nn.Parameter]] = []
+        limit, size, current = int(bucket_mb * 2**20), 0, []
+        # Reverse registration order, as DDP: roughly the order backward produces gradients.
+        for p in reversed([p for p in model.parameters() if p.requires_grad]):
+            if current and (size + p.numel() * p.element_size() > limit or p.dtype != current[0].dtype):
+                self.buckets.append(current)
+                size, current = 0, []
+            current.append(p)
+            size += p.numel() * p.element_size()
+        if current:
+            self.buckets.append(current)
+
+    def finish(self) -> None:
+        for bucket in self.buckets:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            flat = torch.cat([g.reshape(-1) for g in grads])  # (bucket numel,)
+            flat = self.dp.all_reduce(flat).div_(self.dp.size)
+            for p, part in zip(bucket, flat.split([g.numel() for g in grads]), strict=True):
+                if p.grad is None:
+                    p.grad = part.view_as(p).clone()
+                else:
+                    p.grad.copy_(part.view_as(p))
+
+
+def make_grad_sync(model: nn.Module, dp: Communicator, *, mode: str, bucket_mb: float) -> GradSync:
+    """The GradSync for `mode` ("auto", "ddp", "bucketed") on this dp communicator."""
+    if dp.size == 1:
+        return NoSync(model)
+    is_torch = dp.backend in ("gloo", "nccl") and hasattr(dp, "group")
+    if mode == "ddp" and not is_torch:
+        raise ValueError(f"parallel.dp_sync='ddp' needs a torch.distributed backend; dp group uses {dp.backend!r}")
+    if mode == "ddp" or (mode == "auto" and is_torch):
+        return DDPSync(model, dp, bucket_mb)
+    return BucketedSync(model, dp, bucket_mb)

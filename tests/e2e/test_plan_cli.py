@@ -1,0 +1,51 @@
+"""`shardwise plan` as a user runs it (this-host with fake calibration data in a temp cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+
+
+def _plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise", "plan", *args],
+        capture_output=True, text=True, timeout=120, check=False, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def test_plan_a_preset_as_json_and_bad_input():
+    out = _plan("--model", "Llama-3-8B", "--cluster", "dgx-a100-80gb", "--batch", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["recommended"]["layout"] == {"tp": 1, "pp": 1, "dp": 8}
+    assert plan["model"]["parameters"] == 8_030_261_248  # Llama-3-8B
+    assert {c["layout"]["tp"] for c in plan["layouts"]} == {1, 2, 4, 8}
+    bad = _plan("--model", "llama-3-9b", "--cluster", "dgx-a100-80gb")
+    assert bad.returncode == 2 and "unknown model preset 'llama-3-9b' (did you mean 'llama-3-8b'?)" in bad.stderr
+    none = _plan("--model", "gpt3-175b", "--cluster", "pcie-8x-rtx4090")
+    assert none.returncode == 2 and "Nothing fits on" in none.stdout and "GiB short" in none.stdout
+
+
+def test_plan_this_host_from_the_cache_with_a_plot(tmp_path):
+    from shardwise.planner.calibrate import _cores
+
+    cal = {
+        "host": platform.node() or "localhost", "torch": torch.__version__, "devices": _cores(), "memory_gib": 16.0,
+        "gemm_tflops": {"float32": 0.05}, "mem_gbps": 10.0, "layer_overhead_us": 200.0, "step_overhead_us": 200.0,
+        "links": {"gloo": {"latency_us": 300.0, "busbw_gbps": 1.0, "points": []}}, "unavailable": {"mpi": "test"},
+    }  # fmt: skip
+    (tmp_path / "calibration.json").write_text(json.dumps(cal))
+    png = tmp_path / "plan.png"
+    out = _plan(
+        "--model", "bench-156m", "--cluster", "this-host", "--prompt-len", "128", "--output-len", "32",
+        "--plot", str(png), env={"SHARDWISE_CACHE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "calibrating" not in out.stderr  # the cache was used
+    assert "recommended: tp=1 pp=1" in out.stdout and "gloo (measured)" in out.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"

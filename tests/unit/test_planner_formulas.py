@@ -1,0 +1,180 @@
+"""Every cost-model formula against hand-computed values, and the planner's counts against
+the real sharded model on the meta device (the same technique as `shardwise info`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardwise.comm.dryrun import DryRunCommunicator
+from shardwise.hf.families import family_for
+from shardwise.layers import model_shard_specs
+from shardwise.planner.cost import (
+    forward_flops_per_token,
+    megatron_flops_per_iteration,
+    pipeline_bubble_fraction,
+    tp_forward_collectives,
+    training_flops_per_token,
+)
+from shardwise.planner.memory import (
+    kv_bytes_per_token,
+    layer_params,
+    optimizer_bytes_per_param,
+    stage_params,
+    training_activation_bytes_per_layer,
+)
+from shardwise.planner.predict import Layout, predict_inference, predict_training
+from shardwise.planner.presets import model_preset
+from shardwise.planner.search import valid_tp_sizes
+from shardwise.planner.specs import PRECISIONS, Cluster, Device, Link, TrainingWorkload
+from shardwise.sharding import parallelize
+
+BENCH = model_preset("bench-156m")  # h 1024, 8 layers, 16/4 heads, inter 2816, vocab 32000
+
+
+def test_parameters_per_rank_by_hand():
+    # qkv (16 + 2*4) * 64 = 1536 rows; o 1024x1024; up 2 * 2816; down 2816 -> 11,272,192 matmul weights
+    assert layer_params(BENCH, 1) == (11_272_192 + 2048, 11_272_192)
+    # tp=2: qkv (8 + 2*2) * 64 = 768 rows, o 512 cols, up 2 * 1408, down 1408
+    assert layer_params(BENCH, 2) == (5_636_096 + 2048, 5_636_096)
+    # 8 layers + embedding + head (32000 x 1024 each) + final norm = 155.7M (docs/benchmarks.md)
+    assert stage_params(BENCH, 1) == 8 * 11_274_240 + 2 * 32_768_000 + 1024 == 155_730_944
+    # pp=2: stage 0 has 4 layers + embedding, stage 1 has 4 layers + norm + head
+    assert stage_params(BENCH, 1, 2, 0) == 4 * 11_274_240 + 32_768_000
+    assert stage_params(BENCH, 1, 2, 1) == 4 * 11_274_240 + 32_768_000 + 1024
+
+
+def test_kv_cache_per_token_by_hand():
+    assert kv_bytes_per_token(BENCH, 1, 4) == 2 * 8 * 4 * 64 * 4 == 16384
+    llama8b = model_preset("llama-3-8b")
+    assert kv_bytes_per_token(llama8b, 1, 2) == 2 * 32 * 8 * 128 * 2 == 131072  # 128 KiB
+    assert kv_bytes_per_token(llama8b, 8, 2) == 131072 // 8
+    # tp=16 > 8 KV heads: each rank keeps one (replicated) KV head, not half of one
+    assert kv_bytes_per_token(llama8b, 16, 2) == 2 * 32 * 1 * 128 * 2
+
+
+def test_flops_match_megatron_closed_form():
+    gpt3 = model_preset("gpt3-175b")  # 12 h^2 weights per layer, 4 s h attention, tied head
+    B, s, l, h, V = 4, 2048, 96, 12288, 50257  # noqa: E741
+    for recompute in (True, False):
+        ours = B * s * training_flops_per_token(gpt3, s, recompute=recompute)
+        theirs = megatron_flops_per_iteration(B, s, l, h, V, recompute=recompute)
+        assert ours == pytest.approx(theirs, rel=1e-12)
+    assert megatron_flops_per_iteration(1, 2048, 96, 12288, 50257) == pytest.approx(
+        96 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 50257 / (16 * 96 * 12288))
+    )
+    # forward, no context: 2 x (8 layers' matmul weights + head)
+    assert forward_flops_per_token(BENCH, 0) == 2 * (8 * 11_272_192 + 32000 * 1024) == 245_891_072
+
+
+def test_optimizer_state_and_bubble_by_hand():
+    mixed, fp32 = PRECISIONS["bf16-mixed"], PRECISIONS["fp32"]
+    assert mixed.weight_bytes + mixed.grad_bytes + optimizer_bytes_per_param("adam", mixed.master_bytes) == 16
+    assert fp32.weight_bytes + fp32.grad_bytes + optimizer_bytes_per_param("adam", fp32.master_bytes) == 16
+    assert mixed.weight_bytes + mixed.grad_bytes + optimizer_bytes_per_param("sgd", mixed.master_bytes) == 12
+    assert pipeline_bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert pipeline_bubble_fraction(1, 8) == 0
+
+
+def test_activation_memory_matches_korthikanti():
+    cfg = model_preset("llama-3-8b")  # h 4096, 32 heads
+    sbh = 2048 * 1 * 4096
+    act = lambda tp, **kw: training_activation_bytes_per_layer(cfg, tp, 1, 2048, 2, **kw)  # noqa: E731
+    assert act(1, recompute=False, flash=False) == sbh * (34 + 5 * 32 * 2048 / 4096)
+    assert act(8, recompute=False, flash=False) == sbh * (10 + 24 / 8 + 5 * 32 * 2048 / (4096 * 8))
+    assert act(8, recompute=False, flash=True) == sbh * (10 + 3)
+    assert act(8, recompute=True, flash=False) == 2 * sbh
+
+
+def test_link_alpha_beta_and_interpolation():
+    link = Link("x", busbw_gbps=100, latency_us=10)
+    assert link.all_reduce_s(1e9, 1) == 0
+    assert link.all_reduce_s(1e9, 8) == pytest.approx(3 * 10e-6 + 2 * 7 / 8 * 1e9 / 100e9)
+    assert link.all_gather_s(1e6, 4) == pytest.approx(2 * 10e-6 + 3 * 1e6 / 100e9)
+    measured = Link("m", busbw_gbps=1, latency_us=5, points=((1000, 1e-3), (4000, 4e-3)))
+    assert measured.all_reduce_s(2000, 2) == pytest.approx(2e-3)  # log-log between the points
+    assert measured.all_reduce_s(8000, 2) == pytest.approx(5e-6 + 8000 / 1e9)  # outside: the model
+    assert measured.all_reduce_s(2000, 4) == pytest.approx(2 * 5e-6 + 1.5 * 2000 / 1e9)
+
+
+def _cluster(busbw=10.0, latency=10.0, **dev) -> Cluster:
+    d = dict(name="d", memory_gib=64, peak_tflops={"float32": 1.0}, mem_bw_gbps=100, matmul_efficiency=1.0,
+             mem_efficiency=1.0)  # fmt: skip
+    return Cluster("c", Device(**(d | dev)), 8, 8, Link("l", busbw, latency))
+
+
+def test_decode_prediction_by_hand():
+    p = predict_inference(BENCH, _cluster(), Layout(1, 1, 1), batch=1, prompt_len=128, output_len=32, width=4,
+                          dtype="float32")  # fmt: skip
+    # memory-bound: (8 layers + norm + head) * 4 bytes + KV of 128 + 32/2 = 144 tokens, at 100 GB/s
+    streamed = (8 * 11_274_240 + 1024 + 32_768_000) * 4 + 144 * 16384
+    assert p.decode.compute_s == pytest.approx(streamed / 100e9)
+    assert p.decode.comm_s == 0
+    p2 = predict_inference(BENCH, _cluster(), Layout(2, 1, 1), batch=1, prompt_len=128, output_len=32, width=4,
+                           dtype="float32")  # fmt: skip
+    assert p2.decode.compute_s == pytest.approx(((8 * 5_638_144 + 1024 + 16_000 * 1024) * 4 + 144 * 8192) / 100e9)
+    # 17 all-reduces of 1024 fp32, 1 all-gather of 16000 logits, 1 broadcast of one int64, at 10 us + n / 10 GB/s
+    comm = 17 * (10e-6 + 4096 / 10e9) + (10e-6 + 64000 / 10e9) + (10e-6 + 8 / 10e9)
+    assert p2.decode.comm_s == pytest.approx(comm)
+    # prefill is compute-bound: 128 tokens x (8 layers at context 128) + one head row, at 1 TFLOP/s
+    flops = 128 * 8 * (2 * 11_272_192 + 4 * 128 * 16 * 64) + 2 * 1024 * 32000
+    assert p.prefill.compute_s == pytest.approx(flops / 1e12)
+    assert p.request_s == pytest.approx(p.prefill.total_s + 31 * p.decode.total_s)
+
+
+def test_training_step_bubble_and_throughput():
+    wl = TrainingWorkload(global_batch=16, micro_batch=1, seq_len=256)
+    t = predict_training(BENCH, _cluster(mem_bw_gbps=1e9), Layout(1, 4, 1), wl)  # optimizer update ~free
+    assert t.micro_batches == 16
+    pipeline = t.step.total_s  # dp=1: no gradient all-reduce
+    assert t.step.bubble_s / pipeline == pytest.approx(pipeline_bubble_fraction(4, 16), rel=1e-3)
+    assert t.tokens_per_s == pytest.approx(16 * 256 / t.step.total_s)
+
+
+CONFIGS = {
+    "llama-gqa": model_preset("debug"),  # 8 q / 4 KV heads: replicated KV at tp=8
+    "gpt2-tied": family_for({"model_type": "gpt2"}).config(
+        {"model_type": "gpt2", "n_embd": 96, "n_layer": 2, "n_head": 6, "vocab_size": 500, "n_positions": 64}
+    ),
+    "qwen2-bias": family_for({"model_type": "qwen2"}).config(
+        {
+            "model_type": "qwen2",
+            "hidden_size": 128,
+            "intermediate_size": 384,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 301,
+            "max_position_embeddings": 64,
+        }
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize(("name", "tp"), [(n, t) for n, cfg in CONFIGS.items() for t in valid_tp_sizes(cfg) if t <= 8])
+def test_counts_match_the_real_sharded_model(name, tp):
+    """Parameters per rank and collectives per forward, against the model built on the meta
+    device, sharded by its real plan, run through a dry-run communicator."""
+    cfg = CONFIGS[name]
+    family = family_for({"model_type": cfg.family})
+    comm = DryRunCommunicator(tp)
+    with torch.device("meta"):
+        model = family.model(cfg)
+    parallelize(model, family.plan(cfg), comm=comm)
+    held = sum(math.prod(s.local_shape) for s in model_shard_specs(model).values())
+    assert stage_params(cfg, tp) == held
+    B, L = 2, 16
+    caches = model.new_caches(B, L + 1)
+    ids = torch.zeros(B, L, dtype=torch.long, device="meta")
+    for tokens, start in ((L, 0), (1, L)):
+        mask = torch.ones(B, start + tokens, device="meta")
+        with comm.stats.track() as real:
+            model(ids[:, :tokens], attention_mask=mask, caches=caches, start=start, last_only=True)
+        ours = tp_forward_collectives(
+            cfg, tp, batch=B, tokens=tokens, width=4, layers=cfg.num_layers, first=True, last=True
+        )
+        assert {c.key(): {"calls": c.calls, "bytes": c.bytes} for c in ours} == {
+            k: {"calls": v["calls"], "bytes": v["bytes"]} for k, v in real.snapshot().items()
+        }

@@ -1,0 +1,167 @@
+"""Layouts, the recommendation, the warnings and bad input. this-host uses fake calibration
+data: nothing here depends on how fast this machine is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardwise.planner import (
+    InferenceWorkload,
+    PlanError,
+    TrainingWorkload,
+    cluster_preset,
+    customize,
+    make_plan,
+    model_preset,
+)
+from shardwise.planner.calibrate import Calibration, fit_link, load_calibration
+from shardwise.planner.presets import resolve_model
+from shardwise.planner.report import plot, render_text, to_json
+from shardwise.planner.specs import Cluster, Device, Link
+
+FAKE = Calibration(
+    host="fake", torch="0", devices=2, memory_gib=16.0, gemm_tflops={"float32": 0.05, "bfloat16": 0.1},
+    mem_gbps=10.0, layer_overhead_us=200.0, step_overhead_us=200.0,
+    links={
+        "gloo": {"latency_us": 300.0, "busbw_gbps": 1.0, "points": [{"size_bytes": 4096, "latency_us": 300.0},
+                                                                  {"size_bytes": 1 << 20, "latency_us": 1300.0}]},
+        "mpi": {"latency_us": 6.0, "busbw_gbps": 1.2, "points": []},
+    },
+    unavailable={"nccl": "not available here"}, created="fake",
+)  # fmt: skip
+
+
+def plan(model: str, cluster, wl=None, **kw):
+    cluster = cluster_preset(cluster) if isinstance(cluster, str) else cluster
+    return make_plan(model, model_preset(model), wl or InferenceWorkload(), cluster, **kw)
+
+
+def test_a_model_that_fits_on_one_device_gets_tp1():
+    for model, cluster in (("llama-3-8b", "dgx-a100-80gb"), ("mistral-7b", "dgx-h100"), ("bench-156m", FAKE.cluster())):
+        p = plan(model, cluster)
+        assert (p.recommended.layout.tp, p.recommended.layout.pp) == (1, 1), model
+        assert p.recommended.layout.dp == p.cluster.devices or p.cluster.shared_memory
+        assert "so tp=1" in p.explanation[1]
+
+
+def test_smallest_tp_that_fits_with_headroom():
+    # 70B in bf16: 131 GiB of weights -> two 80 GiB A100s (68.4 GiB each, under 90% of 79 GiB)
+    assert plan("llama-3-70b", "dgx-a100-80gb", InferenceWorkload(batch=8)).recommended.layout.tp == 2
+    # 24 GiB cards: 8 of them, and tp=8 decodes faster than any mix with pp
+    p = plan("llama-3-70b", "pcie-8x-rtx4090")
+    assert (p.recommended.layout.tp, p.recommended.layout.pp) == (8, 1)
+    assert "needed for memory" in " ".join(p.explanation)
+    # more headroom asked, more devices needed
+    assert plan("llama-3-70b", "dgx-a100-80gb", headroom=0.3).recommended.layout.replica == 4
+
+
+def test_latency_target_raises_tp_or_says_it_cannot_be_met():
+    base = plan("llama-3-8b", "dgx-h100", InferenceWorkload(prompt_len=2048, output_len=256))
+    t1 = base.recommended.time_s * 1e3
+    faster = plan(
+        "llama-3-8b", "dgx-h100", InferenceWorkload(prompt_len=2048, output_len=256, target_latency_ms=0.8 * t1)
+    )
+    assert faster.recommended.layout.tp > 1 and faster.recommended.meets_target
+    never = plan("llama-3-8b", "dgx-h100", InferenceWorkload(target_latency_ms=1.0))
+    assert never.recommended.layout.tp == 1
+    assert any("no layout meets the target of 1 ms" in w for w in never.warnings)
+
+
+def test_warns_when_tp_cannot_pay_off():
+    p = plan("bench-156m", FAKE.cluster("gloo"), InferenceWorkload(prompt_len=128, output_len=32))
+    assert p.recommended.layout.tp == 1
+    slow = customize(cluster_preset("pcie-8x-rtx4090"), intra_latency_us=2000)
+    w = plan("bench-156m", slow, InferenceWorkload(prompt_len=128, output_len=32)).warnings
+    assert any("tensor parallelism cannot pay off" in x for x in w), w
+
+
+def test_warns_when_tp_crosses_a_node_boundary():
+    two = Cluster("pairs", Device("gpu", 12, {"bfloat16": 100}, 1000), 4, 1, Link("nvlink", 200, 5), Link("ib", 100, 5))
+    p = plan("llama-3-8b", two, allow_cross_node_tp=True)
+    r = p.recommended
+    assert r.cross_node_tp and r.layout.tp == 2
+    assert any("crosses a node boundary" in w for w in p.warnings)
+    assert plan("llama-3-8b", two).recommended.layout.pp == 2  # not allowed: a pipeline instead
+    assert any("would cross a node boundary" in s for s in plan("llama-3-8b", two).skipped)
+
+
+def test_nothing_fits_says_by_how_much_and_what_would():
+    p = plan("gpt3-175b", "pcie-8x-rtx4090")
+    assert p.recommended is None
+    assert "GiB short" in p.nothing_fits and "tp=8 pp=1" in p.nothing_fits
+    assert any(a.startswith("2 nodes (16 devices)") for a in p.alternatives), p.alternatives
+    text = render_text(p)
+    assert "Nothing fits on" in text and "what would fit instead" in text
+    t = plan("llama-3-8b", "pcie-8x-rtx4090", TrainingWorkload(global_batch=64, micro_batch=4, seq_len=2048))
+    assert t.recommended is None
+    assert any(a.startswith("activation recomputation (--recompute): tp=") for a in t.alternatives), t.alternatives
+    assert any(a.startswith("micro-batch 1: tp=") for a in t.alternatives), t.alternatives
+
+
+def test_training_plan_uses_every_device_and_explains():
+    wl = TrainingWorkload(global_batch=256, micro_batch=2, seq_len=2048, recompute=True)
+    p = plan("llama-3-70b", cluster_preset("dgx-h100", nodes=4), wl)
+    r = p.recommended
+    assert r.layout.tp * r.layout.pp * r.layout.dp == 32 and r.fits
+    assert all(c.layout.tp * c.layout.pp * c.layout.dp == 32 for c in p.candidates)
+    assert 0 < r.training.mfu < 1 and r.training.micro_batches == 256 // (2 * r.layout.dp)
+    assert any("does not divide" in s or "not a multiple" in s for s in p.skipped)
+    d = to_json(p)
+    assert json.loads(json.dumps(d))["recommended"]["layout"] == {
+        "tp": r.layout.tp,
+        "pp": r.layout.pp,
+        "dp": r.layout.dp,
+    }
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: model_preset("llama-4-8b"), "unknown model preset 'llama-4-8b' (did you mean 'llama-3-8b'?)"),
+        (lambda: cluster_preset("dgx-b200"), "unknown cluster preset 'dgx-b200'"),
+        (lambda: resolve_model("/no/such/dir"), "/no/such/dir: no such file or directory"),
+        (lambda: customize(cluster_preset("dgx-h100", nodes=2), devices=12), "devices=12 is not a multiple of"),
+        (lambda: customize(cluster_preset("dgx-h100"), memory_gib=-1), "memory_gib must be > 0, got -1"),
+        (lambda: TrainingWorkload(global_batch=10, micro_batch=4), "global_batch=10 is not a multiple of micro_batch=4"),
+        (lambda: InferenceWorkload(batch=0), "batch must be > 0, got 0"),
+        (lambda: plan("llama-3-8b", "dgx-h100", InferenceWorkload(prompt_len=8000, output_len=500)),
+         "prompt_len=8000 + output_len=500 = 8500 exceeds the model's context of 8192"),
+        (lambda: plan("llama-3-8b", "dgx-h100", headroom=1.5), "headroom must be a fraction in [0, 1), got 1.5"),
+        (lambda: FAKE.cluster("nccl"), "backend 'nccl' has no calibration on this host (not available here)"),
+    ],
+)  # fmt: skip
+def test_bad_input_names_the_numbers(build, message):
+    with pytest.raises(PlanError) as e:
+        build()
+    assert message in str(e.value)
+
+
+def test_calibration_cache_round_trip_and_fit(tmp_path, monkeypatch):
+    import platform
+
+    import torch
+
+    from shardwise.planner import calibrate
+
+    cal = Calibration(**{**FAKE.__dict__, "host": platform.node() or "localhost", "torch": torch.__version__})
+    cal.devices = calibrate._cores()
+    path = tmp_path / "calibration.json"
+    path.write_text(cal.to_json())
+    monkeypatch.setattr(calibrate, "calibrate", lambda **kw: pytest.fail("must not measure: the cache is valid"))
+    assert load_calibration(path=path).links == cal.links
+    c = load_calibration(path=path).cluster("mpi")
+    assert c.intra.latency_us == 6.0 and c.shared_memory and "gloo" in c.other_links
+    # time = 50 us + n / 2 GB/s, recovered from its own points
+    lat, bw = fit_link([(n, 50e-6 + n / 2e9) for n in (4096, 65536, 1 << 20, 4 << 20)])
+    assert lat == pytest.approx(50, rel=1e-6) and bw == pytest.approx(2, rel=1e-6)
+
+
+def test_text_and_plot(tmp_path):
+    p = plan("llama-3-70b", "dgx-a100-80gb", InferenceWorkload(batch=8))
+    text = render_text(p, top=3)
+    assert "> tp=2 pp=1 dp=4" in text and "all_reduce/tp x161" in text and "more layouts" in text
+    out = tmp_path / "p.png"
+    plot(p, str(out))
+    assert out.read_bytes()[:4] == b"\x89PNG"
