@@ -185,8 +185,12 @@ def _measure_links(devices: int, backends: list[str], repeats: int, rounds: int,
                 for pt in measure_all_reduce(b, 2, COMM_SIZES, repeats):
                     best[pt.size_bytes] = min(best.get(pt.size_bytes, float("inf")), pt.latency_us)
             log(f"calibrating: all-reduce between bursts of compute, backend {b}")
-            quiet()
-            inside = launch(in_forward_rank, 2, args=({},), backend=b)[0]
+            inside = {"idle_us": 0.0, "in_forward_us": float("inf")}
+            for _ in range(2):  # the better of two launches, as everywhere (see measure.best_time)
+                quiet()
+                r = launch(in_forward_rank, 2, args=({},), backend=b)[0]
+                if r["in_forward_us"] - r["idle_us"] < inside["in_forward_us"] - inside["idle_us"]:
+                    inside = r
         except Exception as e:  # noqa: BLE001 - a backend that fails is reported, not fatal
             unavailable[b] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
             continue
