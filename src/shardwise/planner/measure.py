@@ -106,9 +106,9 @@ def in_forward_rank(world: Communicator, opts: dict) -> dict:
     """What a small all-reduce costs right after about a millisecond of weight streaming, as in
     a decode step, and between idle ranks (after a barrier): the median over iterations of
     (when a rank leaves it - when the last rank entered it), for the slowest rank (it sets
-    the pace of the next step). Waiting for a rank that came
-    late (noise, or an imbalance) is not counted; what the backend adds once every rank is
-    there (on gloo: waking threads that were computing) is.
+    the pace of the next step). Waiting for a rank that came late (noise, or an imbalance)
+    is not counted; what the backend adds once every rank is there (on gloo: waking threads
+    that were computing) is.
 
     NOTE: time.perf_counter is CLOCK_MONOTONIC on Linux, the same clock in every process."""
     import statistics
