@@ -67,7 +67,7 @@ def _shardwise(world, path: str, repeats: int) -> dict:
     one = [generate(model, _ids(PROMPT).tolist(), comm=tp, max_new_tokens=NEW) for _ in range(repeats + 1)][1:]
     many = [generate(model, _ids(PROMPT, BATCH).tolist(), comm=tp, max_new_tokens=NEW) for _ in range(2)][1]
     per_rank = tp.all_gather(torch.tensor([report.param_bytes, mem.peak_above_baseline]), dim=0).view(-1, 2)
-    profile = _decode_profile(model, tp)
+    profile = _decode_profile(model, tp) | _weight_floor(model, tp)
     return {
         "profile": profile,
         "prefill_128_ms": p128,
@@ -100,9 +100,8 @@ def _decode_profile(model, tp) -> dict:
         with tp.stats.track() as comm, profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             for step in range(NEW):
-                mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
                 tok = sample_on_rank0(
-                    decode_step(model, tok.unsqueeze(1), mask, caches, PROMPT + step), greedy, None, tp
+                    decode_step(model, tok.unsqueeze(1), None, caches, PROMPT + step), greedy, None, tp
                 )
             total = (time.perf_counter() - t0) / NEW * 1e3
     kernels = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith(_KERNELS)) / 1e3 / NEW
@@ -113,6 +112,26 @@ def _decode_profile(model, tp) -> dict:
         "collectives_ms": collectives,
         "other_ms": total - kernels - collectives,
     }
+
+
+def _weight_floor(model, tp) -> dict:
+    """The floor of a batch-1 decode step on this machine: only the matrix-vector products
+    of this rank's weights (every projection and the LM head, the model's own tensors),
+    run by every rank at once, as in a real step. Decode at batch 1 streams each weight
+    once, so this is the memory-bandwidth bound; floor(tp=1) / floor(tp=2) is the most
+    any tp=2 can gain here, whatever its communication and overhead."""
+    weights = [m.weight for name, m in model.named_modules() if name and hasattr(m, "weight") and m.weight.dim() == 2]
+    weights = [w for w in weights if w is not model.embed.weight or model.cfg.tie_embeddings]  # embed: a row
+    inputs = [torch.randn(1, w.shape[1]) for w in weights]
+    times = []
+    with torch.no_grad():
+        for _ in range(NEW + 3):
+            tp.barrier()  # ranks stream their shards concurrently, sharing the memory bus
+            t0 = time.perf_counter()
+            for x, w in zip(inputs, weights, strict=True):
+                torch.nn.functional.linear(x, w)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"weight_floor_ms": statistics.median(times[3:])}
 
 
 # ---- transformers and PyTorch-native rows ----------------------------------------------------

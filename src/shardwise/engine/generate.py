@@ -66,9 +66,10 @@ def prefill(model: DecoderLM, ids: torch.Tensor, mask: torch.Tensor, caches: lis
 
 
 def decode_step(
-    model: DecoderLM, tokens: torch.Tensor, mask: torch.Tensor, caches: list[KVCache], start: int
+    model: DecoderLM, tokens: torch.Tensor, mask: torch.Tensor | None, caches: list[KVCache], start: int
 ) -> torch.Tensor:
-    """tokens: (B, 1) at slot `start`; mask: (B, start + 1) -> logits of the next token (B, V)."""
+    """tokens: (B, 1) at slot `start`; mask: (B, start + 1), or None when no row is padded
+    -> logits of the next token (B, V)."""
     return model(tokens, attention_mask=mask, caches=caches, start=start, last_only=True)[:, -1]
 
 
@@ -102,6 +103,7 @@ def generate(
     tok = sample_on_rank0(prefill(model, ids, mask, caches), sampling, gen, comm)  # (B,)
     result = GenerationResult([[] for _ in prompts], ["length"] * B, (time.perf_counter() - t0) * 1e3)
     done = [False] * B
+    padded = bool((mask == 0).any())  # without padding, decode steps need no mask at all
     for step in range(max_new_tokens):
         emitted: list[int | None] = []
         for i, t in enumerate(tok.tolist()):
@@ -120,7 +122,7 @@ def generate(
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)  # (B, L + step + 1)
         t0 = time.perf_counter()
         with comm.stats.track() as one_step:
-            logits = decode_step(model, tok.unsqueeze(1), mask, caches, L + step)
+            logits = decode_step(model, tok.unsqueeze(1), mask if padded else None, caches, L + step)
             tok = sample_on_rank0(logits, sampling, gen, comm)
         result.decode_ms.append((time.perf_counter() - t0) * 1e3)
         result.comm_per_step = one_step.snapshot()

@@ -74,7 +74,7 @@ class DecoderLM(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         else:
-            rope = rope_cos_sin(rope_inv_freq(self.cfg, ids.device), positions, x.dtype)
+            rope = rope_cos_sin(self._inv_freq(ids.device), positions, x.dtype)  # (B, 1, T, rot) each
         k_len = start + T if caches is not None else T
         mask = build_mask(
             attention_mask, T, k_len, causal=self.cfg.causal, window=self.cfg.sliding_window, device=ids.device
@@ -84,6 +84,14 @@ class DecoderLM(nn.Module):
         if last_only:
             x = x[:, -1:]  # (B, 1, hidden): only the next token's logits are needed
         return self.lm_head(self.norm(x))
+
+    def _inv_freq(self, device) -> torch.Tensor:
+        """RoPE inverse frequencies, computed once per device (not a buffer: the model is
+        built on the meta device, and checkpoints do not carry them)."""
+        cached = self.__dict__.get("_inv_freq_cache")
+        if cached is None or cached.device != torch.device(device):
+            cached = self.__dict__["_inv_freq_cache"] = rope_inv_freq(self.cfg, device)
+        return cached
 
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
         """One preallocated KVCache per layer, sized for this rank's KV heads."""

@@ -46,9 +46,8 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layer":
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (self.offset + self.weight.float())).to(x.dtype)
+        w = self.weight.float() if not self.offset else self.weight.float() + self.offset
+        return F.rms_norm(x.float(), w.shape, w, self.eps).to(x.dtype)  # one fused kernel, fp32 math
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -75,20 +74,22 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """cos, sin of shape (B, T, rotary_dim) for positions (B, T)."""
+    """cos, sin of shape (B, 1, T, rotary_dim) for positions (B, T): computed once per
+    forward, already broadcastable over heads."""
     freqs = positions.float().unsqueeze(-1) * inv_freq  # (B, T, rot/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, rot)
+    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # (B, 1, T, rot)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rotary_dim dims of x (B, H, T, hd) by the rotate-half convention."""
+    """Rotate the first rotary_dim dims of x (B, H, T, hd) by the rotate-half convention;
+    cos, sin: (B, 1, T, rot) from rope_cos_sin."""
     rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, rot)
+    x_rot = x if rot == x.shape[-1] else x[..., :rot]
     half = rot // 2
-    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)  # rotate_half(x)
+    out = torch.addcmul(x_rot * cos, rotated, sin)
+    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
 
 
 def attention_mask(
@@ -101,6 +102,8 @@ def attention_mask(
     """
     if pad_mask is None and not causal:
         return None
+    if pad_mask is None and q_len == 1 and (window is None or k_len <= window):
+        return None  # one query, no padding: it may attend to every key (a decode step)
     q_pos = torch.arange(k_len - q_len, k_len, device=device).unsqueeze(-1)  # (q, 1)
     k_pos = torch.arange(k_len, device=device).unsqueeze(0)  # (1, k)
     allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
@@ -165,17 +168,19 @@ class Attention(nn.Module):
         mask covers every cached key: (B or 1, 1, T, start + T)."""
         B, T, _ = x.shape
         hd = self.head_dim
-        qkv = self.qkv(x)  # (B, T, (nq + 2*nkv) * hd)
+        heads = self.qkv(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nq + 2*nkv, T, hd)
         nq = self.o.weight.shape[1] // hd  # local query heads, from o's input width
-        nkv = (qkv.shape[-1] // hd - nq) // 2  # local KV heads
-        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
-        q = q.view(B, T, nq, hd).transpose(1, 2)  # (B, nq, T, hd)
-        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        nkv = (heads.shape[1] - nq) // 2  # local KV heads
         if self.q_norm is not None:
+            q, k, v = heads.split([nq, nkv, nkv], dim=1)
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        else:  # rotate q and k together: half the kernel launches
+            qk, v = heads.split([nq + nkv, nkv], dim=1)  # (B, nq + nkv, T, hd), (B, nkv, T, hd)
+            if rope is not None:
+                qk = apply_rope(qk, *rope)
+            q, k = qk.split([nq, nkv], dim=1)  # (B, nq, T, hd), (B, nkv, T, hd)
         if cache is not None:
             k, v = cache.update(start, k, v)  # (B, nkv, start + T, hd)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nq != nkv)  # (B, nq, T, hd)
