@@ -54,6 +54,22 @@ def _targets(rows: dict) -> list[tuple[str, float, float, str]]:
     return out
 
 
+def _ceiling(rows: dict) -> list[str]:
+    """The most tp=2 can gain at batch-1 decode on this machine, from the weight floors."""
+    t1, mpi = rows["shardwise tp=1"], rows["shardwise tp=2 mpi"]
+    if "error" in t1 or "error" in mpi:
+        return []
+    f1, f2 = t1["profile"]["weight_floor_ms"], mpi["profile"]["weight_floor_ms"]
+    ceiling, got = f1 / f2, t1["decode_ms"] / mpi["decode_ms"]
+    return [
+        f"Weight-streaming floor: the matrix-vector products of every weight a decode step reads, "
+        f"nothing else, on every rank at once: {f1:.1f} ms at tp=1 and {f2:.1f} ms per rank at tp=2. "
+        f"So on this machine no tp=2 decode at batch 1 can be more than **{ceiling:.2f}x** faster than "
+        f"tp=1 (half the bytes per rank, but two cores share one memory bus); shardwise on MPI reaches "
+        f"{got:.2f}x, {got / ceiling:.0%} of that ceiling.",
+    ]
+
+
 def _plot(rows: dict) -> None:
     import matplotlib
 
@@ -115,15 +131,18 @@ def render(data: dict) -> str:
         "",
     ]
     lines += [
-        "| configuration | step ms (profiled) | GEMM + attention kernels | collectives | everything else |",
-        "|---|---|---|---|---|",
+        "| configuration | step ms (profiled) | GEMM + attention kernels | collectives | everything else "
+        "| weight-streaming floor (every rank at once) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         p = r.get("profile")
         if p:
             lines.append(
-                f"| {name} | {p['step_ms_profiled']:.1f} | {p['kernels_ms']:.1f} | {p['collectives_ms']:.2f} | {p['other_ms']:.1f} |"
+                f"| {name} | {p['step_ms_profiled']:.1f} | {p['kernels_ms']:.1f} | {p['collectives_ms']:.2f} "
+                f"| {p['other_ms']:.1f} | {p['weight_floor_ms']:.1f} |"
             )
+    lines += ["", *_ceiling(rows)]
     lines += ["", "![latency by configuration](bench_inference.png)", END]
     return "\n".join(lines)
 

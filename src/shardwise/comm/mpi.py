@@ -11,6 +11,7 @@ polled against the deadline; a peer that died or never arrives raises, instead o
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -21,6 +22,7 @@ from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, ReduceO
 
 __all__ = ["MPICommunicator", "init_mpi"]
 
+_SPIN_POLLS = 256  # polls (about a microsecond each) before a waiting rank starts yielding its core
 _HALF = (torch.bfloat16, torch.float16)
 _RAW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.bool: torch.uint8}
 
@@ -52,11 +54,16 @@ class MPICommunicator(Communicator):
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX}
 
     def _wait(self, request, op: str) -> None:
-        # Spin on Test: a blocking Wait has no timeout. The clock is read every 64 polls.
+        # Poll Test: a blocking Wait has no timeout. The clock is read every 64 polls.
+        # After a short spin each poll yields the core (sched_yield): free when nothing
+        # else wants the core, and it lets a peer rank that shares it (more ranks than
+        # cores) reach the collective instead of waiting out a scheduler time slice.
         deadline = time.monotonic() + self.timeout_s
         polls = 0
         while not request.Test():
             polls += 1
+            if polls > _SPIN_POLLS:
+                os.sched_yield()
             if polls & 63 == 0 and time.monotonic() > deadline:
                 raise RuntimeError(f"MPI {op} timed out after {self.timeout_s:g}s (a peer died or never arrived)")
 
