@@ -23,6 +23,8 @@ from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, ReduceO
 __all__ = ["MPICommunicator", "init_mpi"]
 
 _SPIN_POLLS = 256  # polls (about a microsecond each) before a waiting rank starts yielding its core
+_NAP_AFTER_S = 0.005  # a wait this long is not a collective's latency but a peer with other work
+_NAP_S = 0.0002  # then poll every 0.2 ms: an idle rank costs ~nothing, a late peer at most 0.2 ms
 _HALF = (torch.bfloat16, torch.float16)
 _RAW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.bool: torch.uint8}
 
@@ -58,14 +60,22 @@ class MPICommunicator(Communicator):
         # After a short spin each poll yields the core (sched_yield): free when nothing
         # else wants the core, and it lets a peer rank that shares it (more ranks than
         # cores) reach the collective instead of waiting out a scheduler time slice.
-        deadline = time.monotonic() + self.timeout_s
-        polls = 0
+        # A wait longer than _NAP_AFTER_S (an idle server rank waiting for work) naps
+        # between polls instead, so an idle rank does not keep a core busy.
+        start, polls, napping = time.monotonic(), 0, False
         while not request.Test():
             polls += 1
-            if polls > _SPIN_POLLS:
+            if polls <= _SPIN_POLLS:
+                continue
+            if polls & 63 == 0:
+                waited = time.monotonic() - start
+                if waited > self.timeout_s:
+                    raise RuntimeError(f"MPI {op} timed out after {self.timeout_s:g}s (a peer died or never arrived)")
+                napping = waited > _NAP_AFTER_S
+            if napping:
+                time.sleep(_NAP_S)
+            else:
                 os.sched_yield()
-            if polls & 63 == 0 and time.monotonic() > deadline:
-                raise RuntimeError(f"MPI {op} timed out after {self.timeout_s:g}s (a peer died or never arrived)")
 
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         work = t.to(torch.float32) if t.dtype in _HALF else t.contiguous().clone()
