@@ -1,10 +1,11 @@
-"""The planner's predictions against measurements on this machine: the table in docs/planner.md.
+"""The planner's predictions against measurements on this machine: the tables in docs/planner.md.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate_planner.py [--rounds 3] [--cached] [--no-write]
+        [--skip-inference] [--skip-training]
 
 1. Calibrates this host (unless --cached: then the cached calibration is used).
-2. For the benchmark model (benchmarks/bench_model.py) at tp=1 and at tp=2 on every
-   calibrated backend (gloo; mpi when it is available), predicts prefill and decode
+2. Inference: for the benchmark model (benchmarks/bench_model.py) at tp=1 and at tp=2 on
+   every calibrated backend (gloo; mpi when it is available), predicts prefill and decode
    latency with the planner's this-host cluster, and measures them with the engine:
    batch 1, a 128-token prompt, 32 new tokens. Each configuration is launched `rounds`
    times, interleaved; each launch does one warm-up generation, then `repeats` timed ones.
@@ -13,7 +14,11 @@
    the figure compared is the fastest prefill and the 10th percentile of the decode steps
    over all rounds; medians are shown next to them. Before the calibration and before
    each launch it waits (up to --idle-wait s) until no other process is runnable.
-3. Prints the table and writes it into docs/planner.md between the validation markers.
+3. Training: a small Llama-shaped model (TRAIN_MODEL, random weights, random tokens)
+   trained with shardwise.train (AdamW, fp32) at tp=1, tp=2 and dp=2 on every calibrated
+   backend; predicted step time against the median step time after --train-warmup steps.
+4. Prints the tables and writes them into docs/planner.md between the validation and the
+   training markers (a skipped part keeps its old table).
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,14 +39,32 @@ from bench_model import ensure_bench_model  # noqa: E402
 
 from shardwise.hf import read_config  # noqa: E402
 from shardwise.launch import launch  # noqa: E402
-from shardwise.planner.calibrate import load_calibration, wait_idle  # noqa: E402
-from shardwise.planner.measure import generation_rank  # noqa: E402
-from shardwise.planner.predict import Layout, predict_inference  # noqa: E402
+from shardwise.planner.calibrate import Calibration, load_calibration, wait_idle  # noqa: E402
+from shardwise.planner.measure import generation_rank, training_rank  # noqa: E402
+from shardwise.planner.predict import Layout, predict_inference, predict_training  # noqa: E402
+from shardwise.planner.specs import TrainingWorkload  # noqa: E402
 
 DOC = Path(__file__).parent.parent / "docs" / "planner.md"
-START, END = "<!-- validation:start -->", "<!-- validation:end -->"
+MARKERS = {
+    "inference": ("<!-- validation:start -->", "<!-- validation:end -->"),
+    "training": ("<!-- training:start -->", "<!-- training:end -->"),
+}
 WORKLOAD = dict(batch=1, prompt_len=128, output_len=32)
 TARGET = 0.25
+
+# NOTE: sized so that compute dominates (about 1 s per step at tp=1 on one core; a tp=2
+# all-reduce carries 1 MiB, the dp=2 gradient all-reduce 59 MB) and a run of 8 steps
+# takes seconds: 14.7M parameters.
+TRAIN_MODEL = dict(
+    vocab_size=2048,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    max_positions=256,
+)
+TRAIN_DATA = dict(seq_len=128, global_batch_size=8, micro_batch_size=4)
 
 
 def _err(pred: float, meas: float) -> str:
@@ -56,31 +81,47 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3, help="launches per configuration, interleaved")
-    ap.add_argument("--repeats", type=int, default=3, help="timed generations per launch")
-    ap.add_argument("--cached", action="store_true", help="use the cached calibration instead of measuring again")
-    ap.add_argument("--no-write", action="store_true", help="print the table only")
-    ap.add_argument("--idle-wait", type=float, default=60.0, help="seconds to wait for an idle machine per launch")
-    args = ap.parse_args()
+def _machine(cal: Calibration, load0: float, idle: list[bool], wait_s: float) -> str:
+    return (
+        f"Machine: {cal.devices} cores, shared; 1-minute load average {load0:.1f} before, {_load():.1f} after; "
+        f"{sum(idle)} of {len(idle)} launches started on an idle machine (the others after waiting {wait_s:.0f} s)."
+    )
 
+
+def _calibration_line(c: Calibration) -> str:
+    missing = [f"{b}: {why}" for b, why in c.unavailable.items()]
+    return (
+        f"Calibration ({c.created}, {c.seconds:.0f} s, {c.busy_launches} probe(s) started on a busy machine): "
+        "one core alone: matmul "
+        + ", ".join(f"{k} {v * 1e3:.0f} GFLOP/s" for k, v in c.gemm_tflops.items())
+        + f", weight streaming {c.mem_gbps:.1f} GB/s, overhead {c.layer_overhead_us:.0f} us/layer + "
+        f"{c.step_overhead_us:.0f} us/forward; with every core busy a core keeps {c.busy_compute:.0%} of its "
+        f"FLOP/s and {c.busy_memory:.0%} of its bandwidth; all-reduce over 2 ranks "
+        + "; ".join(
+            f"{b}: {v['latency_us']:.0f} us + n / {v['busbw_gbps']:.2f} GB/s, inside a step after "
+            + ", ".join(
+                f"{pt['burst_us'] / 1e3:.2g} ms of compute +{pt['extra_us']:.0f} us" for pt in v["after_compute"]
+            )
+            for b, v in c.links.items()
+        )
+        + (f"; not measured: {'; '.join(missing)}" if missing else "")
+        + "."
+    )
+
+
+def validate_inference(cal: Calibration, args, load0: float) -> tuple[str, int, int]:
+    """The inference table; (text, predictions, misses)."""
     model = ensure_bench_model()
     _, cfg = read_config(model)
-    load0 = _load()
-    idle = [wait_idle(args.idle_wait)]
-    cal = load_calibration(recalibrate=not args.cached)
     runs = [(1, "gloo")] + [(2, b) for b in ("gloo", "mpi") if b in cal.links]
-    missing = [f"{b}: {why}" for b, why in cal.unavailable.items()]
     opts = dict(model=str(model), repeats=args.repeats, **WORKLOAD)
-    t0 = time.time()
+    t0, idle = time.time(), []
     measured: dict[tuple, list[dict]] = {r: [] for r in runs}
     for i in range(args.rounds):  # interleaved, so that a burst of load elsewhere hits every row alike
         for tp, backend in runs:
             idle.append(wait_idle(args.idle_wait))
-            print(f"round {i + 1}/{args.rounds}: tp={tp} {backend} (load {_load():.1f})", file=sys.stderr)
+            print(f"inference round {i + 1}/{args.rounds}: tp={tp} {backend} (load {_load():.1f})", file=sys.stderr)
             measured[(tp, backend)].append(launch(generation_rank, tp, args=(opts,), backend=backend)[0])
-    load1 = _load()
     rows, misses = [], 0
     for tp, backend in runs:
         ms = measured[(tp, backend)]
@@ -97,28 +138,13 @@ def main() -> int:
             f"| {min(m['cold_prefill_ms'] for m in ms):.0f} | {dec:.1f} | {dec_m:.1f} | {_err(dec, dec_m)} "
             f"| {dec_med:.1f} | {comm} |"
         )
-    c = cal
     lines = [
         f"Measured {time.strftime('%Y-%m-%d %H:%M')} in {time.time() - t0:.0f} s by `benchmarks/validate_planner.py` "
         f"(rounds={args.rounds}, repeats={args.repeats}): benchmark model, fp32, batch {WORKLOAD['batch']}, prompt "
-        f"{WORKLOAD['prompt_len']} tokens, {WORKLOAD['output_len']} new tokens, 1 thread per rank. Machine: "
-        f"{c.devices} cores, shared; 1-minute load average {load0:.1f} before, {load1:.1f} after; "
-        f"{sum(idle)} of {len(idle)} launches started on an idle machine (the others after waiting "
-        f"{args.idle_wait:.0f} s).",
+        f"{WORKLOAD['prompt_len']} tokens, {WORKLOAD['output_len']} new tokens, 1 thread per rank. "
+        + _machine(cal, load0, idle, args.idle_wait),
         "",
-        f"Calibration ({c.created}, {c.seconds:.0f} s, {c.busy_launches} probe(s) started on a busy machine): "
-        "one core alone: matmul "
-        + ", ".join(f"{k} {v * 1e3:.0f} GFLOP/s" for k, v in c.gemm_tflops.items())
-        + f", weight streaming {c.mem_gbps:.1f} GB/s, overhead {c.layer_overhead_us:.0f} us/layer + "
-        f"{c.step_overhead_us:.0f} us/forward; with every core busy a core keeps {c.busy_compute:.0%} of its "
-        f"FLOP/s and {c.busy_memory:.0%} of its bandwidth; all-reduce over 2 ranks "
-        + "; ".join(
-            f"{b}: {v['latency_us']:.0f} us + n / {v['busbw_gbps']:.2f} GB/s, "
-            f"+{v.get('in_forward_extra_us', 0):.0f} us inside a forward"
-            for b, v in c.links.items()
-        )
-        + (f"; not measured: {'; '.join(missing)}" if missing else "")
-        + ".",
+        _calibration_line(cal),
         "",
         "| tp | backend | prefill ms predicted | measured (best) | error | median | cold | "
         "decode ms/token predicted | measured (p10) | error | median | comm ms/token predicted / measured (p10) |",
@@ -131,15 +157,131 @@ def main() -> int:
         "prefill after loading (not predicted); measured comm = time inside collectives per decode step, "
         "waiting for the other rank included.",
     ]
-    table = "\n".join(lines)
-    print(table)
-    if not args.no_write:
-        text = DOC.read_text()
-        if START not in text or END not in text:
-            raise SystemExit(f"{DOC} has no {START} ... {END} section")
-        pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-        DOC.write_text(pattern.sub(lambda _: f"{START}\n{table}\n{END}", text))
-        print(f"wrote {DOC}", file=sys.stderr)
+    return "\n".join(lines), len(rows) * 2, misses
+
+
+def validate_training(cal: Calibration, args, load0: float) -> tuple[str, int, int]:
+    """The training table; (text, predictions, misses)."""
+    import torch
+
+    from shardwise.train import TrainConfig, write_token_file
+
+    work = Path(tempfile.mkdtemp(prefix="shardwise-validate-"))
+    vocab = TRAIN_MODEL["vocab_size"]
+    ids = torch.randint(0, vocab, (100_000,), generator=torch.Generator().manual_seed(0))
+    tokens = write_token_file(work / "tokens.safetensors", ids, vocab_size=vocab)
+    steps = args.train_warmup + args.train_steps
+    base = {
+        "model": TRAIN_MODEL,
+        "data": {"tokens": str(tokens), **TRAIN_DATA},
+        "run": {"steps": steps, "progress": False, "plot": False, "save_at_end": False, "out_dir": str(work)},
+    }
+    runs = [(1, 1, "gloo")] + [(tp, dp, b) for b in ("gloo", "mpi") if b in cal.links for tp, dp in ((2, 1), (1, 2))]
+    runs = [r for r in runs if r[0] * r[1] <= cal.devices]
+    cfg = TrainConfig.from_dict(base).model.model_config()
+    wl = TrainingWorkload(
+        global_batch=TRAIN_DATA["global_batch_size"],
+        micro_batch=TRAIN_DATA["micro_batch_size"],
+        seq_len=TRAIN_DATA["seq_len"],
+        optimizer="adam",
+        precision="fp32",
+    )
+    t0, idle = time.time(), []
+    measured: dict[tuple, list[dict]] = {r: [] for r in runs}
+    for i in range(args.train_rounds):
+        for tp, dp, backend in runs:
+            idle.append(wait_idle(args.idle_wait))
+            print(f"training round {i + 1}/{args.train_rounds}: tp={tp} dp={dp} {backend}", file=sys.stderr)
+            raw = {**base, "parallel": {"tp": tp, "dp": dp}}
+            measured[(tp, dp, backend)].append(
+                launch(training_rank, tp * dp, args=({"config": raw},), backend=backend)[0]
+            )
+    shutil.rmtree(work, ignore_errors=True)
+    rows, misses = [], 0
+    for tp, dp, backend in runs:
+        ms = measured[(tp, dp, backend)]
+        step_ms = [x for m in ms for x in m["step_ms"][args.train_warmup :]]
+        comm_ms = [x for m in ms for x in m["comm_ms"][args.train_warmup :]]
+        p = predict_training(cfg, cal.cluster(backend), Layout(tp, 1, dp), wl)
+        pred, med = p.step.total_s * 1e3, statistics.median(step_ms)
+        misses += abs(pred / med - 1) > TARGET
+        rows.append(
+            f"| {tp} | {dp} | {backend if tp * dp > 1 else '-'} | {ms[0]['sync']} | {pred:.0f} | "
+            f"{p.step.compute_s * 1e3:.0f} + {p.step.comm_s * 1e3:.0f} | {med:.0f} | {_err(pred, med)} | "
+            f"{min(step_ms):.0f} | {statistics.median(comm_ms):.0f} |"
+        )
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d %H:%M')} in {time.time() - t0:.0f} s by the same command "
+        f"(train rounds={args.train_rounds}, {args.train_warmup} warm-up + {args.train_steps} timed steps per "
+        f"launch): shardwise.train on a Llama-shaped model with random weights and tokens ({cfg.num_layers} "
+        f"layers, hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, {cfg.num_heads} heads, "
+        f"{cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}: {_params(cfg) / 1e6:.1f}M parameters), AdamW, fp32, "
+        f"sequence {TRAIN_DATA['seq_len']}, global batch {TRAIN_DATA['global_batch_size']} in micro-batches of "
+        f"{TRAIN_DATA['micro_batch_size']}, 1 thread per rank; predicted with the calibration of {cal.created}. "
+        + _machine(cal, load0, idle, args.idle_wait),
+        "",
+        "| tp | dp | backend | dp sync | step ms predicted | = compute + comm | measured (median) | error | "
+        "fastest | comm ms measured (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"{'PASS' if not misses else 'MISS'}: {len(rows) - misses} of {len(rows)} predictions within ±{TARGET:.0%}. "
+        "Error = predicted / measured - 1, measured = the median step time after the warm-up steps; measured comm "
+        "= time inside shardwise's collectives per step (tp all-reduces, the bucketed dp all-reduce; DDP's "
+        "all-reduces run inside torch and are not counted), waiting for the other rank included.",
+    ]
+    return "\n".join(lines), len(rows), misses
+
+
+def _params(cfg) -> int:
+    from shardwise.planner.memory import stage_params
+
+    return stage_params(cfg, 1, 1, 0)
+
+
+def _write(part: str, table: str) -> None:
+    start, end = MARKERS[part]
+    text = DOC.read_text()
+    if start not in text or end not in text:
+        raise SystemExit(f"{DOC} has no {start} ... {end} section")
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    DOC.write_text(pattern.sub(lambda _: f"{start}\n{table}\n{end}", text))
+    print(f"wrote the {part} table into {DOC}", file=sys.stderr)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3, help="inference: launches per configuration, interleaved")
+    ap.add_argument("--repeats", type=int, default=3, help="inference: timed generations per launch")
+    ap.add_argument("--train-rounds", type=int, default=1, help="training: launches per configuration")
+    ap.add_argument("--train-warmup", type=int, default=2, help="training: steps per launch before timing")
+    ap.add_argument("--train-steps", type=int, default=6, help="training: timed steps per launch")
+    ap.add_argument("--skip-inference", action="store_true", help="leave the inference table as it is")
+    ap.add_argument("--skip-training", action="store_true", help="leave the training table as it is")
+    ap.add_argument("--cached", action="store_true", help="use the cached calibration instead of measuring again")
+    ap.add_argument("--no-write", action="store_true", help="print the tables only")
+    ap.add_argument("--idle-wait", type=float, default=60.0, help="seconds to wait for an idle machine per launch")
+    args = ap.parse_args()
+
+    load0 = _load()
+    wait_idle(args.idle_wait)
+    cal = load_calibration(recalibrate=not args.cached)
+    parts = [
+        (name, fn)
+        for name, fn, skip in (
+            ("inference", validate_inference, args.skip_inference),
+            ("training", validate_training, args.skip_training),
+        )
+        if not skip
+    ]
+    total = missed = 0
+    for name, fn in parts:
+        table, n, misses = fn(cal, args, load0)
+        total, missed = total + n, missed + misses
+        print(table + "\n")
+        if not args.no_write:
+            _write(name, table)
+    print(f"{total - missed} of {total} predictions within ±{TARGET:.0%}", file=sys.stderr)
     return 0
 
 

@@ -32,12 +32,13 @@ def test_plan_a_preset_as_json_and_bad_input():
 
 
 def test_plan_this_host_from_the_cache_with_a_plot(tmp_path):
-    from shardwise.planner.calibrate import _cores
+    from shardwise.planner.calibrate import VERSION, _cores
 
     cal = {
         "host": platform.node() or "localhost", "torch": torch.__version__, "devices": _cores(), "memory_gib": 16.0,
         "gemm_tflops": {"float32": 0.05}, "mem_gbps": 10.0, "layer_overhead_us": 200.0, "step_overhead_us": 200.0,
         "links": {"gloo": {"latency_us": 300.0, "busbw_gbps": 1.0, "points": []}}, "unavailable": {"mpi": "test"},
+        "version": VERSION,
     }  # fmt: skip
     (tmp_path / "calibration.json").write_text(json.dumps(cal))
     png = tmp_path / "plan.png"

@@ -11,6 +11,7 @@ import torch
 from shardwise.comm.dryrun import DryRunCommunicator
 from shardwise.hf.families import family_for
 from shardwise.layers import model_shard_specs
+from shardwise.planner.calibrate import after_compute_extra_us
 from shardwise.planner.cost import (
     forward_flops_per_token,
     megatron_flops_per_iteration,
@@ -25,10 +26,10 @@ from shardwise.planner.memory import (
     stage_params,
     training_activation_bytes_per_layer,
 )
-from shardwise.planner.predict import Layout, predict_inference, predict_training
+from shardwise.planner.predict import Layout, mean_burst_s, predict_inference, predict_training
 from shardwise.planner.presets import model_preset
 from shardwise.planner.search import valid_tp_sizes
-from shardwise.planner.specs import PRECISIONS, Cluster, Device, Link, TrainingWorkload
+from shardwise.planner.specs import PRECISIONS, Cluster, Device, Link, PlanError, TrainingWorkload
 from shardwise.sharding import parallelize
 
 BENCH = model_preset("bench-156m")  # h 1024, 8 layers, 16/4 heads, inter 2816, vocab 32000
@@ -99,10 +100,31 @@ def test_link_alpha_beta_and_interpolation():
     assert measured.all_reduce_s(2000, 4) == pytest.approx(2 * 5e-6 + 1.5 * 2000 / 1e9)
 
 
-def _cluster(busbw=10.0, latency=10.0, **dev) -> Cluster:
+def test_extra_after_compute_by_hand():
+    # measured: +200 us after 0.1 ms of compute, +500 us after 1 ms, +1100 us after 10 ms
+    link = Link("g", 1, 400, after_compute=((1e-3, 500e-6), (1e-4, 200e-6), (1e-2, 1100e-6)))
+    assert link.extra_after_s(0.0) == 0
+    assert link.extra_after_s(5e-5) == pytest.approx(200e-6)  # below the first burst: its value
+    assert link.extra_after_s(1e-4) == pytest.approx(200e-6)
+    assert link.extra_after_s(10**-3.5) == pytest.approx(350e-6)  # halfway in log(burst)
+    assert link.extra_after_s(10**-2.5) == pytest.approx(800e-6)
+    assert link.extra_after_s(1e-2) == link.extra_after_s(1.0) == pytest.approx(1100e-6)  # above: the last
+    assert Link("none", 1, 5).extra_after_s(1e-3) == 0
+    for bad in (((0.0, 1e-6),), ((1e-3, -1e-6),)):
+        with pytest.raises(PlanError, match="after_compute"):
+            Link("bad", 1, 5, after_compute=bad)
+    # calibration: a call inside the step, less the same all-reduce between idle ranks, at least 0
+    assert after_compute_extra_us(1150.0, 400.0) == pytest.approx(750.0)
+    assert after_compute_extra_us(30.0, 40.0) == 0
+    # the burst before each collective: a pass's compute over its collectives
+    assert mean_burst_s(0.019, 19) == pytest.approx(0.001)
+    assert mean_burst_s(0.5, 0) == 0.5
+
+
+def _cluster(busbw=10.0, latency=10.0, after=(), devices=8, **dev) -> Cluster:
     d = dict(name="d", memory_gib=64, peak_tflops={"float32": 1.0}, mem_bw_gbps=100, matmul_efficiency=1.0,
              mem_efficiency=1.0)  # fmt: skip
-    return Cluster("c", Device(**(d | dev)), 8, 8, Link("l", busbw, latency))
+    return Cluster("c", Device(**(d | dev)), devices, devices, Link("l", busbw, latency, after_compute=after))
 
 
 def test_decode_prediction_by_hand():
@@ -122,6 +144,37 @@ def test_decode_prediction_by_hand():
     flops = 128 * 8 * (2 * 11_272_192 + 4 * 128 * 16 * 64) + 2 * 1024 * 32000
     assert p.prefill.compute_s == pytest.approx(flops / 1e12)
     assert p.request_s == pytest.approx(p.prefill.total_s + 31 * p.decode.total_s)
+
+
+def test_decode_collectives_pay_the_extra_after_their_burst():
+    kw = dict(batch=1, prompt_len=128, output_len=32, width=4, dtype="float32")
+    plain = predict_inference(BENCH, _cluster(), Layout(2, 1, 1), **kw).decode
+    flat = predict_inference(BENCH, _cluster(after=((1e-3, 500e-6),)), Layout(2, 1, 1), **kw).decode
+    assert flat.compute_s == plain.compute_s
+    assert flat.comm_s == pytest.approx(plain.comm_s + 19 * 500e-6)  # 17 all-reduces, 1 all-gather, 1 broadcast
+    # +0 after 0.1 ms, +1 ms after 10 ms; the decode step's 2.471 ms of compute (above) over 19 collectives
+    sloped = predict_inference(BENCH, _cluster(after=((1e-4, 0.0), (1e-2, 1e-3))), Layout(2, 1, 1), **kw).decode
+    burst = 247_140_352 / 100e9 / 19
+    assert sloped.comm_s == pytest.approx(plain.comm_s + 19 * 1e-3 * math.log(burst / 1e-4) / math.log(100))
+
+
+def test_training_collectives_pay_the_extra_and_one_device_works_alone():
+    wl = TrainingWorkload(global_batch=2, micro_batch=1, seq_len=128, precision="fp32")
+    after = ((1e-3, 1e-3),)  # +1 ms after any burst
+    for layout, calls in ((Layout(1, 1, 2), 1), (Layout(2, 1, 1), 2 * 36)):
+        # dp=2: the gradient all-reduce; tp=2: 2 micro-batches x (17 forward + 19 backward, 2 of them the loss's)
+        plain = predict_training(BENCH, _cluster(), layout, wl).step
+        extra = predict_training(BENCH, _cluster(after=after), layout, wl).step
+        assert extra.comm_s == pytest.approx(plain.comm_s + calls * 1e-3), layout
+    # a core keeps half its rates while others work; tp=1 dp=1 uses one device of 8, which works alone
+    shared = dict(busy_compute=0.5, busy_memory=0.5)
+    alone = predict_training(BENCH, _cluster(devices=1), Layout(1, 1, 1), wl).step.compute_s
+    assert predict_training(BENCH, _cluster(**shared), Layout(1, 1, 1), wl).step.compute_s == pytest.approx(alone)
+    # dp=2: both work, each at half its rates
+    halved = predict_training(BENCH, _cluster(peak_tflops={"float32": 0.5}, mem_bw_gbps=50), Layout(1, 1, 2), wl)
+    assert predict_training(BENCH, _cluster(**shared), Layout(1, 1, 2), wl).step.compute_s == pytest.approx(
+        halved.step.compute_s
+    )
 
 
 def test_training_step_bubble_and_throughput():

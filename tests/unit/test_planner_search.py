@@ -158,6 +158,31 @@ def test_calibration_cache_round_trip_and_fit(tmp_path, monkeypatch):
     assert lat == pytest.approx(50, rel=1e-6) and bw == pytest.approx(2, rel=1e-6)
 
 
+def test_calibration_carries_extra_after_compute_and_refreshes_old_files(tmp_path, monkeypatch):
+    import json
+    import platform
+
+    import torch
+
+    from shardwise.planner import calibrate
+
+    gloo = {**FAKE.links["gloo"], "after_compute": [{"burst_us": 100.0, "extra_us": 200.0},
+                                                    {"burst_us": 1000.0, "extra_us": 500.0}]}  # fmt: skip
+    cal = Calibration(**{**FAKE.__dict__, "links": {**FAKE.links, "gloo": gloo}})
+    flat = [x for pt in cal.cluster("gloo").intra.after_compute for x in pt]  # (burst s, extra s) points
+    assert flat == pytest.approx([1e-4, 2e-4, 1e-3, 5e-4])
+    assert cal.cluster("gloo").intra.latency_us == 300.0  # the idle figure: the extra depends on the burst
+    assert cal.cluster("mpi").intra.after_compute == ()
+    # a file from before the step-level probe (no version) is measured again
+    old = {**json.loads(cal.to_json()), "host": platform.node() or "localhost", "torch": torch.__version__}
+    old["devices"] = calibrate._cores()
+    del old["version"]
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(old))
+    monkeypatch.setattr(calibrate, "calibrate", lambda **kw: cal)
+    assert load_calibration(path=path) is cal
+
+
 def test_text_and_plot(tmp_path):
     p = plan("llama-3-70b", "dgx-a100-80gb", InferenceWorkload(batch=8))
     text = render_text(p, top=3)

@@ -8,8 +8,9 @@ starts ranks). Measured (shardwise.planner.measure):
   (what a core keeps of its rates while the others work: busy_compute, busy_memory);
 - all-reduce latency and bus bandwidth over 2 ranks for every available backend
   (shardwise.bench.comm.measure_all_reduce), fitted to time = latency + n / busbw; and
-  what a small all-reduce costs more when the ranks were computing just before it, as
-  inside a forward (in_forward_extra_us), added to every collective.
+  what a small all-reduce costs more inside a step, after a burst of compute, for bursts
+  of 0.1 to 10 ms (measure.after_compute_rank): the planner adds it to every collective,
+  for the burst that precedes it in the step it predicts.
 
 Every figure is the fastest of several tries (per rank, then the median over ranks): the
 machine may be shared, and load elsewhere only ever adds time.
@@ -31,9 +32,20 @@ from pathlib import Path
 
 from shardwise.planner.specs import Cluster, Device, Link, PlanError
 
-__all__ = ["Calibration", "calibrate", "load_calibration", "this_host", "cache_path", "fit_link", "wait_idle"]
+__all__ = [
+    "Calibration",
+    "calibrate",
+    "load_calibration",
+    "this_host",
+    "cache_path",
+    "fit_link",
+    "after_compute_extra_us",
+    "wait_idle",
+]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
+VERSION = 2
+"""Bumped when the measurements change meaning: a cache of another version is measured again."""
 
 
 @dataclass
@@ -55,13 +67,16 @@ class Calibration:
     """A core's FLOP/s and bandwidth while every core works, as a fraction of its rates alone."""
     links: dict[str, dict] = field(default_factory=dict)
     """backend -> {"latency_us", "busbw_gbps", "points": [{"size_bytes", "latency_us"}, ...],
-    "in_forward_extra_us"}: all-reduces of idle ranks, and what ranks that were computing add."""
+    "after_compute": [{"burst_us", "extra_us"}, ...]}: all-reduces of idle ranks, and what a
+    small one costs more inside a step right after a burst of compute of that length."""
     unavailable: dict[str, str] = field(default_factory=dict)
     """backend -> why it could not be measured."""
     created: str = ""
     seconds: float = 0.0
     busy_launches: int = 0
     """Probes that started while other processes were running (after waiting up to 30 s)."""
+    version: int = VERSION
+    """The measurements' meaning (a file without the field: 0, measured again)."""
 
     def cluster(self, backend: str = "gloo") -> Cluster:
         if backend not in self.links:
@@ -71,9 +86,9 @@ class Calibration:
             )
         links = {}
         for b, v in self.links.items():
-            extra = v.get("in_forward_extra_us", 0.0)  # NOTE: inside a forward, every collective pays it
-            pts = tuple((pt["size_bytes"], (pt["latency_us"] + extra) * 1e-6) for pt in v["points"])
-            links[b] = Link(f"{b} (measured)", v["busbw_gbps"], v["latency_us"] + extra, pts)
+            pts = tuple((pt["size_bytes"], pt["latency_us"] * 1e-6) for pt in v["points"])
+            after = tuple((pt["burst_us"] * 1e-6, pt["extra_us"] * 1e-6) for pt in v.get("after_compute", ()))
+            links[b] = Link(f"{b} (measured)", v["busbw_gbps"], v["latency_us"], pts, after)
         device = Device(
             name=f"CPU core of {self.host} (1 thread)",
             memory_gib=self.memory_gib,
@@ -110,7 +125,7 @@ class Calibration:
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
-        return cls(**json.loads(text))
+        return cls(**{"version": 0, **json.loads(text)})
 
 
 def cache_path() -> Path:
@@ -150,6 +165,12 @@ def wait_idle(max_s: float = 30.0) -> bool:
     return False
 
 
+def after_compute_extra_us(per_call_us: float, idle_us: float) -> float:
+    """What a collective inside a step costs beyond the same collective between idle ranks:
+    per_call - idle, at least 0 (a backend that spins may come out a little faster)."""
+    return max(0.0, per_call_us - idle_us)
+
+
 def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
     """(latency_us, busbw_gbps) of time = latency + n / busbw over (bytes, seconds) points at
     world size 2, by least squares on relative error (small and large sizes count alike)."""
@@ -164,10 +185,12 @@ def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
     return a * 1e6, 1 / b / 1e9
 
 
-def _measure_links(devices: int, backends: list[str], repeats: int, rounds: int, log, quiet) -> tuple[dict, dict]:
+def _measure_links(
+    devices: int, backends: list[str], repeats: int, rounds: int, log, quiet, flops: float
+) -> tuple[dict, dict]:
     from shardwise.bench.comm import available_backends, measure_all_reduce
     from shardwise.launch import launch
-    from shardwise.planner.measure import in_forward_rank
+    from shardwise.planner.measure import after_compute_rank
 
     links, unavailable = {}, {}
     if devices < 2:
@@ -184,23 +207,30 @@ def _measure_links(devices: int, backends: list[str], repeats: int, rounds: int,
                 quiet()
                 for pt in measure_all_reduce(b, 2, COMM_SIZES, repeats):
                     best[pt.size_bytes] = min(best.get(pt.size_bytes, float("inf")), pt.latency_us)
-            log(f"calibrating: all-reduce between bursts of compute, backend {b}")
-            inside = {"idle_us": 0.0, "in_forward_us": float("inf")}
-            for _ in range(2):  # the better of two launches, as everywhere (see measure.best_time)
+            log(f"calibrating: all-reduces between bursts of compute, backend {b}")
+            tries = []
+            for _ in range(2):  # the better of two launches, burst by burst (see measure.best_time)
                 quiet()
-                r = launch(in_forward_rank, 2, args=({},), backend=b)[0]
-                if r["in_forward_us"] - r["idle_us"] < inside["in_forward_us"] - inside["idle_us"]:
-                    inside = r
+                tries.append(launch(after_compute_rank, 2, args=({"flops": flops},), backend=b)[0]["points"])
+            after = [min(pts, key=lambda pt: pt["per_call_us"]) for pts in zip(*tries, strict=True)]
         except Exception as e:  # noqa: BLE001 - a backend that fails is reported, not fatal
             unavailable[b] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
             continue
         pts = sorted(best.items())
         lat, bw = fit_link([(n, us * 1e-6) for n, us in pts])
+        idle = best[COMM_SIZES[0]]  # NOTE: the probe's all-reduces are 4 KiB, COMM_SIZES[0]
         links[b] = {
             "latency_us": lat,
             "busbw_gbps": bw,
             "points": [{"size_bytes": n, "latency_us": us} for n, us in pts],
-            "in_forward_extra_us": max(0.0, inside["in_forward_us"] - inside["idle_us"]),
+            "after_compute": [
+                {
+                    "burst_us": pt["burst_us"],
+                    "per_call_us": pt["per_call_us"],
+                    "extra_us": after_compute_extra_us(pt["per_call_us"], idle),
+                }
+                for pt in after
+            ],
         }
     return links, unavailable
 
@@ -231,7 +261,8 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
         per_rank = launch(probe_rank, devices, args=({"repeats": repeats},))
         busy = {k: statistics.median(r[k] for r in per_rank) for k in ("mem_gbps",)}
         busy["gemm_tflops"] = {"float32": statistics.median(r["gemm_tflops"]["float32"] for r in per_rank)}
-    links, unavailable = _measure_links(devices, backends or ["gloo", "mpi"], 10 * repeats, 3, log, quiet)
+    flops = alone["gemm_tflops"]["float32"] * 1e12
+    links, unavailable = _measure_links(devices, backends or ["gloo", "mpi"], 10 * repeats, 3, log, quiet, flops)
     return Calibration(
         host=platform.node() or "localhost",
         torch=torch.__version__,
@@ -248,6 +279,7 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
         created=time.strftime("%Y-%m-%d %H:%M:%S"),
         seconds=time.time() - t0,
         busy_launches=busy_launches,
+        version=VERSION,
     )
 
 
@@ -261,7 +293,8 @@ def load_calibration(*, recalibrate: bool = False, path: Path | None = None, log
             cal = Calibration.from_json(path.read_text())
         except (ValueError, TypeError) as e:
             raise PlanError(f"{path}: not a calibration file ({e}); run with --recalibrate") from None
-        if cal.host == (platform.node() or "localhost") and cal.devices == _cores() and cal.torch == torch.__version__:
+        same_host = cal.host == (platform.node() or "localhost") and cal.devices == _cores()
+        if same_host and cal.torch == torch.__version__ and cal.version == VERSION:
             return cal
     cal = calibrate(log=log)
     path.parent.mkdir(parents=True, exist_ok=True)

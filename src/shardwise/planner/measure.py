@@ -2,8 +2,9 @@
 started by mpiexec can run it too).
 
     probe_rank       matmul FLOP/s, weight-streaming bandwidth, fixed time per layer and per step
-    in_forward_rank  a small all-reduce between bursts of compute, as inside a forward
+    after_compute_rank  small all-reduces between bursts of compute of several lengths, as in a step
     generation_rank  prefill and decode times of a checkpoint, steady state (after a warm-up)
+    training_rank    training step times of a small model, with shardwise.train
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from shardwise.comm import Communicator, ParallelDims
 
-__all__ = ["probe_rank", "in_forward_rank", "generation_rank", "best_time"]
+__all__ = ["probe_rank", "after_compute_rank", "AFTER_COMPUTE_MS", "generation_rank", "training_rank", "best_time"]
 
 
 def best_time(fn: Callable[[], object], repeats: int, warmup: int = 1, sync: Communicator | None = None) -> float:
@@ -102,35 +103,50 @@ def probe_rank(world: Communicator, opts: dict) -> dict:
     return out
 
 
-def in_forward_rank(world: Communicator, opts: dict) -> dict:
-    """What a small all-reduce costs right after about a millisecond of weight streaming, as in
-    a decode step, and between idle ranks (after a barrier): the median over iterations of
-    (when a rank leaves it - when the last rank entered it), for the slowest rank (it sets
-    the pace of the next step). Waiting for a rank that came late (noise, or an imbalance)
-    is not counted; what the backend adds once every rank is there (on gloo: waking threads
-    that were computing) is.
+AFTER_COMPUTE_MS = (0.1, 0.3, 1.0, 3.0, 10.0)
+"""Lengths of the bursts of compute before each collective in after_compute_rank: from a
+decode step's attention block (a tenth of a millisecond) to a training layer's backward."""
 
-    NOTE: time.perf_counter is CLOCK_MONOTONIC on Linux, the same clock in every process."""
-    import statistics
 
-    w, x = torch.randn(4096, 1024), torch.randn(1, 1024)  # 16 MiB
-    t = torch.ones(opts.get("numel", 1024))
-    n = opts.get("iterations", 80)
-    times = torch.zeros(2, 2, n, dtype=torch.float64)  # (idle | in forward, enter | exit, iteration)
-    for phase in (0, 1):
-        for i in range(-5, n):
-            if phase == 0:
+def after_compute_rank(world: Communicator, opts: dict) -> dict:
+    """What a small all-reduce costs inside a step, after a burst of compute, for bursts of
+    several lengths: a synthetic step of n bursts (a matmul on cache-resident weights, about
+    `ms` long), each followed by an all-reduce of 1024 fp32 values (4 KiB: a decode step's
+    activations), against the same bursts with a single all-reduce at the end:
+
+        per_call = (p10 of step time with - p10 without) / (n - 1)
+
+    for the slowest rank (it sets the pace). A step-level figure, as the decode step's: it
+    keeps the slow tail of the collectives (on gloo a few in every step take milliseconds
+    instead of half of one) and a rank that leaves a collective late arriving late at the
+    next one, which a per-collective median drops. Returns {"points": [{"burst_us",
+    "per_call_us"}, ...]}, burst_us measured (the step without collectives / n).
+
+    NOTE: every step starts after a barrier, so both ranks start it together."""
+    n, steps, warmup = opts.get("calls", 19), opts.get("steps", 20), 3
+    w, t = torch.randn(256, 1024), torch.ones(1024)  # 1 MiB: stays in cache, so the burst is compute
+    points = []
+    for ms in opts.get("bursts_ms", AFTER_COMPUTE_MS):
+        x = torch.randn(max(1, round(ms * 1e-3 * opts.get("flops", 86e9) / (2 * w.numel()))), 1024)
+        quantiles = {}
+        for collectives in (True, False):
+            times = []
+            for i in range(warmup + steps):
                 world.barrier()
-            else:
-                F.linear(x, w)
-            t0 = time.perf_counter()
-            world.all_reduce(t)
-            if i >= 0:
-                times[phase, 0, i], times[phase, 1, i] = t0, time.perf_counter()
-    every = world.all_gather(times.unsqueeze(0), dim=0)  # (ranks, 2, 2, n)
-    cost = every[:, :, 1] - every[:, :, 0].amax(dim=0)  # (ranks, 2, n): exit - last entry
-    per = [[statistics.median(cost[r, phase].tolist()) for r in range(world.size)] for phase in (0, 1)]
-    return {"idle_us": max(per[0]) * 1e6, "in_forward_us": max(per[1]) * 1e6}
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    F.linear(x, w)
+                    if collectives:
+                        world.all_reduce(t)
+                if not collectives:
+                    world.all_reduce(t)  # the step ends together, as with collectives
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            quantiles[collectives] = sorted(times)[len(times) // 10]
+        every = world.all_gather(torch.tensor([[quantiles[True], quantiles[False]]], dtype=torch.float64), dim=0)
+        with_, without = every.amax(dim=0).tolist()  # the slowest rank's
+        points.append({"burst_us": without / n * 1e6, "per_call_us": (with_ - without) / (n - 1) * 1e6})
+    return {"points": points}
 
 
 def generation_rank(world: Communicator, opts: dict) -> dict:
@@ -170,3 +186,20 @@ def generation_rank(world: Communicator, opts: dict) -> dict:
         "decode_comm_ms": decode_comm,
         "collectives_per_token": r.comm_per_step,
     }
+
+
+def training_rank(world: Communicator, opts: dict) -> dict:
+    """Train opts["config"] (a TrainConfig as nested dicts) for its run.steps steps with
+    shardwise's own training step; every step's seconds (as StepStats reports them) and the
+    time inside shardwise's collectives in it (waiting for other ranks included; DDP's
+    all-reduces run inside torch and are not counted)."""
+    from shardwise.train import TrainConfig, setup, train_step
+
+    cfg = TrainConfig.from_dict(opts["config"])
+    tr = setup(world, cfg)
+    steps, comm = [], []
+    for _ in range(cfg.run.steps):
+        before = world.stats.seconds()
+        steps.append(train_step(tr).seconds * 1e3)
+        comm.append((world.stats.seconds() - before) * 1e3)
+    return {"step_ms": steps, "comm_ms": comm, "sync": type(tr.sync).__name__}

@@ -2,8 +2,10 @@
 
 Compute on a device is a roofline: max(FLOPs / achieved FLOP/s, bytes streamed / achieved
 memory bandwidth), plus a fixed overhead per layer and per forward. Collectives follow the
-alpha-beta model of their link (specs.Link). Nothing overlaps: communication adds to
-compute, as it does in shardwise's eager forward.
+alpha-beta model of their link (specs.Link), plus what the link measured a collective to
+cost more after the burst of compute that precedes it (specs.Link.extra_after_s; the burst
+is the compute of a pass divided among its collectives). Nothing overlaps: communication
+adds to compute, as it does in shardwise's eager forward.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from shardwise.planner.specs import Cluster, TrainingWorkload
 __all__ = [
     "Layout",
     "Timing",
+    "mean_burst_s",
     "merge",
     "InferencePrediction",
     "TrainingPrediction",
@@ -87,7 +90,15 @@ class TrainingPrediction:
     """Collectives of one step on one rank of the busiest stage."""
 
 
-def _timed(c: Collective, cluster: Cluster, group_size: int, span: int) -> Collective:
+def mean_burst_s(compute_s: float, calls: int) -> float:
+    """The compute before each of `calls` collectives that split `compute_s` of compute: the
+    mean, compute_s / calls (all of it when there are none)."""
+    return compute_s / max(calls, 1)
+
+
+def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s: float = 0.0) -> Collective:
+    """`c` with its link and seconds: each call's alpha-beta time, plus what the link adds
+    after `burst_s` of compute."""
     link = cluster.link_for(span)
     each = c.bytes / c.calls
     if c.op == "all_gather":
@@ -96,6 +107,7 @@ def _timed(c: Collective, cluster: Cluster, group_size: int, span: int) -> Colle
         s = link.send_s(each)
     else:  # all_reduce, broadcast (a tiny payload: its latency)
         s = link.all_reduce_s(each, group_size)
+    s += link.extra_after_s(burst_s) if group_size > 1 else 0.0
     return Collective(c.op, c.group, c.calls, c.bytes, link.name, s * c.calls)
 
 
@@ -122,7 +134,7 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
              width: int, dtype: str) -> tuple[Timing, list[Collective]]:  # fmt: skip
     """One forward of `tokens` new tokens per sequence through every stage, in sequence."""
     dev, layers = cluster.device, cfg.num_layers // pp
-    compute, colls = dev.step_overhead_us * 1e-6, []
+    compute, raw = dev.step_overhead_us * 1e-6, []  # raw: (collective, group size, span of ranks)
     for stage, count in _stages(pp):
         first, last = stage == 0, stage == pp - 1
         flops = batch * tokens * layers * layer_flops_per_token(cfg, context, tp)
@@ -134,13 +146,14 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
         compute += count * t
         kw = dict(batch=batch, tokens=tokens, width=width, layers=layers, first=first, last=last)
         for c in tp_forward_collectives(cfg, tp, **kw):
-            colls.append(_timed(Collective(c.op, c.group, c.calls * count, c.bytes * count), cluster, tp, tp))
+            raw.append((Collective(c.op, c.group, c.calls * count, c.bytes * count), tp, tp))
     if tp > 1:  # the engine samples on rank 0 and broadcasts the tokens (int64)
-        colls.append(_timed(Collective("broadcast", "tp", 1, 8 * batch), cluster, tp, tp))
+        raw.append((Collective("broadcast", "tp", 1, 8 * batch), tp, tp))
     if pp > 1:
         act = batch * tokens * cfg.hidden_size * width
-        colls.append(_timed(Collective("send", "pp", pp - 1, (pp - 1) * act), cluster, pp, tp * pp))
-    colls = merge(colls)
+        raw.append((Collective("send", "pp", pp - 1, (pp - 1) * act), pp, tp * pp))
+    burst = mean_burst_s(compute, sum(c.calls for c, _, _ in raw))
+    colls = merge([_timed(c, cluster, size, span, burst) for c, size, span in raw])
     return Timing(compute, sum(c.seconds for c in colls)), colls
 
 
@@ -164,21 +177,23 @@ def predict_training(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: Tra
     width, m = prec.weight_bytes, wl.global_batch // (wl.micro_batch * dp)
     layers, tokens = cfg.num_layers // pp, wl.micro_batch * wl.seq_len
     passes = 4 if wl.recompute else 3
+    busy = layout.tp * pp * dp > 1  # every device of the layout works at once
     worst: tuple[float, float, float, list[Collective], int] | None = None
     for stage in sorted({0, pp - 1}):
         first, last = stage == 0, stage == pp - 1
         flops = tokens * passes * layers * layer_flops_per_token(cfg, wl.seq_len, tp)
         flops += tokens * 3 * head_flops_per_token(cfg, tp) if last else 0.0
         nbytes = 3 * streamed_params(cfg, tp, pp, stage) * width
-        busy = cluster.devices > 1  # in training every device works at once
         compute = max(flops / dev.flops(prec.compute, busy), nbytes / dev.bytes_per_s(busy))
         compute += passes * (layers * dev.layer_overhead_us + dev.step_overhead_us) * 1e-6
         kw = dict(batch=wl.micro_batch, tokens=wl.seq_len, width=width, layers=layers, last=last)
-        colls = [_timed(c, cluster, tp, tp) for c in tp_forward_collectives(cfg, tp, first=first, logit_rows=0, **kw)]
-        colls += [_timed(c, cluster, tp, tp) for c in tp_backward_collectives(cfg, tp, recompute=wl.recompute, **kw)]
+        raw = [(c, tp, tp) for c in tp_forward_collectives(cfg, tp, first=first, logit_rows=0, **kw)]
+        raw += [(c, tp, tp) for c in tp_backward_collectives(cfg, tp, recompute=wl.recompute, **kw)]
         if pp > 1:  # activations forward, their gradients backward
             act = tokens * cfg.hidden_size * width
-            colls.append(_timed(Collective("send", "pp", 2, 2 * act), cluster, pp, tp * dp * pp))
+            raw.append((Collective("send", "pp", 2, 2 * act), pp, tp * dp * pp))
+        burst = mean_burst_s(compute, sum(c.calls for c, _, _ in raw))
+        colls = [_timed(c, cluster, size, span, burst) for c, size, span in raw]
         comm = sum(c.seconds for c in colls)
         if worst is None or compute + comm > worst[0] + worst[1]:
             worst = (compute, comm, 0.0, colls, stage)
@@ -186,11 +201,12 @@ def predict_training(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: Tra
     tau = compute + comm
     per_step = [Collective(c.op, c.group, c.calls * m, c.bytes * m, c.link, c.seconds * m) for c in colls]
     n_params = stage_params(cfg, tp, pp, stage)
-    if dp > 1:
-        per_step.append(_timed(Collective("all_reduce", "dp", 1, n_params * prec.grad_bytes), cluster, dp, tp * dp))
+    if dp > 1:  # after the last micro-batch's backward: all of it is the burst before
+        grads = Collective("all_reduce", "dp", 1, n_params * prec.grad_bytes)
+        per_step.append(_timed(grads, cluster, dp, tp * dp, compute))
     per_step = merge(per_step)
     state = prec.weight_bytes + prec.grad_bytes + optimizer_bytes_per_param(wl.optimizer, prec.master_bytes)
-    optimizer_s = 2 * n_params * state / dev.bytes_per_s(cluster.devices > 1)  # read and write every byte once
+    optimizer_s = 2 * n_params * state / dev.bytes_per_s(busy)  # read and write every byte once
     comm_s = sum(c.seconds for c in per_step)
     step = Timing(m * compute + optimizer_s, comm_s, (pp - 1) * tau)
     tokens_step = wl.global_batch * wl.seq_len

@@ -38,6 +38,10 @@ def _cluster_line(cl: Cluster) -> str:
     )
     if cl.inter is not None:
         s += f"; inter-node: {cl.inter.name}: {cl.inter.busbw_gbps:.3g} GB/s, {cl.inter.latency_us:.3g} us"
+    if cl.intra.after_compute:
+        s += "\n  inside a step, a collective costs more after a burst of compute: " + ", ".join(
+            f"+{e * 1e6:.0f} us after {b * 1e3:.2g} ms" for b, e in sorted(cl.intra.after_compute)
+        )
     if d.busy_compute < 1 or d.busy_memory < 1:
         s += (
             f"\n  with every device busy a device keeps {d.busy_compute:.0%} of its FLOP/s and "

@@ -57,11 +57,19 @@ class Link:
     points: tuple[tuple[int, float], ...] = ()
     """Measured (bytes, seconds) of all-reduces over 2 devices: between them, time is
     interpolated (log-log) instead of modelled."""
+    after_compute: tuple[tuple[float, float], ...] = ()
+    """Measured (burst seconds, extra seconds): what a collective costs more, inside a step,
+    right after a burst of compute of that length, than between idle ranks (this host's
+    gloo: waking a rank that gave up its core; see measure.after_compute_rank). Empty: 0."""
 
     def __post_init__(self) -> None:
         _check(self, positive=("busbw_gbps",), nonneg=("latency_us",))
         if any(n <= 0 or s <= 0 for n, s in self.points):
             raise PlanError(f"Link {self.name}: measured points must be positive, got {self.points}")
+        if any(b <= 0 or e < 0 for b, e in self.after_compute):
+            raise PlanError(
+                f"Link {self.name}: after_compute needs bursts > 0 and extras >= 0, got {self.after_compute}"
+            )
 
     def _alpha(self, p: int) -> float:
         return self.latency_us * 1e-6 * math.ceil(math.log2(p))
@@ -73,6 +81,19 @@ class Link:
                 f = math.log(nbytes / n0) / math.log(n1 / n0)
                 return math.exp(math.log(s0) + f * math.log(s1 / s0))
         return None
+
+    def extra_after_s(self, burst_s: float) -> float:
+        """Extra seconds of one collective after `burst_s` of compute: the measured points,
+        interpolated linearly in log(burst) between them, the nearest end's value outside."""
+        pts = sorted(self.after_compute)
+        if not pts or burst_s <= 0:
+            return 0.0
+        if burst_s <= pts[0][0]:
+            return pts[0][1]
+        for (b0, e0), (b1, e1) in zip(pts, pts[1:], strict=False):
+            if burst_s <= b1:
+                return e0 + (e1 - e0) * math.log(burst_s / b0) / math.log(b1 / b0)
+        return pts[-1][1]
 
     def all_reduce_s(self, nbytes: float, p: int) -> float:
         """Seconds for one all-reduce of `nbytes` (each rank's buffer) over p devices."""
