@@ -67,7 +67,7 @@ def _shardwise(world, path: str, repeats: int) -> dict:
     one = [generate(model, _ids(PROMPT).tolist(), comm=tp, max_new_tokens=NEW) for _ in range(repeats + 1)][1:]
     many = [generate(model, _ids(PROMPT, BATCH).tolist(), comm=tp, max_new_tokens=NEW) for _ in range(2)][1]
     per_rank = tp.all_gather(torch.tensor([report.param_bytes, mem.peak_above_baseline]), dim=0).view(-1, 2)
-    profile = _decode_profile(model, tp) | _weight_floor(model, tp)
+    profile = _decode_profile(model, tp)
     return {
         "profile": profile,
         "prefill_128_ms": p128,
@@ -114,24 +114,41 @@ def _decode_profile(model, tp) -> dict:
     }
 
 
-def _weight_floor(model, tp) -> dict:
+def _weight_floor(world, path: str) -> float:
     """The floor of a batch-1 decode step on this machine: only the matrix-vector products
     of this rank's weights (every projection and the LM head, the model's own tensors),
     run by every rank at once, as in a real step. Decode at batch 1 streams each weight
     once, so this is the memory-bandwidth bound; floor(tp=1) / floor(tp=2) is the most
-    any tp=2 can gain here, whatever its communication and overhead."""
+    any tp=2 can gain here, whatever its communication and overhead. Runs on gloo, whose
+    waiting rank sleeps and leaves the memory bus to the other."""
+    from shardwise.comm import ParallelDims
+    from shardwise.hf import load_pretrained
+
+    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    model, _ = load_pretrained(path, comm=tp)
     weights = [m.weight for name, m in model.named_modules() if name and hasattr(m, "weight") and m.weight.dim() == 2]
-    weights = [w for w in weights if w is not model.embed.weight or model.cfg.tie_embeddings]  # embed: a row
+    weights = [w for w in weights if w is not model.embed.weight or model.cfg.tie_embeddings]  # embed: one row
     inputs = [torch.randn(1, w.shape[1]) for w in weights]
     times = []
     with torch.no_grad():
-        for _ in range(NEW + 3):
+        for _ in range(3 + 2 * NEW):
             tp.barrier()  # ranks stream their shards concurrently, sharing the memory bus
             t0 = time.perf_counter()
             for x, w in zip(inputs, weights, strict=True):
                 torch.nn.functional.linear(x, w)
             times.append((time.perf_counter() - t0) * 1e3)
-    return {"weight_floor_ms": statistics.median(times[3:])}
+    return statistics.median(times[3:])
+
+
+def _floors(path: str, rounds: int) -> dict:
+    """Weight-streaming floors at tp=1 and tp=2, alternated over `rounds`, medians."""
+    from shardwise.launch import launch
+
+    one, two = [], []
+    for _ in range(rounds):
+        one.append(launch(_weight_floor, 1, args=(path,))[0])
+        two.append(max(launch(_weight_floor, 2, args=(path,), timeout_s=600)))  # the slower rank
+    return {"tp1_ms": statistics.median(one), "tp2_ms": statistics.median(two), "tp1_all": one, "tp2_all": two}
 
 
 # ---- transformers and PyTorch-native rows ----------------------------------------------------
@@ -264,12 +281,14 @@ def main() -> None:
             rows[name] = run()
         except Exception as e:  # noqa: BLE001 - a failing anchor is reported, not fatal
             rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    print("running: weight-streaming floors", file=sys.stderr, flush=True)
+    floors = _floors(path, 3 if repeats > 1 else 1)
     reference = rows["shardwise tp=1"]["tokens"]
     for r in rows.values():
         if "error" not in r:
             r["same_tokens"] = r["tokens"] == reference
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "repeats": repeats, "model": path}, indent=1))
+    args.out.write_text(json.dumps({"rows": rows, "floors": floors, "repeats": repeats, "model": path}, indent=1))
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in rows.items()}, indent=1))
 
 
