@@ -46,10 +46,9 @@ class ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Communicator, inplace: bool = False) -> torch.Tensor:
-        if inplace and x.is_contiguous():
+        if _in_place(x, inplace):
             ctx.mark_dirty(x)  # x is reduced in place: autograd must know
-            return comm.all_reduce_(x)
-        return comm.all_reduce(x)
+        return _all_reduce(x, comm, inplace)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -100,8 +99,16 @@ def reduce_from_region(x: torch.Tensor, comm: Communicator, *, inplace: bool = F
     if comm.size == 1:
         return x
     if not _needs_grad(x):
-        return comm.all_reduce_(x) if inplace and x.is_contiguous() else comm.all_reduce(x)
+        return _all_reduce(x, comm, inplace)
     return ReduceFromRegion.apply(x, comm, inplace)
+
+
+def _in_place(x: torch.Tensor, inplace: bool) -> bool:
+    return inplace and x.is_contiguous()
+
+
+def _all_reduce(x: torch.Tensor, comm: Communicator, inplace: bool) -> torch.Tensor:
+    return comm.all_reduce_(x) if _in_place(x, inplace) else comm.all_reduce(x)
 
 
 def gather_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
