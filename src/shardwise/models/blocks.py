@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.models import modules
+from shardwise.models.config import ModelConfig
+
 __all__ = ["BlockConfig", "Attention", "GatedMLP", "MLP", "TransformerBlock", "TinyLM"]
 
 
@@ -48,29 +51,27 @@ class BlockConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def model_config(self) -> ModelConfig:
+        """The same shapes as a ModelConfig, for the building blocks in models/modules.py."""
+        return ModelConfig(
+            family="tiny", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, qkv_bias=self.bias, o_bias=self.bias,
+            positions="learned",
+        )  # fmt: skip
 
-class Attention(nn.Module):
-    """Causal grouped-query self-attention with a fused [q | k | v] projection."""
+
+class Attention(modules.Attention):
+    """Causal grouped-query self-attention with a fused [q | k | v] projection: the
+    decoder's attention (models/modules.py) without positions, cache or padding."""
 
     def __init__(self, cfg: BlockConfig) -> None:
-        super().__init__()
-        self.head_dim = cfg.head_dim
-        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.bias)
-        self.o = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.bias)
+        super().__init__(cfg.model_config())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        hd = self.head_dim
-        qkv = self.qkv(x)  # (B, T, (nq + 2*nkv) * hd)
-        nq = self.o.weight.shape[1] // hd  # local query heads, from o's input width
-        nkv = (qkv.shape[-1] // hd - nq) // 2  # local KV heads
-        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
-        q = q.view(B, T, nq, hd).transpose(1, 2)  # (B, nq, T, hd)
-        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nq != nkv)  # (B, nq, T, hd)
-        return self.o(y.transpose(1, 2).reshape(B, T, nq * hd))  # (B, T, hidden)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, hidden) -> (B, T, hidden)
+        T = x.shape[1]
+        causal = modules.attention_mask(None, T, T, causal=True, window=None, device=x.device)  # (1, 1, T, T)
+        return super().forward(x, None, causal)
 
 
 class GatedMLP(nn.Module):
