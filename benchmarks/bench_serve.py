@@ -1,6 +1,6 @@
 """Serving throughput and latency: `shardwise serve` on the benchmark model, N concurrent clients.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_serve.py [--tp 1 2] [--clients 1 4 16]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_serve.py [--tp 1 2] [--clients 1 4 16] [--backend gloo mpi]
 
 For each tp size one server is started (--max-batch-size 16); for each client count,
 that many clients each send `--requests` completions one after another (a prompt of
@@ -45,10 +45,10 @@ def serving_copy(src: Path) -> Path:
     return dst
 
 
-def start(model: Path, tp: int) -> tuple[subprocess.Popen, str]:
+def start(model: Path, tp: int, backend: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "shardwise", "serve", "--model", str(model), "--tp", str(tp), "--port", str(port)]
-    cmd += ["--max-batch-size", "16", "--max-queue", "256", "--health-timeout", "30"]
+    cmd += ["--max-batch-size", "16", "--max-queue", "256", "--health-timeout", "30", "--backend", backend]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -98,30 +98,32 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--backend", nargs="+", default=["gloo"], help="for tp > 1: gloo, mpi, or both")
     ap.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args()
     model = serving_copy(ensure_bench_model(args.model))
     rows = []
-    for tp in args.tp:
-        proc, url = start(model, tp)
+    configs = [(tp, b) for tp in args.tp for b in (["-"] if tp == 1 else args.backend)]
+    for tp, backend in configs:
+        proc, url = start(model, tp, "gloo" if backend == "-" else backend)
         try:
             run(url, 1, 1, args.prompt_tokens, 4)  # warm-up
             for c in args.clients:
                 r = run(url, c, args.requests, args.prompt_tokens, args.max_tokens)
-                rows.append((tp, c, r))
-                print(f"tp={tp} clients={c}: {r}", file=sys.stderr)
+                rows.append((tp, backend, c, r))
+                print(f"tp={tp} backend={backend} clients={c}: {r}", file=sys.stderr)
         finally:
             proc.terminate()
             proc.wait(30)
-    print("| tp | clients | requests | tokens/s | p50 latency s | p99 latency s | tokens/s vs 1 client |")
-    print("|---|---|---|---|---|---|---|")
-    for tp, c, r in rows:
-        base = next(x for t, k, x in rows if t == tp and k == min(args.clients))["tokens_per_s"]
+    print("| tp | backend | clients | requests | tokens/s | p50 latency s | p99 latency s | tokens/s vs 1 client |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tp, backend, c, r in rows:
+        base = next(x for t, b, k, x in rows if (t, b) == (tp, backend) and k == min(args.clients))["tokens_per_s"]
         print(
-            f"| {tp} | {c} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} "
-            f"| {r['tokens_per_s'] / base:.2f}x |"
+            f"| {tp} | {backend} | {c} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['p50']:.2f} "
+            f"| {r['p99']:.2f} | {r['tokens_per_s'] / base:.2f}x |"
         )
     return 0
 

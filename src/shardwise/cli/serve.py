@@ -18,6 +18,7 @@ from shardwise.cli.common import fail, resolve_model
 from shardwise.comm import DEFAULT_TIMEOUT_S
 from shardwise.engine.text import DEFAULT_MODEL
 from shardwise.launch import RankFailedError, external_rank, launch, run_job
+from shardwise.launch.env import resolve_backend
 from shardwise.log import setup_logging
 
 __all__ = ["add_parser", "run"]
@@ -56,9 +57,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=MIB, help="request bodies over this get 413 (default 1 MiB)")
     p.add_argument(
         "--backend",
-        choices=["gloo", "nccl", "mpi"],
+        choices=["gloo", "mpi", "nccl", "auto"],
         default="gloo",
-        help="gloo (default: blocks while idle, notices a dead rank at once), nccl, or mpi",
+        help="gloo (default: a dead rank turns /health 503 and fails requests with an error), mpi (faster "
+        "on CPU; a dead rank takes the whole server down at once), nccl, or auto (NCCL on CUDA, else MPI "
+        "when installed, else gloo)",
     )
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout, seconds")
     p.add_argument(
@@ -140,13 +143,12 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     signal.signal(signal.SIGTERM, _stop)
+    backend = resolve_backend(args.backend)
     try:
         if external_rank() is None:  # our own ranks; a server has no job deadline
-            launch(
-                serve_rank, args.tp, args=(opts,), backend=args.backend, timeout_s=args.timeout, job_timeout_s=math.inf
-            )
+            launch(serve_rank, args.tp, args=(opts,), backend=backend, timeout_s=args.timeout, job_timeout_s=math.inf)
         else:
-            run_job(serve_rank, args.tp, args=(opts,), backend=args.backend, timeout_s=args.timeout)
+            run_job(serve_rank, args.tp, args=(opts,), backend=backend, timeout_s=args.timeout)
     except RankFailedError as e:
         print(f"shardwise: error: rank {e.rank} failed: {e.summary}", file=sys.stderr)
         print(e.detail, file=sys.stderr)
