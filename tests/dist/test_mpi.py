@@ -42,7 +42,9 @@ def _all_checks(world, hf_path: str | None) -> dict:
     _regions_case(world)
     _collectives_case(world, ws)
     done += ["regions", "collectives"]
-    counts = _block_case(world, BlockConfig(hidden_size=24, num_heads=12, num_kv_heads=12, intermediate_size=48), "block")
+    counts = _block_case(
+        world, BlockConfig(hidden_size=24, num_heads=12, num_kv_heads=12, intermediate_size=48), "block"
+    )
     _tiny_lm_case(world, TINY3 if ws == 3 else TINY, "fp32")
     done += ["block", "tiny_lm"]
     out = {"done": done, "block_counts": counts, "backend": world.backend}
@@ -72,7 +74,9 @@ def llama(tmp_path_factory):
     ids, mask = prompts(model.config.vocab_size)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
-        gen = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
+        gen = model.generate(
+            ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
     return path, logits, gen[:, ids.shape[1] :].tolist(), mask
 
 
@@ -107,6 +111,28 @@ def test_mpi_collective_times_out_instead_of_hanging():
     with pytest.raises(RankFailedError) as info:
         launch(_one_rank_never_arrives, 2, backend="mpi", timeout_s=2)
     assert info.value.rank == 0
-    assert "CollectiveError: all_reduce on group 'world' (rank 0 of 2, mpi, timeout 2s) failed: MPI all_reduce timed out" in str(info.value)
+    assert (
+        "CollectiveError: all_reduce on group 'world' (rank 0 of 2, mpi, timeout 2s) failed: MPI all_reduce timed out"
+        in str(info.value)
+    )
     assert time.monotonic() - start < 2 + 20
     assert _wait_dead(info.value.pids) == []
+
+
+def _idle_wait_cpu(world) -> tuple[float, float]:
+    """Rank 1 waits in a broadcast while rank 0 sleeps for 2 s: (CPU s, wall s) of the wait."""
+    t = torch.zeros(4)
+    if world.rank == 0:
+        time.sleep(2.0)
+    cpu, wall = time.process_time(), time.perf_counter()
+    world.broadcast(t, src=0)
+    return time.process_time() - cpu, time.perf_counter() - wall
+
+
+def test_a_waiting_mpi_rank_does_not_occupy_a_core():
+    # A rank waiting for a peer that is busy elsewhere (an idle server's follower) naps
+    # between polls: a spinning rank would burn about 2 s of CPU here.
+    results = launch(_idle_wait_cpu, 2, backend="mpi", timeout_s=30)
+    cpu, wall = results[1]
+    assert wall > 1.5, f"rank 1 waited only {wall:.2f} s"
+    assert cpu < 0.5 * wall, f"a waiting MPI rank used {cpu:.2f} s of CPU in {wall:.2f} s"
