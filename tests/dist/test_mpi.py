@@ -5,6 +5,7 @@ each world size runs all its checks in one job."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +137,30 @@ def test_a_waiting_mpi_rank_does_not_occupy_a_core():
     cpu, wall = results[1]
     assert wall > 1.5, f"rank 1 waited only {wall:.2f} s"
     assert cpu < 0.5 * wall, f"a waiting MPI rank used {cpu:.2f} s of CPU in {wall:.2f} s"
+
+
+def _peer_raises(world, out: str) -> None:
+    """Rank 1 raises; rank 0, inside collectives, writes down what stopped it and when."""
+    if world.rank == 1:
+        time.sleep(0.5)
+        raise ValueError("boom on rank 1")
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 20:
+            world.all_reduce(torch.ones(4))
+    except Exception as e:
+        Path(out).write_text(f"{time.monotonic() - start:.3f}\n{type(e).__name__}: {e}")
+        raise
+
+
+def test_mpi_survivors_fail_at_once_when_a_peer_raises(tmp_path):
+    # The launcher tells the other ranks: their collectives fail with the peer's error
+    # well before their own timeout (30 s here), e.g. so a server can answer 503.
+    out = tmp_path / "rank0.txt"
+    with pytest.raises(RankFailedError) as info:
+        launch(_peer_raises, 2, args=(str(out),), backend="mpi", timeout_s=30)
+    assert info.value.rank == 1 and "ValueError: boom on rank 1" in str(info.value)
+    elapsed, error = out.read_text().split("\n", 1)
+    assert float(elapsed) < 10, f"rank 0 learnt of the failure after {elapsed} s"
+    assert "CollectiveError" in error and "rank 1 failed: ValueError: boom on rank 1" in error
+    assert _wait_dead(info.value.pids) == []

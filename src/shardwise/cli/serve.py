@@ -59,9 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--backend",
         choices=["gloo", "mpi", "nccl", "auto"],
         default="gloo",
-        help="gloo (default: a dead rank turns /health 503 and fails requests with an error), mpi (faster "
-        "on CPU; a dead rank takes the whole server down at once), nccl, or auto (NCCL on CUDA, else MPI "
-        "when installed, else gloo)",
+        help="gloo (default: any dead rank turns /health 503 and fails requests with an error), mpi (faster "
+        "on CPU; a rank killed by a signal takes the whole server down at once), nccl, or auto (NCCL on "
+        "CUDA, else MPI when installed, else gloo)",
     )
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout, seconds")
     p.add_argument(

@@ -20,7 +20,16 @@ import torch
 from shardwise.comm.accounting import CommStats
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, ReduceOp
 
-__all__ = ["MPICommunicator", "init_mpi"]
+__all__ = ["MPICommunicator", "init_mpi", "peer_failed"]
+
+_peer_failure: list[str] = []  # set by the launcher's watcher thread when another rank has died
+
+
+def peer_failed(message: str) -> None:
+    """Make every collective of this process fail at once with `message` (a peer rank died,
+    as shardwise.launch.mpi reports): a shared-memory collective would wait out its timeout."""
+    _peer_failure.append(message)
+
 
 _SPIN_POLLS = 256  # polls (about a microsecond each) before a waiting rank starts yielding its core
 _NAP_AFTER_S = 0.005  # a wait this long is not a collective's latency but a peer with other work
@@ -68,6 +77,8 @@ class MPICommunicator(Communicator):
             if polls <= _SPIN_POLLS:
                 continue
             if polls & 63 == 0:
+                if _peer_failure:
+                    raise RuntimeError(f"MPI {op} cannot complete: {_peer_failure[0]}")
                 waited = time.monotonic() - start
                 if waited > self.timeout_s:
                     raise RuntimeError(f"MPI {op} timed out after {self.timeout_s:g}s (a peer died or never arrived)")

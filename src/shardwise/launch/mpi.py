@@ -60,7 +60,11 @@ def launch_mpi(
         "SHARDWISE_LAUNCH_KEY": key.hex(),
         "OMP_NUM_THREADS": str(threads_per_rank),
     }
-    cmd = [find_mpiexec(), "-n", str(world_size), sys.executable, "-m", "shardwise.launch.mpi_rank"]
+    # -disable-auto-cleanup: when a rank dies, mpiexec leaves the others running, so that they
+    # can be told (_notify) and fail with an error of their own (a server answers 503 and ends
+    # its requests) before this process kills the session.
+    cmd = [find_mpiexec(), "-disable-auto-cleanup", "-n", str(world_size), sys.executable]
+    cmd += ["-m", "shardwise.launch.mpi_rank"]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     conns: dict[Connection, int] = {}
     accepted: list[Connection] = []
@@ -126,10 +130,19 @@ def _collect(proc: subprocess.Popen, conns: dict[Connection, int], world_size: i
                 failures.append(_Failure(rank, *msg[1:]))
         if failures and first_failure is None:
             first_failure = time.monotonic()
+            _notify(pending, failures[0])
     if failures:
         root = min(failures, key=lambda f: (f.secondary, f.when))
         raise RankFailedError(root.rank, root.summary, root.detail, [proc.pid])
     return [results[r] for r in range(world_size)]
+
+
+def _notify(pending: dict[Connection, int], failure: _Failure) -> None:
+    """Tell the ranks still running that a peer died: their collectives fail at once."""
+    notice = pickle.dumps(f"rank {failure.rank} failed: {failure.summary}")
+    for conn in pending:
+        with contextlib.suppress(OSError):
+            conn.send_bytes(notice)
 
 
 def _kill(proc: subprocess.Popen, grace_s: float = 0.0) -> None:

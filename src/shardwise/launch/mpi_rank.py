@@ -13,8 +13,14 @@ from multiprocessing.connection import Client
 
 
 def _watch(conn) -> None:
-    conn.poll(None)  # the parent sends nothing more: readable only once it has gone (EOF)
-    os._exit(3)
+    """Exit when the parent has gone (EOF); pass on its notice that another rank died."""
+    from shardwise.comm.mpi import peer_failed
+
+    try:
+        while True:
+            peer_failed(pickle.loads(conn.recv_bytes()))  # in-memory IPC with our parent
+    except (EOFError, OSError):
+        os._exit(3)
 
 
 def _load_main(path: str) -> None:
