@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_model import ensure_bench_model  # noqa: E402
 
+from shardwise.bench.calibrate import Calibration, load_calibration, wait_idle  # noqa: E402
+from shardwise.bench.measure import generation_rank, training_rank  # noqa: E402
 from shardwise.hf import read_config  # noqa: E402
 from shardwise.launch import launch  # noqa: E402
-from shardwise.planner.calibrate import Calibration, load_calibration, wait_idle  # noqa: E402
-from shardwise.planner.measure import generation_rank, training_rank  # noqa: E402
 from shardwise.planner.predict import Layout, predict_inference, predict_training  # noqa: E402
 from shardwise.planner.specs import TrainingWorkload  # noqa: E402
 
@@ -234,7 +234,7 @@ def validate_training(cal: Calibration, args, load0: float) -> tuple[str, int, i
 
 
 def _params(cfg) -> int:
-    from shardwise.planner.memory import stage_params
+    from shardwise.planner.footprint import stage_params
 
     return stage_params(cfg, 1, 1, 0)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from shardwise.layers.partition import HeadLayout, padded_size
 from shardwise.models.config import ModelConfig
-from shardwise.planner.memory import layer_params
+from shardwise.planner.footprint import layer_params
 
 __all__ = [
     "Collective",
