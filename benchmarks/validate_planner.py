@@ -1,4 +1,4 @@
-"""The planner's predictions against measurements on this machine: the tables in docs/planner.md.
+"""The planner's predictions against measurements on this machine: the tables in docs/planner-validation.md.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate_planner.py [--rounds 3] [--cached] [--no-write]
         [--skip-inference] [--skip-training]
@@ -17,7 +17,7 @@
 3. Training: a small Llama-shaped model (TRAIN_MODEL, random weights, random tokens)
    trained with shardwise.train (AdamW, fp32) at tp=1, tp=2 and dp=2 on every calibrated
    backend; predicted step time against the median step time after --train-warmup steps.
-4. Prints the tables and writes them into docs/planner.md between the validation and the
+4. Prints the tables and writes them into docs/planner-validation.md between the validation and the
    training markers (a skipped part keeps its old table).
 """
 
@@ -37,14 +37,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_model import ensure_bench_model  # noqa: E402
 
+from shardwise.bench.calibrate import Calibration, load_calibration, wait_idle  # noqa: E402
+from shardwise.bench.measure import generation_rank, training_rank  # noqa: E402
 from shardwise.hf import read_config  # noqa: E402
 from shardwise.launch import launch  # noqa: E402
-from shardwise.planner.calibrate import Calibration, load_calibration, wait_idle  # noqa: E402
-from shardwise.planner.measure import generation_rank, training_rank  # noqa: E402
 from shardwise.planner.predict import Layout, predict_inference, predict_training  # noqa: E402
 from shardwise.planner.specs import TrainingWorkload  # noqa: E402
 
-DOC = Path(__file__).parent.parent / "docs" / "planner.md"
+DOC = Path(__file__).parent.parent / "docs" / "planner-validation.md"
 MARKERS = {
     "inference": ("<!-- validation:start -->", "<!-- validation:end -->"),
     "training": ("<!-- training:start -->", "<!-- training:end -->"),
@@ -234,7 +234,7 @@ def validate_training(cal: Calibration, args, load0: float) -> tuple[str, int, i
 
 
 def _params(cfg) -> int:
-    from shardwise.planner.memory import stage_params
+    from shardwise.planner.footprint import stage_params
 
     return stage_params(cfg, 1, 1, 0)
 

@@ -32,7 +32,7 @@ def test_plan_a_preset_as_json_and_bad_input():
 
 
 def test_plan_this_host_from_the_cache_with_a_plot(tmp_path):
-    from shardwise.planner.calibrate import VERSION, _cores
+    from shardwise.bench.calibrate import VERSION, _cores
 
     cal = {
         "host": platform.node() or "localhost", "torch": torch.__version__, "devices": _cores(), "memory_gib": 16.0,
@@ -44,9 +44,20 @@ def test_plan_this_host_from_the_cache_with_a_plot(tmp_path):
     png = tmp_path / "plan.png"
     out = _plan(
         "--model", "bench-156m", "--cluster", "this-host", "--prompt-len", "128", "--output-len", "32",
-        "--plot", str(png), env={"SHARDWISE_CACHE_DIR": str(tmp_path)},
+        "--link", "gloo", "--plot", str(png), env={"SHARDWISE_CACHE_DIR": str(tmp_path)},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "calibrating" not in out.stderr  # the cache was used
     assert "recommended: tp=1 pp=1" in out.stdout and "gloo (measured)" in out.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
+    uncalibrated = _plan("--model", "bench-156m", "--link", "mpi", env={"SHARDWISE_CACHE_DIR": str(tmp_path)})
+    assert uncalibrated.returncode == 2
+    assert "backend 'mpi' has no calibration on this host (test)" in uncalibrated.stderr
+
+
+def test_plan_recommends_no_pipeline_but_shows_and_names_one():
+    out = _plan("--model", "llama-3-8b", "--cluster", "dgx-h100", "--train", "--global-batch", "64")
+    assert out.returncode == 0, out.stderr
+    assert "recommended: tp=2 pp=1 dp=4" in out.stdout
+    assert "tp=1 pp=2 dp=4" in out.stdout and "(pp>1: not runnable by shardwise yet)" in out.stdout
+    assert "warning: tp=1 pp=2 dp=4 would be recommended" in out.stdout

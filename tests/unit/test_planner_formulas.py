@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
+from shardwise.bench.calibrate import after_compute_extra_us
 from shardwise.comm.dryrun import DryRunCommunicator
 from shardwise.hf.families import family_for
 from shardwise.layers import model_shard_specs
-from shardwise.planner.calibrate import after_compute_extra_us
 from shardwise.planner.cost import (
     forward_flops_per_token,
     megatron_flops_per_iteration,
@@ -19,7 +19,7 @@ from shardwise.planner.cost import (
     tp_forward_collectives,
     training_flops_per_token,
 )
-from shardwise.planner.memory import (
+from shardwise.planner.footprint import (
     kv_bytes_per_token,
     layer_params,
     optimizer_bytes_per_param,

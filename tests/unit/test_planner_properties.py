@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise.models.config import ModelConfig
-from shardwise.planner import InferenceWorkload, evaluate, make_plan
+from shardwise.planner import InferenceWorkload, evaluate, recommend
 from shardwise.planner.cost import pipeline_bubble_fraction
-from shardwise.planner.memory import kv_bytes_per_token, stage_params
+from shardwise.planner.footprint import kv_bytes_per_token, stage_params
 from shardwise.planner.predict import Layout, predict_inference
 from shardwise.planner.search import valid_tp_sizes
 from shardwise.planner.specs import Cluster, Device, Link
@@ -83,8 +83,8 @@ def test_a_bigger_cluster_never_needs_more_weights_per_device(cfg, devices):
 @given(configs(), st.floats(0.01, 4.0), st.floats(1.0, 4.0))
 def test_more_memory_never_needs_a_bigger_replica(cfg, memory_gib, factor):
     wl = InferenceWorkload(prompt_len=64, output_len=16)
-    low = make_plan("m", cfg, wl, _cluster(8, memory_gib))
-    high = make_plan("m", cfg, wl, _cluster(8, memory_gib * factor))
+    low = recommend("m", cfg, wl, _cluster(8, memory_gib))
+    high = recommend("m", cfg, wl, _cluster(8, memory_gib * factor))
     if low.recommended is not None:
         assert high.recommended is not None
         assert high.recommended.layout.replica <= low.recommended.layout.replica

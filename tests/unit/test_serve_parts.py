@@ -1,4 +1,4 @@
-"""The server's parts on their own: the step plan, the scheduler, text streams and chat templates."""
+"""The server's parts on their own: the step message, the scheduler, text streams and chat templates."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from shardwise.engine import SamplingParams
 from shardwise.engine.slots import StepBatch
 from shardwise.engine.text import DEFAULT_MODEL, load_tokenizer
 from shardwise.serve.metrics import Metrics
-from shardwise.serve.plan import decode, encode
 from shardwise.serve.scheduler import EngineDown, Output, QueueFull, Scheduler, Sequence
+from shardwise.serve.step import decode, encode
 from shardwise.serve.text import FALLBACK_TEMPLATE, ChatTemplate, TextStream
 
 
-def test_plan_round_trip():
+def test_step_round_trip():
     batch = StepBatch.build([(3, 10, [7]), (0, 0, [1, 2, 3, 4]), (5, 2, [9, 8])])
     header, payload = encode(batch)
     assert header.tolist() == [1, 3, 4, 3 * 3 + 3 * 4]

@@ -1,12 +1,16 @@
 """`shardwise plan`: the tp size and the tp x pp x dp layout, from a calibrated cost model.
 
     shardwise plan --model llama-3-70b --cluster dgx-a100-80gb --batch 8
-    shardwise plan --model path/to/checkpoint --cluster this-host --backend mpi
+    shardwise plan --model path/to/checkpoint --cluster this-host --link mpi
     shardwise plan --model gpt3-175b --cluster dgx-h100 --nodes 8 --train --global-batch 1536
 
 Every input is checked before anything is computed; an unknown preset or inconsistent
 numbers exit with status 2 and one line naming them. When nothing fits, the layouts and
 by how much they miss are printed, with what would fit instead, and the status is 2.
+Layouts with pp > 1 are shown but never recommended (shardwise cannot run a pipeline yet).
+
+`--cluster this-host` is measured, not a preset: the measuring is shardwise.bench.calibrate
+(cached); this command hands its Cluster to the planner.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c = p.add_argument_group("cluster (a preset, then any number replaced)")
     c.add_argument("--cluster", default="this-host", help="dgx-a100-80gb, dgx-h100, pcie-8x-rtx4090, this-host")
     c.add_argument("--nodes", type=int, default=1)
-    c.add_argument("--backend", default="gloo", help="this-host: which calibrated backend is the interconnect")
+    c.add_argument(
+        "--link", default="gloo", help="this-host: which calibrated backend's link joins the devices (gloo, mpi)"
+    )
     c.add_argument("--recalibrate", action="store_true", help="this-host: measure again instead of the cache")
     c.add_argument("--devices", type=int, help="number of devices available")
     c.add_argument("--devices-per-node", type=int)
@@ -79,8 +85,22 @@ def _list_presets() -> int:
     return 0
 
 
+def _cluster(args):
+    """A preset, or this host as measured (shardwise.bench.calibrate)."""
+    from shardwise.planner.presets import THIS_HOST, cluster_preset, preset_key
+    from shardwise.planner.specs import PlanError
+
+    if preset_key(args.cluster) != THIS_HOST:
+        return cluster_preset(args.cluster, nodes=args.nodes)
+    if args.nodes != 1:
+        raise PlanError(f"this-host is one node; got nodes={args.nodes}")
+    from shardwise.bench.calibrate import this_host
+
+    return this_host(link=args.link, recalibrate=args.recalibrate)
+
+
 def _build(args):
-    from shardwise.planner.presets import cluster_preset, customize, resolve_model
+    from shardwise.planner.presets import customize, resolve_model
     from shardwise.planner.specs import InferenceWorkload, PlanError, TrainingWorkload
 
     if not args.model:
@@ -97,7 +117,7 @@ def _build(args):
             batch=args.batch, prompt_len=args.prompt_len, output_len=args.output_len,
             target_latency_ms=args.target_latency_ms, dtype=args.dtype, flash_attention=flash,
         )  # fmt: skip
-    cluster = cluster_preset(args.cluster, nodes=args.nodes, backend=args.backend, recalibrate=args.recalibrate)
+    cluster = _cluster(args)
     cluster = customize(
         cluster, devices=args.devices, devices_per_node=args.devices_per_node, memory_gib=args.memory_gib,
         peak_tflops=args.peak_tflops, mem_bw_gbps=args.mem_bw_gbps, intra_gbps=args.intra_gbps,
@@ -110,28 +130,28 @@ def run(args: argparse.Namespace) -> int:
     if args.list_presets:
         return _list_presets()
     from shardwise.layers import ShardError
+    from shardwise.planner.recommend import recommend
     from shardwise.planner.report import plot, render_text, to_json
-    from shardwise.planner.search import make_plan
     from shardwise.planner.specs import PlanError
 
     try:
         if args.top < 1:
             raise PlanError(f"--top must be >= 1, got {args.top}")
         label, cfg, wl, cluster = _build(args)
-        plan = make_plan(label, cfg, wl, cluster, headroom=args.headroom, allow_cross_node_tp=args.allow_cross_node_tp)
+        rec = recommend(label, cfg, wl, cluster, headroom=args.headroom, allow_cross_node_tp=args.allow_cross_node_tp)
     except (PlanError, ShardError, NotImplementedError) as e:
         return fail(str(e))
     if args.json:
-        print(json.dumps(to_json(plan)))
+        print(json.dumps(to_json(rec)))
     else:
-        print(render_text(plan, top=args.top))
+        print(render_text(rec, top=args.top))
     if args.plot:
         try:
-            plot(plan, args.plot)
+            plot(rec, args.plot)
         except ImportError:
             return fail("--plot needs matplotlib: pip install 'shardwise[plot]'")
         if not args.json:
             print(f"\nplot: {args.plot}")
-    if plan.recommended is None:
-        return fail(plan.nothing_fits if args.json else "nothing fits (see above: by how much, and what would fit)")
+    if rec.recommended is None:
+        return fail(rec.nothing_fits if args.json else "nothing fits (see above: by how much, and what would fit)")
     return 0

@@ -1,26 +1,32 @@
 """The planner: which tp size and which tp x pp x dp layout, from a calibrated cost model.
 
-    from shardwise.planner import make_plan, model_preset, cluster_preset, InferenceWorkload
-    plan = make_plan("llama-3-70b", model_preset("llama-3-70b"), InferenceWorkload(batch=8),
-                     cluster_preset("dgx-a100-80gb"))
-    plan.recommended.layout        # Layout(tp=2, pp=1, dp=4)
+    from shardwise.planner import recommend, model_preset, cluster_preset, InferenceWorkload
+    rec = recommend("llama-3-70b", model_preset("llama-3-70b"), InferenceWorkload(batch=8),
+                    cluster_preset("dgx-a100-80gb"))
+    rec.recommended.layout         # Layout(tp=2, pp=1, dp=4)
 
-specs (typed inputs) -> presets (data) -> memory, cost (formulas) -> predict (one layout)
--> search (every layout, ranked) -> explain (words) -> report (text, JSON, plot);
-calibrate + measure build the `this-host` cluster from measurements.
+specs (typed inputs) -> presets (data) -> footprint, cost (formulas) -> predict (one layout)
+-> search (every layout, ranked) -> explain (words) -> recommend (the answer) -> report
+(text, JSON, plot). The `this-host` cluster is measured by shardwise.bench.calibrate, which
+builds a specs.Cluster; the planner never imports bench.
+
+Layouts with pp > 1 are predicted and shown but never recommended: shardwise cannot run
+pipeline parallelism yet (search.NOT_RUNNABLE; Recommendation.pipeline says when one would win).
 """
 
 from shardwise.planner.predict import Layout
 from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, customize, model_preset
-from shardwise.planner.search import Candidate, Plan, evaluate, make_plan
+from shardwise.planner.recommend import Recommendation, recommend
+from shardwise.planner.search import NOT_RUNNABLE, Candidate, evaluate
 from shardwise.planner.specs import Cluster, Device, InferenceWorkload, Link, PlanError, TrainingWorkload
 
 __all__ = [
-    "make_plan",
+    "recommend",
     "evaluate",
-    "Plan",
+    "Recommendation",
     "Candidate",
     "Layout",
+    "NOT_RUNNABLE",
     "model_preset",
     "cluster_preset",
     "customize",

@@ -1,4 +1,4 @@
-"""The cost model's formulas: FLOPs, collectives, pipeline bubble. Sources in docs/planner.md.
+"""The cost model's formulas: FLOPs, collectives, pipeline bubble. Sources in docs/planner-validation.md.
 
 FLOPs count a multiply-add as 2. Attention counts the full context for every query (as
 Megatron-LM does, and as shardwise's masked attention computes it).
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from shardwise.layers.partition import HeadLayout, padded_size
 from shardwise.models.config import ModelConfig
-from shardwise.planner.memory import layer_params
+from shardwise.planner.footprint import layer_params
 
 __all__ = [
     "Collective",

@@ -1,11 +1,15 @@
-"""The plan in plain words: why this layout, when tensor parallelism does not pay, and,
-when nothing fits, by how much and what would fit instead."""
+"""The recommendation in plain words: why this layout, when tensor parallelism does not
+pay, when a pipeline would win (shardwise cannot run one yet), and, when nothing fits, by
+how much and what would fit instead.
+
+`rec` below is a recommend.Recommendation (read only: this module comes before it)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from shardwise.planner.memory import kv_bytes_per_token, stage_params
+from shardwise.planner.footprint import kv_bytes_per_token, stage_params
+from shardwise.planner.search import NOT_RUNNABLE, evaluate
 from shardwise.planner.specs import DTYPE_BYTES, GIB, InferenceWorkload, PlanError, TrainingWorkload
 
 __all__ = ["explain", "diagnose", "PAYOFF"]
@@ -24,19 +28,19 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.0f} ms" if s >= 0.1 else f"{s * 1e3:.3g} ms"
 
 
-def explain(plan) -> tuple[list[str], list[str]]:
-    """(explanation lines, warnings) for a plan with a recommendation."""
-    r, cfg, cl = plan.recommended, plan.cfg, plan.cluster
+def explain(rec) -> tuple[list[str], list[str]]:
+    """(explanation lines, warnings) for a recommendation that has a layout."""
+    r, cfg, cl = rec.recommended, rec.cfg, rec.cluster
     lay, mem, dev = r.layout, r.memory, cl.device
     n = stage_params(cfg, 1)
-    why = [f"{plan.model}: {n / 1e9:.3g}B parameters, {_gib(n * DTYPE_BYTES[plan.dtype])} of weights in {plan.dtype}."]
+    why = [f"{rec.model}: {n / 1e9:.3g}B parameters, {_gib(n * DTYPE_BYTES[rec.dtype])} of weights in {rec.dtype}."]
     usable = f"{_gib(mem.budget)} usable per {dev.name}"
-    one = [c for c in plan.candidates if c.layout.replica == 1]
-    if isinstance(plan.workload, TrainingWorkload):
+    one = [c for c in rec.candidates if c.layout.replica == 1]
+    if isinstance(rec.workload, TrainingWorkload):
         need = f"at tp=1 pp=1 a device would hold {_gib(one[0].memory.total)}; " if one and lay.tp > 1 else ""
         why.append(
             f"Weights, gradients, optimizer state and activations: {need}the smallest tp that fits with "
-            f"{plan.headroom:.0%} headroom is tp={lay.tp}, at {lay} ({_gib(mem.total)} of {usable}, "
+            f"{rec.headroom:.0%} headroom without a pipeline is tp={lay.tp}, at {lay} ({_gib(mem.total)} of {usable}, "
             f"{_gib(mem.free)} free)."
         )
     elif lay.replica == 1:
@@ -47,7 +51,7 @@ def explain(plan) -> tuple[list[str], list[str]]:
     else:
         need = f" (one device would need {_gib(one[0].memory.total)})" if one else ""
         why.append(
-            f"It does not fit on one device{need}. The fewest devices that fit with {plan.headroom:.0%} headroom: "
+            f"It does not fit on one device{need}. The fewest devices that fit with {rec.headroom:.0%} headroom: "
             f"{lay.tp} x {lay.pp} = {lay.replica} per replica ({_gib(mem.total)} of {usable}, {_gib(mem.free)} free)."
         )
     warn = [f"tp={lay.tp} crosses a node boundary: its collectives go over {cl.inter.name}."] if r.cross_node_tp else []
@@ -55,27 +59,45 @@ def explain(plan) -> tuple[list[str], list[str]]:
         warn.append(
             f"a replica spans {lay.replica // cl.devices_per_node} nodes: pipeline sends cross {cl.inter.name}."
         )
-    if isinstance(plan.workload, InferenceWorkload):
-        _inference(plan, why, warn)
+    if isinstance(rec.workload, InferenceWorkload):
+        _inference(rec, why, warn)
     else:
-        _training(plan, why, warn)
+        _training(rec, why, warn)
+    if rec.pipeline is not None:
+        warn.append(_pipeline_would_win(rec))
     return why, warn
 
 
-def _speedups(plan, pick) -> list[tuple[int, float, object]]:
+def _pipeline_would_win(rec) -> str:
+    """What the cost model's pick with pp > 1 has over the recommendation."""
+    p, r = rec.pipeline, rec.recommended
+    per = "per step" if p.training is not None else "per request"
+    if p.layout.replica < r.layout.replica:
+        better = f"{p.layout.replica} devices per replica instead of {r.layout.replica}"
+    elif p.layout.tp < r.layout.tp:
+        better = f"a smaller tp, tp={p.layout.tp}; predicted {_ms(p.time_s)} {per} instead of {_ms(r.time_s)}"
+    else:
+        better = f"predicted {_ms(p.time_s)} {per} instead of {_ms(r.time_s)}"
+    return (
+        f"{p.layout} would be recommended ({better}), but {NOT_RUNNABLE}; "
+        f"{r.layout} is the best layout without a pipeline."
+    )
+
+
+def _speedups(rec, pick) -> list[tuple[int, float, object]]:
     """(tp, speed-up over the recommendation, candidate) for fitting pp=1 layouts with a larger tp."""
-    r = plan.recommended
+    r = rec.recommended
     out = []
-    for c in plan.candidates:
+    for c in rec.candidates:
         if c.fits and c.layout.pp == 1 and c.layout.tp > r.layout.tp and not c.cross_node_tp:
             out.append((c.layout.tp, pick(r) / pick(c), c))
     return sorted(out, key=lambda x: x[0])
 
 
-def _inference(plan, why: list[str], warn: list[str]) -> None:
-    r, wl, cfg = plan.recommended, plan.workload, plan.cfg
+def _inference(rec, why: list[str], warn: list[str]) -> None:
+    r, wl, cfg = rec.recommended, rec.workload, rec.cfg
     p, lay = r.inference, r.layout
-    kv = kv_bytes_per_token(cfg, 1, DTYPE_BYTES[plan.dtype])
+    kv = kv_bytes_per_token(cfg, 1, DTYPE_BYTES[rec.dtype])
     why.append(
         f"KV cache: {kv / 1024:.0f} KiB per token; {wl.batch} x {wl.prompt_len + wl.output_len} tokens take "
         f"{_gib(wl.batch * (wl.prompt_len + wl.output_len) * kv)} in all."
@@ -86,9 +108,9 @@ def _inference(plan, why: list[str], warn: list[str]) -> None:
         f"({1 - comm:.0%} compute, {comm:.0%} communication), {_ms(p.request_s)} per request; "
         f"{lay.dp} replica(s) of batch {wl.batch} give {p.tokens_per_s:.4g} tokens/s."
     )
-    ups = _speedups(plan, lambda c: c.inference.decode.total_s)
+    ups = _speedups(rec, lambda c: c.inference.decode.total_s)
     if ups:
-        link = plan.cluster.link_for(ups[-1][0]).name
+        link = rec.cluster.link_for(ups[-1][0]).name
         shown = ", ".join(f"tp={t}: {s:.2f}x" for t, s, _ in ups)
         why.append(f"Decode speed-up of a larger tp over tp={lay.tp} (over {link}): {shown}.")
     if lay.tp == 1 and ups and max(s for _, s, _ in ups) < PAYOFF:
@@ -105,7 +127,7 @@ def _inference(plan, why: list[str], warn: list[str]) -> None:
         if r.meets_target:
             why.append(f"Target {wl.target_latency_ms:g} ms per request: met ({_ms(p.request_s)}).")
         else:
-            fast = min((c for c in plan.candidates if c.fits), key=lambda c: c.time_s)
+            fast = min((c for c in rec.candidates if c.fits and c.runnable), key=lambda c: c.time_s)
             over = fast.time_s * 1e3 - wl.target_latency_ms
             warn.append(
                 f"no layout meets the target of {wl.target_latency_ms:g} ms per request: the fastest that fits, "
@@ -113,8 +135,8 @@ def _inference(plan, why: list[str], warn: list[str]) -> None:
             )
 
 
-def _training(plan, why: list[str], warn: list[str]) -> None:
-    r, wl = plan.recommended, plan.workload
+def _training(rec, why: list[str], warn: list[str]) -> None:
+    r, wl = rec.recommended, rec.workload
     t, lay = r.training, r.layout
     s = t.step
     why.append(
@@ -122,24 +144,22 @@ def _training(plan, why: list[str], warn: list[str]) -> None:
         f"{s.comm_s / s.total_s:.0%} communication, {s.bubble_s / s.total_s:.0%} pipeline bubble with "
         f"{t.micro_batches} micro-batches), {t.tokens_per_s:.4g} tokens/s, MFU {t.mfu:.0%}."
     )
-    fastest = min((c for c in plan.candidates if c.fits), key=lambda c: c.time_s)
+    fastest = min((c for c in rec.candidates if c.fits and c.runnable), key=lambda c: c.time_s)
     if fastest is not r and r.time_s / fastest.time_s >= 1.05:
         why.append(
             f"{fastest.layout} is predicted {r.time_s / fastest.time_s:.2f}x faster per step, with a larger tp; "
             "pick it if throughput matters more than the smallest tp."
         )
     if lay.tp == 1:
-        ups = [c for c in plan.candidates if c.fits and c.layout.tp > 1]
+        ups = [c for c in rec.candidates if c.fits and c.runnable and c.layout.tp > 1]
         if ups and max(r.time_s / c.time_s for c in ups) < PAYOFF:
             warn.append(
                 "tensor parallelism cannot pay off here: no layout with tp > 1 is "
                 f"{PAYOFF:.1f}x faster per step than {lay}; data parallelism uses the devices better."
             )
     elif not wl.recompute and lay.tp > 1:
-        from shardwise.planner.search import evaluate
-
-        ranked, _ = evaluate(plan.cfg, replace(wl, recompute=True), plan.cluster, headroom=plan.headroom)
-        if ranked and ranked[0].fits and ranked[0].layout.tp < lay.tp:
+        ranked, _ = evaluate(rec.cfg, replace(wl, recompute=True), rec.cluster, headroom=rec.headroom)
+        if ranked and ranked[0].fits and ranked[0].runnable and ranked[0].layout.tp < lay.tp:
             c = ranked[0]
             why.append(
                 f"With activation recomputation (--recompute) tp={c.layout.tp} would fit: {c.layout}, "
@@ -147,36 +167,41 @@ def _training(plan, why: list[str], warn: list[str]) -> None:
             )
 
 
-def diagnose(plan, allow_cross: bool) -> tuple[str, list[str]]:
-    """(how far the smallest footprint is over budget, what would fit instead)."""
-    from shardwise.planner.search import evaluate
-
-    cfg, wl, cl, h = plan.cfg, plan.workload, plan.cluster, plan.headroom
-    best = min(plan.candidates, key=lambda c: c.memory.total)
+def diagnose(rec, allow_cross: bool) -> tuple[str, list[str]]:
+    """(how far the smallest footprint shardwise can run is over budget, what would fit instead)."""
+    cfg, wl, cl, h = rec.cfg, rec.workload, rec.cluster, rec.headroom
+    runnable = [c for c in rec.candidates if c.runnable] or rec.candidates
+    best = min(runnable, key=lambda c: c.memory.total)
     m = best.memory
     need = m.total / (1 - h)
     named = (("weights", m.weights), ("KV cache", m.kv_cache), ("activations", m.activations))
     named += (("gradients", m.grads), ("optimizer state", m.optimizer))
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in named if v)
     msg = (
-        f"nothing fits on {cl.devices} x {cl.device.name}: the smallest footprint, {best.layout}, needs "
+        f"nothing fits on {cl.devices} x {cl.device.name}"
+        + (" without a pipeline" if rec.pipeline is not None else "")
+        + f": the smallest footprint, {best.layout}, needs "
         f"{_gib(m.total)} per device ({parts}), but a device has "
         f"{_gib(m.budget)} usable; with {h:.0%} headroom that is {_gib(need - m.budget)} short"
     )
 
-    def first_fit(wl2, cl2):
+    def first_fit(wl2, cl2, *, pipeline: bool = False):
+        """The best fitting layout of wl2 on cl2 (one with pp > 1 only if `pipeline`), or None."""
         try:
             ranked, _ = evaluate(cfg, wl2, cl2, headroom=h, allow_cross_node_tp=allow_cross)
         except PlanError:
             return None
-        return ranked[0] if ranked and ranked[0].fits else None
+        return ranked[0] if ranked and ranked[0].fits and (pipeline or ranked[0].runnable) else None
 
     alts = []
+    if rec.pipeline is not None:
+        alts.append(f"a pipeline, once shardwise runs one ({NOT_RUNNABLE}): {rec.pipeline.layout}")
     if cl.inter is not None:
         for nodes in [*range(cl.nodes + 1, cl.nodes + 16), 32, 64, 128, 256]:
-            c = first_fit(wl, replace(cl, devices=nodes * cl.devices_per_node))
+            c = first_fit(wl, replace(cl, devices=nodes * cl.devices_per_node), pipeline=True)
             if c is not None:
-                alts.append(f"{nodes} nodes ({nodes * cl.devices_per_node} devices): {c.layout}")
+                label = "" if c.runnable else f" ({NOT_RUNNABLE})"
+                alts.append(f"{nodes} nodes ({nodes * cl.devices_per_node} devices): {c.layout}{label}")
                 break
     alts.append(f"a device with at least {_gib(need + cl.device.reserved_gib * GIB)} of memory, at {best.layout}")
     if isinstance(wl, InferenceWorkload):

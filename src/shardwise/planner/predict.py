@@ -22,7 +22,7 @@ from shardwise.planner.cost import (
     tp_forward_collectives,
     training_flops_per_token,
 )
-from shardwise.planner.memory import kv_bytes_per_token, optimizer_bytes_per_param, stage_params, streamed_params
+from shardwise.planner.footprint import kv_bytes_per_token, optimizer_bytes_per_param, stage_params, streamed_params
 from shardwise.planner.specs import Cluster, TrainingWorkload
 
 __all__ = [

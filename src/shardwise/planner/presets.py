@@ -3,8 +3,8 @@
 Model presets are the public config.json of each model (only the fields shardwise reads),
 so they go through the same family code as a checkpoint directory. Cluster presets are
 datasheet figures; the achieved fractions (efficiencies, all-reduce bus bandwidth) are
-assumptions written next to them, and `this-host` replaces all of them by measurements
-(shardwise.planner.calibrate).
+assumptions written next to them. `this-host` is no preset but measurements of this
+machine (shardwise.bench.calibrate.this_host; `shardwise plan` wires it in).
 """
 
 from __future__ import annotations
@@ -25,7 +25,11 @@ __all__ = [
     "resolve_model",
     "preset_key",
     "customize",
+    "THIS_HOST",
 ]
+
+THIS_HOST = "this-host"
+"""The cluster measured on this machine (shardwise.bench.calibrate), not a preset."""
 
 _LLAMA = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 
@@ -217,19 +221,16 @@ def _decoder_only(cfg: ModelConfig, label: str) -> ModelConfig:
     return cfg
 
 
-def cluster_preset(name: str, *, nodes: int = 1, backend: str = "gloo", recalibrate: bool = False) -> Cluster:
-    """A cluster of `nodes` nodes of a preset. `this-host` is measured (see calibrate)."""
+def cluster_preset(name: str, *, nodes: int = 1) -> Cluster:
+    """A cluster of `nodes` nodes of a preset (datasheet figures). `this-host` is measured
+    instead: shardwise.bench.calibrate.this_host()."""
     key = preset_key(name)
     if nodes < 1:
         raise PlanError(f"nodes must be >= 1, got {nodes}")
-    if key == "this-host":
-        from shardwise.planner.calibrate import this_host
-
-        if nodes != 1:
-            raise PlanError(f"this-host is one node; got nodes={nodes}")
-        return this_host(backend=backend, recalibrate=recalibrate)
+    if key == THIS_HOST:
+        raise PlanError("this-host is measured, not a preset: use shardwise.bench.calibrate.this_host()")
     if key not in CLUSTER_PRESETS:
-        raise _unknown("cluster", name, [*CLUSTER_PRESETS, "this-host"])
+        raise _unknown("cluster", name, [*CLUSTER_PRESETS, THIS_HOST])
     p = CLUSTER_PRESETS[key]
     per_node = p["devices_per_node"]
     return Cluster(

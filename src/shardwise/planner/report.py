@@ -1,12 +1,13 @@
-"""A plan as text, as JSON, and as a plot of predicted latency against tp per interconnect."""
+"""A recommendation as text, as JSON, and as a plot of predicted latency against tp per interconnect."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, replace
 
 from shardwise.planner.cost import Collective
-from shardwise.planner.memory import stage_params
-from shardwise.planner.search import Candidate, Plan, evaluate
+from shardwise.planner.footprint import stage_params
+from shardwise.planner.recommend import Recommendation
+from shardwise.planner.search import NOT_RUNNABLE, Candidate, evaluate
 from shardwise.planner.specs import GIB, Cluster, InferenceWorkload
 
 __all__ = ["render_text", "to_json", "plot"]
@@ -54,12 +55,12 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f}" if s < 1 else f"{s * 1e3:.0f}"
 
 
-def render_text(plan: Plan, *, top: int = 12) -> str:
-    cfg, wl = plan.cfg, plan.workload
+def render_text(rec: Recommendation, *, top: int = 12) -> str:
+    cfg, wl = rec.cfg, rec.workload
     inf = isinstance(wl, InferenceWorkload)
     out = [
-        f"plan: {plan.model} ({cfg.family}, {stage_params(cfg, 1) / 1e9:.3g}B parameters, {plan.dtype})",
-        _cluster_line(plan.cluster),
+        f"model: {rec.model} ({cfg.family}, {stage_params(cfg, 1) / 1e9:.3g}B parameters, {rec.dtype})",
+        _cluster_line(rec.cluster),
         (
             f"workload: inference, batch {wl.batch} per replica, prompt {wl.prompt_len} + {wl.output_len} new tokens"
             + (f", target {wl.target_latency_ms:g} ms per request" if wl.target_latency_ms else "")
@@ -67,10 +68,10 @@ def render_text(plan: Plan, *, top: int = 12) -> str:
             else f"workload: training, global batch {wl.global_batch}, micro-batch {wl.micro_batch}, sequence "
             f"{wl.seq_len}, {wl.optimizer}, {wl.precision}, recomputation {'on' if wl.recompute else 'off'}"
         ),
-        f"headroom: {plan.headroom:.0%} of each device's usable memory kept free",
+        f"headroom: {rec.headroom:.0%} of each device's usable memory kept free",
         "",
     ]
-    shown = plan.candidates[:top]
+    shown = rec.candidates[:top]
     if inf:
         out.append(
             f"  {'layout':<18} {'fits':<4} {'weights':>8} {'KV':>7} {'act':>6} {'total':>7} {'free':>7} GiB/device |"
@@ -83,7 +84,7 @@ def render_text(plan: Plan, *, top: int = 12) -> str:
         )
     for c in shown:
         m = c.memory
-        mark = ">" if c is plan.recommended else " "
+        mark = ">" if c is rec.recommended else " "
         fit = "yes" if c.fits else "no"
         row = f"{mark} {str(c.layout):<18} {fit:<4} {m.weights / GIB:>8.2f}"
         if inf:
@@ -102,29 +103,31 @@ def render_text(plan: Plan, *, top: int = 12) -> str:
                 f" {m.free / GIB:>7.2f}            | {_ms(s.total_s):>9} = {_ms(s.compute_s):>8} + {_ms(s.comm_s):>7}"
                 f" + {_ms(s.bubble_s):>7} | {t.tokens_per_s:>9.4g} | {t.mfu:.0%}"
             )
-        out.append(row + ("  (tp crosses nodes)" if c.cross_node_tp else ""))
-    if len(plan.candidates) > top:
-        out.append(f"  ... {len(plan.candidates) - top} more layouts (--top N, or --json for all)")
+        out.append(
+            row + ("  (tp crosses nodes)" if c.cross_node_tp else "") + ("" if c.runnable else f"  ({NOT_RUNNABLE})")
+        )
+    if len(rec.candidates) > top:
+        out.append(f"  ... {len(rec.candidates) - top} more layouts (--top N, or --json for all)")
     out.append("")
     out.append(f"communication per {'decode token' if inf else 'step'} (one rank; every stage on the critical path):")
     for c in shown:
         pred = c.inference or c.training
         secs = pred.decode.comm_s if inf else pred.step.comm_s
         out.append(f"  {str(c.layout):<18} {_colls(pred.collectives)}: {_ms(secs)} ms")
-    if plan.skipped:
-        out.append(f"left out: {'; '.join(plan.skipped[:4])}" + (" ..." if len(plan.skipped) > 4 else ""))
+    if rec.skipped:
+        out.append(f"left out: {'; '.join(rec.skipped[:4])}" + (" ..." if len(rec.skipped) > 4 else ""))
     out.append("")
-    if plan.recommended is None:
-        out.append(f"{plan.nothing_fits[0].upper()}{plan.nothing_fits[1:]}.")
-        if plan.alternatives:
+    if rec.recommended is None:
+        out.append(f"{rec.nothing_fits[0].upper()}{rec.nothing_fits[1:]}.")
+        if rec.alternatives:
             out.append("what would fit instead:")
-            out += [f"  - {a}" for a in plan.alternatives]
+            out += [f"  - {a}" for a in rec.alternatives]
         return "\n".join(out)
-    r = plan.recommended
+    r = rec.recommended
     extra = f", {r.layout.dp} replicas" if inf and r.layout.dp > 1 else ""
     out.append(f"recommended: {r.layout} (tp={r.layout.tp}{extra})")
-    out += [f"  {line}" for line in plan.explanation]
-    out += [f"warning: {w}" for w in plan.warnings]
+    out += [f"  {line}" for line in rec.explanation]
+    out += [f"warning: {w}" for w in rec.warnings]
     return "\n".join(out)
 
 
@@ -134,6 +137,7 @@ def _cand_json(c: Candidate) -> dict:
         "layout": asdict(c.layout),
         "fits": c.fits,
         "cross_node_tp": c.cross_node_tp,
+        "runnable": c.runnable,
         "memory_gib": {
             k: getattr(m, k) / GIB
             for k in ("weights", "kv_cache", "activations", "grads", "optimizer", "total", "free")
@@ -165,20 +169,20 @@ def _cand_json(c: Candidate) -> dict:
     return d
 
 
-def to_json(plan: Plan) -> dict:
-    cfg, cl = plan.cfg, plan.cluster
+def to_json(rec: Recommendation) -> dict:
+    cfg, cl = rec.cfg, rec.cluster
     return {
         "model": {
-            "name": plan.model,
+            "name": rec.model,
             "family": cfg.family,
             "parameters": stage_params(cfg, 1),
-            "dtype": plan.dtype,
+            "dtype": rec.dtype,
             "layers": cfg.num_layers,
             "hidden": cfg.hidden_size,
             "heads": cfg.num_heads,
             "kv_heads": cfg.num_kv_heads,
         },
-        "workload": {"kind": plan.workload.kind, **asdict(plan.workload)},
+        "workload": {"kind": rec.workload.kind, **asdict(rec.workload)},
         "cluster": {
             "name": cl.name,
             "devices": cl.devices,
@@ -188,14 +192,15 @@ def to_json(plan: Plan) -> dict:
             "inter": None if cl.inter is None else asdict(cl.inter),
             "shared_memory": cl.shared_memory,
         },
-        "headroom": plan.headroom,
-        "layouts": [_cand_json(c) for c in plan.candidates],
-        "recommended": None if plan.recommended is None else _cand_json(plan.recommended),
-        "explanation": plan.explanation,
-        "warnings": plan.warnings,
-        "skipped": plan.skipped,
-        "nothing_fits": plan.nothing_fits,
-        "alternatives": plan.alternatives,
+        "headroom": rec.headroom,
+        "layouts": [_cand_json(c) for c in rec.candidates],
+        "recommended": None if rec.recommended is None else _cand_json(rec.recommended),
+        "pipeline": None if rec.pipeline is None else _cand_json(rec.pipeline),
+        "explanation": rec.explanation,
+        "warnings": rec.warnings,
+        "skipped": rec.skipped,
+        "nothing_fits": rec.nothing_fits,
+        "alternatives": rec.alternatives,
     }
 
 
@@ -207,22 +212,22 @@ def _links(cl: Cluster) -> dict[str, Cluster]:
     return out
 
 
-def plot(plan: Plan, path: str) -> None:
+def plot(rec: Recommendation, path: str) -> None:
     """Predicted latency against tp (pp = 1), one line per interconnect; hollow = does not fit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    inf = isinstance(plan.workload, InferenceWorkload)
+    inf = isinstance(rec.workload, InferenceWorkload)
     panels = (
         [("decode ms / token", lambda c: c.inference.decode.total_s), ("prefill ms", lambda c: c.inference.prefill.total_s)]
         if inf
         else [("step ms", lambda c: c.training.step.total_s)]
     )  # fmt: skip
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
-    for name, cl in _links(plan.cluster).items():
-        ranked, _ = evaluate(plan.cfg, plan.workload, cl, headroom=plan.headroom, allow_cross_node_tp=True)
+    for name, cl in _links(rec.cluster).items():
+        ranked, _ = evaluate(rec.cfg, rec.workload, cl, headroom=rec.headroom, allow_cross_node_tp=True)
         best: dict[int, Candidate] = {}
         for c in ranked:  # per tp: pp = 1 for inference; the fastest fitting pp for training
             if (inf and c.layout.pp != 1) or c.layout.tp in best and not (c.fits and not best[c.layout.tp].fits):
@@ -240,7 +245,7 @@ def plot(plan: Plan, path: str) -> None:
             ax.set_xlabel("tp")
             ax.set_ylabel(f"predicted {label}")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"{plan.model} on {plan.cluster.name} (hollow: does not fit in memory)", fontsize=10)
+    fig.suptitle(f"{rec.model} on {rec.cluster.name} (hollow: does not fit in memory)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,23 +1,27 @@
-"""Enumerate the valid tp x pp x dp layouts, predict each, rank them, recommend one.
+"""Enumerate the valid tp x pp x dp layouts, predict each, and rank them.
 
 Ranks are ordered tp fastest, then dp, then pp (Megatron-LM's order), so a tp group is
 tp consecutive devices: inside one node whenever tp <= devices per node. Layouts with tp
 across nodes are left out unless allowed.
 
-Inference: one replica is tp x pp devices, dp replicas fill the cluster. The
-recommendation is the smallest replica that fits with headroom (and meets the latency
-target, if any), the fastest of those: with pp = 1 that is the smallest tp that fits.
-Training: every layout uses all devices; the recommendation is the smallest tp that
-fits, with the best throughput among its layouts.
+The cost model's order (model_key): inference: one replica is tp x pp devices, dp
+replicas fill the cluster; best is the smallest replica that fits with headroom (and
+meets the latency target, if any), the fastest of those: with pp = 1 that is the smallest
+tp that fits. Training: every layout uses all devices; best is the smallest tp that fits,
+with the best throughput among its layouts.
+
+NOTE: shardwise cannot run pipeline parallelism yet: the ranking (rank_key) puts the
+fitting layouts it can run (pp = 1) before the fitting ones it cannot, which are still
+predicted and shown, labelled NOT_RUNNABLE. recommend.py says when one of them would win.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shardwise.layers.partition import HeadLayout
 from shardwise.models.config import ModelConfig
-from shardwise.planner.memory import Memory, inference_memory, training_memory
+from shardwise.planner.footprint import Footprint, inference_memory, training_memory
 from shardwise.planner.predict import (
     InferencePrediction,
     Layout,
@@ -27,15 +31,19 @@ from shardwise.planner.predict import (
 )
 from shardwise.planner.specs import DTYPE_BYTES, GIB, Cluster, InferenceWorkload, PlanError, TrainingWorkload
 
-__all__ = ["Candidate", "Plan", "make_plan", "evaluate", "valid_tp_sizes"]
+__all__ = ["Candidate", "evaluate", "valid_tp_sizes", "compute_dtype", "model_key", "NOT_RUNNABLE"]
 
 Workload = InferenceWorkload | TrainingWorkload
+
+NOT_RUNNABLE = "pp>1: not runnable by shardwise yet"
+"""The label of a layout with a pipeline: predicted, but shardwise cannot run it until
+pipeline parallelism lands."""
 
 
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
-    memory: Memory
+    memory: Footprint
     fits: bool
     """Fits in the device's budget with the requested headroom left free."""
     cross_node_tp: bool
@@ -52,24 +60,10 @@ class Candidate:
     def tokens_per_s(self) -> float:
         return self.inference.tokens_per_s if self.inference else self.training.tokens_per_s
 
-
-@dataclass
-class Plan:
-    model: str
-    cfg: ModelConfig
-    workload: Workload
-    cluster: Cluster
-    headroom: float
-    dtype: str
-    candidates: list[Candidate]
-    """Ranked, best first."""
-    recommended: Candidate | None
-    skipped: list[str] = field(default_factory=list)
-    explanation: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    nothing_fits: str | None = None
-    alternatives: list[str] = field(default_factory=list)
-    """When nothing fits: what would."""
+    @property
+    def runnable(self) -> bool:
+        """shardwise can run this layout today: no pipeline (pp = 1)."""
+        return self.layout.pp == 1
 
 
 def valid_tp_sizes(cfg: ModelConfig) -> list[int]:
@@ -152,43 +146,24 @@ def _candidate(cfg: ModelConfig, wl: Workload, cluster: Cluster, lay: Layout, he
     return Candidate(lay, mem, mem.fits(headroom), cross, training=predict_training(cfg, cluster, lay, wl))
 
 
-def _rank_key(c: Candidate) -> tuple:
+def model_key(c: Candidate) -> tuple:
+    """The cost model's order, best first, whether shardwise can run the layout or not."""
     if c.inference is not None:
         return (not c.fits, c.meets_target is False, c.layout.replica, c.time_s, c.layout.tp)
     return (not c.fits, c.layout.tp, c.time_s, c.layout.pp)
 
 
+def rank_key(c: Candidate) -> tuple:
+    """The order shown and recommended from: fitting layouts shardwise can run first."""
+    return (not c.fits, not c.runnable, *model_key(c)[1:])
+
+
 def evaluate(
     cfg: ModelConfig, wl: Workload, cluster: Cluster, *, headroom: float = 0.1, allow_cross_node_tp: bool = False
 ) -> tuple[list[Candidate], list[str]]:
-    """Every valid layout, predicted and ranked (best first), and the layouts left out, with why."""
+    """Every valid layout, predicted and ranked (rank_key: best first, the fitting layouts
+    shardwise can run before those it cannot), and the layouts left out, with why."""
     check_inputs(cfg, wl, headroom)
     layouts, skipped = _layouts(cfg, wl, cluster, allow_cross_node_tp)
-    ranked = sorted((_candidate(cfg, wl, cluster, lay, headroom) for lay in layouts), key=_rank_key)
+    ranked = sorted((_candidate(cfg, wl, cluster, lay, headroom) for lay in layouts), key=rank_key)
     return ranked, skipped
-
-
-def make_plan(
-    model: str,
-    cfg: ModelConfig,
-    wl: Workload,
-    cluster: Cluster,
-    *,
-    headroom: float = 0.1,
-    allow_cross_node_tp: bool = False,
-) -> Plan:
-    """The ranked layouts, the recommendation and its explanation; when nothing fits, by
-    how much and what would fit instead."""
-    from shardwise.planner.explain import diagnose, explain
-
-    ranked, skipped = evaluate(cfg, wl, cluster, headroom=headroom, allow_cross_node_tp=allow_cross_node_tp)
-    if not ranked:
-        raise PlanError(f"no valid layout of {model} on {cluster.devices} devices: " + "; ".join(skipped))
-    best = ranked[0] if ranked[0].fits else None
-    plan = Plan(model, cfg, wl, cluster, headroom, compute_dtype(cfg, wl), ranked, best, skipped)
-    if best is None:
-        plan.candidates.sort(key=lambda c: c.memory.total)  # the closest to fitting first
-        plan.nothing_fits, plan.alternatives = diagnose(plan, allow_cross_node_tp)
-    else:
-        plan.explanation, plan.warnings = explain(plan)
-    return plan

@@ -1,9 +1,9 @@
 """What each rank of `shardwise serve` runs: load the shard, then step until the job ends.
 
     rank 0      HTTP (uvicorn, a daemon thread) and the scheduler; the main thread runs
-                the engine loop: next_batch -> send_plan -> forward -> sample -> deliver,
-                and when idle a NOOP plan and a barrier every HEARTBEAT_S
-    rank 1..N   recv_plan -> the same forward; NOOP -> barrier; STOP -> return
+                the engine loop: next_batch -> send_step -> forward -> sample -> deliver,
+                and when idle a NOOP step and a barrier every HEARTBEAT_S
+    rank 1..N   recv_step -> the same forward; NOOP -> barrier; STOP -> return
 
 Every step is the same sharded forward on every rank (its collectives are inside the
 model). If any collective fails (a rank died, raised, or hangs past the timeout), rank 0
@@ -27,8 +27,8 @@ from shardwise.log import get_logger, setup_logging
 from shardwise.serve.app import ServerState, build_app
 from shardwise.serve.http import bind, start_http
 from shardwise.serve.metrics import Metrics
-from shardwise.serve.plan import Kind, recv_plan, send_plan
 from shardwise.serve.scheduler import Scheduler
+from shardwise.serve.step import Kind, recv_step, send_step
 from shardwise.serve.text import ChatTemplate
 
 __all__ = ["ServeOptions", "serve_rank", "HEARTBEAT_S"]
@@ -129,13 +129,13 @@ def _lead(tp, model, caches: SlotCaches, scheduler: Scheduler, metrics: Metrics,
         batch = scheduler.next_batch(device)
         if batch is None:
             if not scheduler.wait_for_work(HEARTBEAT_S):
-                send_plan(tp, Kind.NOOP, device=device)
+                send_step(tp, Kind.NOOP, device=device)
                 tp.barrier()
                 scheduler.beat()
                 metrics.heartbeat(tp.stats.snapshot())
             continue
         t0 = time.perf_counter()
-        send_plan(tp, Kind.STEP, batch)
+        send_step(tp, Kind.STEP, batch)
         fault.step()
         logits = caches.forward(model, batch)  # (B, V) on every rank
         new_tokens = scheduler.finish_step(logits)
@@ -143,9 +143,9 @@ def _lead(tp, model, caches: SlotCaches, scheduler: Scheduler, metrics: Metrics,
 
 
 def _follow(tp, model, caches: SlotCaches, device, fault: _Fault) -> None:
-    """Ranks 1..N: run whatever rank 0's plans say, until STOP."""
+    """Ranks 1..N: run whatever rank 0's steps say, until STOP."""
     while True:
-        kind, batch = recv_plan(tp, device)
+        kind, batch = recv_step(tp, device)
         if kind == Kind.STOP:
             return
         if kind == Kind.NOOP:

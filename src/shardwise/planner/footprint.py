@@ -15,7 +15,7 @@ from shardwise.layers.partition import HeadLayout, padded_size
 from shardwise.models.config import ModelConfig
 
 __all__ = [
-    "Memory",
+    "Footprint",
     "layer_params",
     "stage_params",
     "streamed_params",
@@ -29,7 +29,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Memory:
+class Footprint:
     """Bytes one device holds (its busiest pipeline stage), and the bytes it may use."""
 
     weights: float
@@ -135,7 +135,7 @@ def training_activation_bytes_per_layer(
 def inference_memory(
     cfg: ModelConfig, tp: int, pp: int, *, batch: int, prompt_len: int, output_len: int, width: int,
     flash: bool, budget: float,
-) -> Memory:  # fmt: skip
+) -> Footprint:  # fmt: skip
     """The busiest stage: weights, KV cache for prompt + output tokens, and the transient
     activations of a prefill (one layer's intermediates and the logits)."""
     heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)
@@ -148,14 +148,14 @@ def inference_memory(
         act += batch * heads.local_heads * prompt_len * prompt_len * width
     kv = kv_cache_bytes(cfg, tp, pp, batch, prompt_len + output_len, width)
     weights = max(stage_params(cfg, tp, pp, s) for s in {0, pp - 1}) * width
-    return Memory(weights, kv, act, 0.0, 0.0, budget)
+    return Footprint(weights, kv, act, 0.0, 0.0, budget)
 
 
 def training_memory(
     cfg: ModelConfig, tp: int, pp: int, *, micro_batches: int, micro_batch: int, seq: int, width: int,
     weight_bytes: int, grad_bytes: int, optimizer: str, master_bytes: int, recompute: bool, flash: bool,
     budget: float,
-) -> Memory:  # fmt: skip
+) -> Footprint:  # fmt: skip
     """The busier of the first stage (holds min(pp, m) micro-batches in flight under 1F1B,
     Narayanan et al. 2021) and the last stage (one micro-batch, plus fp32 logits)."""
     per_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, width, recompute=recompute, flash=flash)
@@ -169,5 +169,5 @@ def training_memory(
         act = per_layer * layers * in_flight + extra + (logits if stage == pp - 1 else 0.0)
         n = stage_params(cfg, tp, pp, stage)
         opt = n * optimizer_bytes_per_param(optimizer, master_bytes)
-        out.append(Memory(n * weight_bytes, 0.0, act, n * grad_bytes, opt, budget))
+        out.append(Footprint(n * weight_bytes, 0.0, act, n * grad_bytes, opt, budget))
     return max(out, key=lambda m: m.total)

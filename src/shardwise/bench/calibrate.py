@@ -1,7 +1,11 @@
 """`this-host`: a cluster built from measurements of this machine, cached in a JSON file.
 
+The measuring lives here, in bench/; the planner only reads the result, a
+shardwise.planner.specs.Cluster (Calibration.cluster). `shardwise plan --cluster this-host`
+wires the two (cli/plan.py).
+
 One device is one CPU core running one rank with one thread (as shardwise's launcher
-starts ranks). Measured (shardwise.planner.measure):
+starts ranks). Measured (shardwise.bench.measure):
 - matmul FLOP/s per dtype (128 rows through layer-shaped weights), weight-streaming
   bandwidth (one row through 384 MiB of them) and the fixed time per layer and per
   forward (a tiny model's decode step), on one core alone, then on every core at once
@@ -78,11 +82,13 @@ class Calibration:
     version: int = VERSION
     """The measurements' meaning (a file without the field: 0, measured again)."""
 
-    def cluster(self, backend: str = "gloo") -> Cluster:
-        if backend not in self.links:
-            why = self.unavailable.get(backend, "not measured")
+    def cluster(self, link: str = "gloo") -> Cluster:
+        """The planner's view of this host, with the link of backend `link` between its devices
+        (the other calibrated backends' links in other_links)."""
+        if link not in self.links:
+            why = self.unavailable.get(link, "not measured")
             raise PlanError(
-                f"backend {backend!r} has no calibration on this host ({why}); calibrated: {', '.join(self.links)}"
+                f"backend {link!r} has no calibration on this host ({why}); calibrated: {', '.join(self.links)}"
             )
         links = {}
         for b, v in self.links.items():
@@ -107,9 +113,9 @@ class Calibration:
             device=device,
             devices=self.devices,
             devices_per_node=self.devices,
-            intra=links[backend],
+            intra=links[link],
             shared_memory=True,
-            other_links={b: link for b, link in links.items() if b != backend},
+            other_links={b: lk for b, lk in links.items() if b != link},
             notes=(
                 f"calibrated {self.created} ({cache_path()})"
                 + (
@@ -189,8 +195,8 @@ def _measure_links(
     devices: int, backends: list[str], repeats: int, rounds: int, log, quiet, flops: float
 ) -> tuple[dict, dict]:
     from shardwise.bench.comm import available_backends, measure_all_reduce
+    from shardwise.bench.measure import after_compute_rank
     from shardwise.launch import launch
-    from shardwise.planner.measure import after_compute_rank
 
     links, unavailable = {}, {}
     if devices < 2:
@@ -239,8 +245,8 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
     """Measure this host (about 30 s)."""
     import torch
 
+    from shardwise.bench.measure import probe_rank
     from shardwise.launch import launch
-    from shardwise.planner.measure import probe_rank
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     t0 = time.time()
@@ -302,5 +308,7 @@ def load_calibration(*, recalibrate: bool = False, path: Path | None = None, log
     return cal
 
 
-def this_host(*, backend: str = "gloo", recalibrate: bool = False) -> Cluster:
-    return load_calibration(recalibrate=recalibrate).cluster(backend)
+def this_host(*, link: str = "gloo", recalibrate: bool = False) -> Cluster:
+    """The `this-host` cluster, with the calibrated link of backend `link` (measured first if
+    the cache is missing or stale)."""
+    return load_calibration(recalibrate=recalibrate).cluster(link)

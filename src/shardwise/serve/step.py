@@ -1,14 +1,14 @@
-"""The step plan: what rank 0 broadcasts so that every rank runs the same step.
+"""The step message: what rank 0 broadcasts so that every rank runs the same step.
 
 Two broadcasts of int64 tensors per step, a fixed-size header then the payload:
 
     header   (4,)           [kind, B, T, payload length]
     payload  (3B + B*T,)    [slots (B) | past (B) | n_new (B) | ids (B*T), row-major]
 
-A NOOP plan (idle heartbeat) has no payload; every rank then joins a barrier, so a
+A NOOP step (idle heartbeat) has no payload; every rank then joins a barrier, so a
 dead or stuck rank is noticed even when no request is running. STOP ends the workers'
 loop. Only token ids and slot bookkeeping travel: sampling happens on rank 0, and the
-sampled token reaches the other ranks as an input id of the next step's plan.
+sampled token reaches the other ranks as an input id of the next step.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from shardwise.comm import Communicator
 from shardwise.engine.slots import StepBatch
 
-__all__ = ["Kind", "HEADER_LEN", "encode", "decode", "send_plan", "recv_plan"]
+__all__ = ["Kind", "HEADER_LEN", "encode", "decode", "send_step", "recv_step"]
 
 HEADER_LEN = 4
 
@@ -43,16 +43,16 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> StepBatch:
     """The inverse of encode."""
     _, B, T, n = (int(x) for x in header.tolist())
     if payload.numel() != n or n != 3 * B + B * T:
-        raise ValueError(f"plan payload of {payload.numel()} ints does not match its header {header.tolist()}")
+        raise ValueError(f"step payload of {payload.numel()} ints does not match its header {header.tolist()}")
     slots, past, n_new, ids = payload.split([B, B, B, B * T])
     return StepBatch(slots=slots, past=past, n_new=n_new, ids=ids.view(B, T))
 
 
-def send_plan(comm: Communicator, kind: Kind, batch: StepBatch | None = None, device=None) -> None:
-    """Rank 0: broadcast one plan (a STEP carries its batch)."""
+def send_step(comm: Communicator, kind: Kind, batch: StepBatch | None = None, device=None) -> None:
+    """Rank 0: broadcast one step (a STEP carries its batch)."""
     if kind == Kind.STEP:
         if batch is None:
-            raise ValueError("a STEP plan needs its batch")
+            raise ValueError("a STEP needs its batch")
         header, payload = encode(batch)
         comm.broadcast(header, src=0)
         comm.broadcast(payload, src=0)
@@ -60,8 +60,8 @@ def send_plan(comm: Communicator, kind: Kind, batch: StepBatch | None = None, de
         comm.broadcast(torch.tensor([kind, 0, 0, 0], dtype=torch.long, device=device), src=0)
 
 
-def recv_plan(comm: Communicator, device=None) -> tuple[Kind, StepBatch | None]:
-    """Other ranks: receive the next plan."""
+def recv_step(comm: Communicator, device=None) -> tuple[Kind, StepBatch | None]:
+    """Other ranks: receive the next step."""
     header = comm.broadcast(torch.empty(HEADER_LEN, dtype=torch.long, device=device), src=0)
     kind = Kind(int(header[0]))
     if kind != Kind.STEP:
