@@ -2,7 +2,7 @@
 
 from shardwise.comm.accounting import CommStats, OpCount
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, CollectiveError, Communicator, LocalCommunicator, ReduceOp
-from shardwise.comm.dims import Mesh, ParallelDims
+from shardwise.comm.dims import Mesh, ParallelDims, tp_only
 from shardwise.comm.regions import (
     copy_to_region,
     gather_from_region,
@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "Mesh",
     "ParallelDims",
+    "tp_only",
     "copy_to_region",
     "gather_from_region",
     "reduce_from_region",
