@@ -1,6 +1,7 @@
 """Communication: parallel layout, communicators, accounting and autograd collectives."""
 
 from shardwise.comm.accounting import CommStats, OpCount
+from shardwise.comm.agree import AgreedError, agree
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, CollectiveError, Communicator, LocalCommunicator, ReduceOp
 from shardwise.comm.dims import Mesh, ParallelDims, tp_only
 from shardwise.comm.regions import (
@@ -11,6 +12,8 @@ from shardwise.comm.regions import (
 )
 
 __all__ = [
+    "AgreedError",
+    "agree",
     "CommStats",
     "OpCount",
     "CollectiveError",
