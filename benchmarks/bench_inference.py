@@ -47,12 +47,12 @@ def _time(fn, repeats: int) -> float:
 
 # ---- shardwise rows ---------------------------------------------------------------------
 def _shardwise(world, path: str, repeats: int) -> dict:
-    from shardwise.comm import ParallelDims
+    from shardwise.comm import tp_only
     from shardwise.engine import generate
     from shardwise.hf import load_pretrained
     from shardwise.memory import PeakAnonMemory, import_meta_kernels
 
-    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    tp = tp_only(world)
     import_meta_kernels()
     with PeakAnonMemory() as mem:
         model, report = load_pretrained(path, comm=tp)
@@ -121,10 +121,10 @@ def _weight_floor(world, path: str) -> float:
     once, so this is the memory-bandwidth bound; floor(tp=1) / floor(tp=2) is the most
     any tp=2 can gain here, whatever its communication and overhead. Runs on gloo, whose
     waiting rank sleeps and leaves the memory bus to the other."""
-    from shardwise.comm import ParallelDims
+    from shardwise.comm import tp_only
     from shardwise.hf import load_pretrained
 
-    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    tp = tp_only(world)
     model, _ = load_pretrained(path, comm=tp)
     weights = [m.weight for name, m in model.named_modules() if name and hasattr(m, "weight") and m.weight.dim() == 2]
     weights = [w for w in weights if w is not model.embed.weight or model.cfg.tie_embeddings]  # embed: one row

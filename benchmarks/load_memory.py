@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_model import DEFAULT_DIR, ensure_bench_model  # noqa: E402
 
-from shardwise.comm import ParallelDims  # noqa: E402
+from shardwise.comm import tp_only  # noqa: E402
 from shardwise.launch import launch  # noqa: E402
 
 MiB = 2**20
@@ -30,7 +30,7 @@ def _load_rank(world, path: str) -> dict:
     from shardwise.hf import load_pretrained
     from shardwise.memory import PeakAnonMemory, import_meta_kernels
 
-    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    tp = tp_only(world)
     import_meta_kernels()  # part of the baseline after imports
     gc.collect()
     t0 = time.perf_counter()

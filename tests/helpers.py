@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.comm import Communicator, LocalCommunicator, ParallelDims
+from shardwise.comm import Communicator, LocalCommunicator, tp_only
 from shardwise.sharding import Plan, shard_grads_like
 
 # fp32: sharding only reorders sums, so errors stay at a few ulps of the magnitudes.
@@ -34,7 +34,7 @@ def sharded_grads_expected(model: nn.Module, plan: Plan, comm: Communicator) -> 
 
 def tp_group(world: Communicator) -> Communicator:
     """The whole world as one tensor-parallel group (named "tp" in the accounting)."""
-    return ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    return tp_only(world)
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:

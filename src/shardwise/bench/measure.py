@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from shardwise.comm import Communicator, ParallelDims
+from shardwise.comm import Communicator, tp_only
 
 __all__ = ["probe_rank", "after_compute_rank", "AFTER_COMPUTE_MS", "generation_rank", "training_rank", "best_time"]
 
@@ -157,7 +157,7 @@ def generation_rank(world: Communicator, opts: dict) -> dict:
     from shardwise.engine import generate
     from shardwise.hf import load_pretrained
 
-    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    tp = tp_only(world)
     model, report = load_pretrained(opts["model"], comm=tp)
     vocab = report.config.vocab_size
     prompts = [[(31 * i + 7 * b + 3) % vocab for i in range(opts["prompt_len"])] for b in range(opts["batch"])]

@@ -20,8 +20,9 @@ import torch
 from shardwise.checkpoint.manifest import KINDS, CheckpointError, tensor_key
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.reshard import check_cover
+from shardwise.comm import agree
 from shardwise.log import get_logger
-from shardwise.train import Trainer, agree
+from shardwise.train import Trainer
 
 __all__ = ["load_checkpoint", "check_compatible"]
 

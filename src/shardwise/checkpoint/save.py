@@ -31,7 +31,8 @@ import torch
 from shardwise.checkpoint.files import SafetensorsWriter, dtype_name, fsync_dir, sha256_file, write_atomic
 from shardwise.checkpoint.manifest import KINDS, CheckpointError, Chunk, Manifest, TensorEntry, tensor_key
 from shardwise.checkpoint.reader import LATEST, MANIFEST
-from shardwise.train import Trainer, agree, owned_intervals
+from shardwise.comm import agree
+from shardwise.train import Trainer, owned_intervals
 from shardwise.train.layout import local_segments, plan_summary
 
 __all__ = ["save_checkpoint", "step_dir_name", "rank_file", "committed_steps"]

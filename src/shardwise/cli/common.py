@@ -11,7 +11,7 @@ from typing import Any
 
 from shardwise.comm import DEFAULT_TIMEOUT_S
 from shardwise.engine.text import DEFAULT_MODEL
-from shardwise.launch import RankFailedError, run_job
+from shardwise.launch import LaunchError, RankFailedError, run_job
 from shardwise.log import setup_logging
 
 __all__ = ["add_model_args", "add_run_args", "resolve_model", "fail", "job", "CliError"]
@@ -65,12 +65,24 @@ def resolve_model(model: Path | None, tp: int):
     return model_dir, cfg
 
 
-def job(fn: Callable[..., Any], args: argparse.Namespace, opts: dict, *, tp: int | None = None) -> Any:
-    """Run fn(world, opts) on the ranks (ours, or the launcher's); rank 0's result."""
+def job(
+    fn: Callable[..., Any],
+    world_size: int,
+    opts: Any,
+    *,
+    backend: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    job_timeout_s: float | None = None,
+) -> Any:
+    """Run fn(world, opts) on `world_size` ranks (ours, or torchrun's / mpiexec's); rank 0's
+    result, None on an external launcher's other ranks. A failed rank, or ranks that do not
+    fit the job, end the command with the error (CliError). See shardwise.launch.run_job."""
     setup_logging()
     try:
-        return run_job(fn, tp or args.tp, args=(opts,), backend=args.backend, timeout_s=args.timeout)
+        return run_job(fn, world_size, args=(opts,), backend=backend, timeout_s=timeout_s, job_timeout_s=job_timeout_s)
     except RankFailedError as e:
         print(f"shardwise: error: rank {e.rank} failed: {e.summary}", file=sys.stderr)
         print(e.detail, file=sys.stderr)
         raise CliError(1) from None
+    except LaunchError as e:
+        raise CliError(fail(str(e))) from None

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.cli.common import add_model_args, add_run_args, fail, job, resolve_model
-from shardwise.comm import Communicator, ParallelDims
+from shardwise.comm import Communicator, tp_only
 from shardwise.engine.text import load_tokenizer
 from shardwise.models.pooling import mean_pool
 
@@ -46,7 +46,7 @@ def _batch(tokenizer, texts: list[str], pad_id: int) -> tuple[list[list[int]], l
 def _embed_rank(world: Communicator, opts: dict) -> dict:
     from shardwise.hf import load_pretrained
 
-    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    tp = tp_only(world)
     model, report = load_pretrained(opts["model"], comm=tp, dtype=opts["dtype"])
     ids = torch.tensor(opts["ids"])  # (B, T)
     mask = torch.tensor(opts["mask"])  # (B, T)
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         if bad:
             return fail(f"--text {i}: token id {bad[0]} is outside the model's vocabulary of {cfg.vocab_size}")
     opts = {"model": str(model_dir), "dtype": args.dtype, "ids": ids, "mask": mask, "normalize": args.normalize}
-    r = job(_embed_rank, args, opts)
+    r = job(_embed_rank, args.tp, opts, backend=args.backend, timeout_s=args.timeout)
     if r is None:  # a non-zero rank under an external launcher
         return 0
     emb = r["embeddings"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from shardwise.cli.common import add_model_args, add_run_args, fail, job, resolve_model
-from shardwise.comm import Communicator, ParallelDims
+from shardwise.comm import Communicator, tp_only
 from shardwise.engine import PromptError, SamplingParams, generate, validate_prompts
 from shardwise.engine.text import DEFAULT_MODEL, StreamDecoder, load_tokenizer, stop_ids
 from shardwise.log import get_logger, setup_logging
@@ -60,7 +60,7 @@ def _prompts(args, model_dir: Path) -> list[list[int]]:
 
 def _generate_rank(world: Communicator, opts: dict) -> dict:
     setup_logging(world.rank, world.size)
-    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    tp = tp_only(world)
     from shardwise.hf import load_pretrained
 
     import_meta_kernels()  # counted in the baseline after imports, not in the load
@@ -137,11 +137,12 @@ def run(args: argparse.Namespace) -> int:
             print("model: the default model shipped with shardwise, trained on Jane Austen's novels (see its README)\n")
         if len(prompts) == 1 and args.prompt_ids is None:  # rank 0 streams the continuation after it
             print(args.prompt[0] if args.prompt else DEFAULT_PROMPT, end="", flush=True)
-    result = job(_generate_rank, args, opts)
+    run_opts = {"backend": args.backend, "timeout_s": args.timeout}
+    result = job(_generate_rank, args.tp, opts, **run_opts)
     if result is None:  # a non-zero rank under an external launcher
         return 0
     if args.compare_tp1:
-        ref = job(_generate_rank, args, {**opts, "stream": False, "progress": False}, tp=1)
+        ref = job(_generate_rank, 1, {**opts, "stream": False, "progress": False}, **run_opts)
         result["matches_tp1"] = ref["tokens"] == result["tokens"]
     if args.json:
         print(json.dumps(result))

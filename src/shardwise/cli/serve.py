@@ -14,12 +14,9 @@ import signal
 import sys
 from pathlib import Path
 
-from shardwise.cli.common import fail, resolve_model
+from shardwise.cli.common import fail, job, resolve_model
 from shardwise.comm import DEFAULT_TIMEOUT_S
 from shardwise.engine.text import DEFAULT_MODEL
-from shardwise.launch import RankFailedError, external_rank, launch, run_job
-from shardwise.launch.env import resolve_backend
-from shardwise.log import setup_logging
 
 __all__ = ["add_parser", "run"]
 
@@ -136,25 +133,14 @@ def run(args: argparse.Namespace) -> int:
         fail_rank=args.debug_fail_rank,
         fail_after=args.debug_fail_after,
     )
-    setup_logging()
     if default:
         print(
             "model: the default model shipped with shardwise, trained on Jane Austen's novels (see its README)",
             file=sys.stderr,
         )
     signal.signal(signal.SIGTERM, _stop)
-    backend = resolve_backend(args.backend)
-    try:
-        if external_rank() is None:  # our own ranks; a server has no job deadline
-            launch(serve_rank, args.tp, args=(opts,), backend=backend, timeout_s=args.timeout, job_timeout_s=math.inf)
-        else:
-            run_job(serve_rank, args.tp, args=(opts,), backend=backend, timeout_s=args.timeout)
-    except RankFailedError as e:
-        print(f"shardwise: error: rank {e.rank} failed: {e.summary}", file=sys.stderr)
-        print(e.detail, file=sys.stderr)
-        return 1
-    except ValueError as e:  # e.g. torchrun started a different number of ranks
-        return fail(str(e))
+    try:  # a server has no job deadline
+        job(serve_rank, args.tp, opts, backend=args.backend, timeout_s=args.timeout, job_timeout_s=math.inf)
     except KeyboardInterrupt:
         print("shardwise serve: stopped", file=sys.stderr)
     return 0

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from shardwise.cli.common import fail, job
-from shardwise.comm import DEFAULT_TIMEOUT_S, Communicator
+from shardwise.comm import Communicator
 
 __all__ = ["add_parser", "run", "run_training", "prepare", "train_backend"]
 
@@ -103,11 +103,18 @@ def prepare(cfg) -> tuple:
 
 
 def run_training(cfg, *, timeout_s: float | None = None) -> dict | None:
-    """Python API: prepare, start tp * dp ranks (or join a launcher's), train; rank 0's summary."""
+    """The Python API of `shardwise train`: check the config and tokenize the text here
+    (`prepare`), then train on tp * dp ranks started here (or joined: torchrun, mpiexec).
+
+    Returns rank 0's summary: step, loss, first_loss, steps_run, tokens_per_s,
+    ms_per_step, checkpoint, plot, tp, dp, backend, dp_sync (None on an external
+    launcher's other ranks). timeout_s (default parallel.timeout_s) bounds each
+    collective. Raises on bad input before any rank starts, RankFailedError if a rank fails.
+    """
     from shardwise.launch import run_job
 
     _, _, backend = prepare(cfg)
-    timeout = timeout_s or cfg.parallel.timeout_s
+    timeout = timeout_s if timeout_s is not None else cfg.parallel.timeout_s
     return run_job(_train_rank, cfg.parallel.world_size, args=(cfg,), backend=backend, timeout_s=timeout)
 
 
@@ -128,8 +135,7 @@ def run(args: argparse.Namespace) -> int:
             f"({backend}), steps to {cfg.run.steps}, out {cfg.run.out_dir}",
             flush=True,
         )
-    ns = argparse.Namespace(backend=backend, timeout=cfg.parallel.timeout_s or DEFAULT_TIMEOUT_S)
-    result = job(_train_rank, ns, cfg, tp=cfg.parallel.world_size)
+    result = job(_train_rank, cfg.parallel.world_size, cfg, backend=backend, timeout_s=cfg.parallel.timeout_s)
     if result is None:  # a non-zero rank under an external launcher
         return 0
     if args.json:

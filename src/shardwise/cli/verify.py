@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from shardwise.cli.common import CliError, add_model_args, add_run_args, fail, job, resolve_model
-from shardwise.comm import Communicator, LocalCommunicator, ParallelDims
+from shardwise.comm import Communicator, LocalCommunicator, tp_only
 from shardwise.engine.text import DEFAULT_MODEL
 
 __all__ = ["add_parser", "run"]
@@ -127,7 +127,7 @@ def _verify_rank(world: Communicator, opts: dict) -> dict | None:
     from shardwise.hf import load_pretrained
     from shardwise.models.bert import BertEncoder
 
-    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    tp = tp_only(world)
     model, report = load_pretrained(opts["model"], comm=tp, dtype=opts["dtype"])
     encoder, family = isinstance(model, BertEncoder), report.family
     dtype = next(model.parameters()).dtype
@@ -220,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
     model_dir = _resolve(args.model, args.tp)
     if args.tolerance is not None and not args.tolerance >= 0:
         return fail(f"--tolerance must be >= 0, got {args.tolerance}")
-    r = job(_verify_rank, args, {"model": str(model_dir), "dtype": args.dtype})
+    opts = {"model": str(model_dir), "dtype": args.dtype}
+    r = job(_verify_rank, args.tp, opts, backend=args.backend, timeout_s=args.timeout)
     if r is None:  # a non-zero rank under an external launcher
         return 0
     tol = args.tolerance if args.tolerance is not None else TOLERANCE[r["dtype"]]

@@ -1,8 +1,9 @@
 """Communication: parallel layout, communicators, accounting and autograd collectives."""
 
 from shardwise.comm.accounting import CommStats, OpCount
+from shardwise.comm.agree import AgreedError, agree
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, CollectiveError, Communicator, LocalCommunicator, ReduceOp
-from shardwise.comm.dims import Mesh, ParallelDims
+from shardwise.comm.dims import Mesh, ParallelDims, tp_only
 from shardwise.comm.regions import (
     copy_to_region,
     gather_from_region,
@@ -11,6 +12,8 @@ from shardwise.comm.regions import (
 )
 
 __all__ = [
+    "AgreedError",
+    "agree",
     "CommStats",
     "OpCount",
     "CollectiveError",
@@ -20,6 +23,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "Mesh",
     "ParallelDims",
+    "tp_only",
     "copy_to_region",
     "gather_from_region",
     "reduce_from_region",

@@ -129,6 +129,12 @@ class Communicator(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources (the world communicator only)."""
 
+    @property
+    def process_group(self):
+        """This group's torch.distributed ProcessGroup, for PyTorch APIs that take one
+        (DistributedDataParallel); None when the backend has none (MPI, a single process)."""
+        return None
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size}, backend={self.backend!r})"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from shardwise.comm.communicator import Communicator
 
-__all__ = ["ParallelDims", "Mesh"]
+__all__ = ["ParallelDims", "Mesh", "tp_only"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,12 @@ class Mesh:
     world: Communicator
     tp: Communicator
     dp: Communicator
+
+
+def tp_only(world: Communicator) -> Communicator:
+    """The whole world as one tensor-parallel group (tp = world size, dp = 1), named "tp" in
+    the accounting. Collective: every rank must call it."""
+    return ParallelDims(world_size=world.size, tp=world.size).build(world).tp
 
 
 def _divisors(n: int) -> list[int]:

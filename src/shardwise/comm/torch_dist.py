@@ -113,6 +113,10 @@ class TorchDistCommunicator(Communicator):
                 mine = pg
         return TorchDistCommunicator(mine, name=name, stats=self.stats, backend=self.backend, timeout_s=self.timeout_s)
 
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return self.group if self.group is not None else dist.group.WORLD
+
     def close(self) -> None:
         if self.group is None and dist.is_initialized():
             dist.destroy_process_group()

@@ -1,7 +1,18 @@
-"""Starting ranks: N local processes with fail-fast semantics."""
+"""Starting ranks: ours (local processes, or mpiexec's for MPI) or an external launcher's,
+with fail-fast semantics."""
 
 from shardwise.launch.env import ExternalRank, external_rank
-from shardwise.launch.local import JobTimeoutError, RankFailedError, free_port, launch
-from shardwise.launch.run import run_job
+from shardwise.launch.failfast import JobTimeoutError, RankFailedError
+from shardwise.launch.local import free_port
+from shardwise.launch.run import LaunchError, launch, run_job
 
-__all__ = ["launch", "run_job", "RankFailedError", "JobTimeoutError", "free_port", "ExternalRank", "external_rank"]
+__all__ = [
+    "launch",
+    "run_job",
+    "RankFailedError",
+    "JobTimeoutError",
+    "LaunchError",
+    "free_port",
+    "ExternalRank",
+    "external_rank",
+]

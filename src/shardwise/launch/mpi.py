@@ -1,12 +1,13 @@
-"""Start N ranks under mpiexec (the MPI backend) with the same fail-fast semantics as
-shardwise.launch.local.
+"""Start N ranks under mpiexec (the MPI backend), with the fail-fast semantics of
+shardwise.launch.failfast, as the local launcher.
 
 MPI ranks must be started by mpiexec, so they cannot be forked from this process. The
 parent listens on a loopback port (authenticated with a random key), starts
 `mpiexec -n N python -m shardwise.launch.mpi_rank`, and each rank connects back for
 its job and returns its result or its error over that connection. If a rank fails, the
 whole mpiexec session is killed; if the parent dies, each rank sees its connection
-close and exits.
+close and exits. On the first failure the ranks still running are told (`_notify`), so
+their collectives fail at once instead of waiting out their timeout.
 """
 
 from __future__ import annotations
@@ -26,11 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S
-from shardwise.launch.local import JobTimeoutError, RankFailedError, _Failure
+from shardwise.launch.failfast import Failure, JobTimeoutError, Outcomes, RankFailedError, job_deadline, recv_report
 
 __all__ = ["launch_mpi", "find_mpiexec"]
-
-_GRACE_S = 1.0
 
 
 def find_mpiexec() -> str:
@@ -71,7 +70,7 @@ def launch_mpi(
     threading.Thread(
         target=lambda: [accepted.append(listener.accept()) for _ in range(world_size)], daemon=True
     ).start()
-    deadline = time.monotonic() + (job_timeout_s if job_timeout_s is not None else 4 * timeout_s + 60)
+    deadline = job_deadline(timeout_s, job_timeout_s)
     grace = 0.0  # seconds to let mpiexec exit by itself: only after every rank succeeded
     try:
         main = sys.modules.get("__main__")
@@ -102,42 +101,26 @@ def launch_mpi(
 
 
 def _collect(proc: subprocess.Popen, conns: dict[Connection, int], world_size: int, deadline: float) -> list[Any]:
-    results: dict[int, Any] = {}
-    failures: list[_Failure] = []
+    outcomes = Outcomes(world_size, [proc.pid])
     pending = dict(conns)
-    first_failure: float | None = None
-    while pending:
-        if first_failure is not None and time.monotonic() - first_failure > _GRACE_S:
-            break
-        if time.monotonic() > deadline:
-            stuck = sorted(set(range(world_size)) - set(results))
-            raise JobTimeoutError(f"job timed out; ranks {stuck} had not finished", [proc.pid])
-        for conn in wait(list(pending), timeout=0.2):
+
+    def poll(seconds: float) -> None:
+        for conn in wait(list(pending), timeout=seconds):
             rank = pending.pop(conn)
             try:
-                msg = pickle.loads(conn.recv_bytes())
+                outcomes.add(rank, recv_report(conn))
             except (EOFError, OSError):
                 # NOTE: once one rank exits with an error, mpiexec kills the others; those
                 # silent deaths are consequences, not the cause.
-                after_report = any(f.detail for f in failures)
-                failures.append(
-                    _Failure(rank, time.time(), "rank exited without reporting (killed?)", "", after_report)
-                )
-                continue
-            if msg[0] == "ok":
-                results[rank] = msg[1]
-            else:
-                failures.append(_Failure(rank, *msg[1:]))
-        if failures and first_failure is None:
-            first_failure = time.monotonic()
-            _notify(pending, failures[0])
-    if failures:
-        root = min(failures, key=lambda f: (f.secondary, f.when))
-        raise RankFailedError(root.rank, root.summary, root.detail, [proc.pid])
-    return [results[r] for r in range(world_size)]
+                after_report = any(f.detail for f in outcomes.failures)
+                outcomes.died(rank, "rank exited without reporting (killed?)", secondary=after_report)
+
+    return outcomes.collect(
+        poll, running=lambda: bool(pending), deadline=deadline, on_first_failure=lambda f: _notify(pending, f)
+    )
 
 
-def _notify(pending: dict[Connection, int], failure: _Failure) -> None:
+def _notify(pending: dict[Connection, int], failure: Failure) -> None:
     """Tell the ranks still running that a peer died: their collectives fail at once."""
     notice = pickle.dumps(f"rank {failure.rank} failed: {failure.summary}")
     for conn in pending:

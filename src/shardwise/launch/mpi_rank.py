@@ -7,8 +7,6 @@ import os
 import pickle
 import sys
 import threading
-import time
-import traceback
 from multiprocessing.connection import Client
 
 
@@ -37,7 +35,7 @@ def main() -> None:
 
     from shardwise.comm.accounting import CommStats
     from shardwise.comm.mpi import MPICommunicator
-    from shardwise.launch.local import _caused_by_collective
+    from shardwise.launch.failfast import error_report, ok_report, send_report
 
     host, port = os.environ["SHARDWISE_LAUNCH_ADDR"].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["SHARDWISE_LAUNCH_KEY"]))
@@ -57,11 +55,10 @@ def main() -> None:
         tqdm.set_lock(threading.RLock())
         world = MPICommunicator(MPI.COMM_WORLD, name="world", stats=CommStats(), timeout_s=timeout_s)
         result = fn(world, *args)
-        conn.send_bytes(pickle.dumps(("ok", result)))
+        send_report(conn, ok_report(result))
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
-        msg = ("error", time.time(), f"{type(e).__name__}: {e}", traceback.format_exc(), _caused_by_collective(e))
         try:
-            conn.send_bytes(pickle.dumps(msg))
+            send_report(conn, error_report(e))
         finally:
             os._exit(1)
 

@@ -1,12 +1,14 @@
 """Run a job function on N ranks, however the ranks come about.
 
-- Started by torchrun or mpiexec: this process is one rank; join and run.
-- Otherwise: start N local ranks ourselves (shardwise.launch.local; under mpiexec for
-  the MPI backend, shardwise.launch.mpi).
+- `launch`: start N ranks ourselves and return every rank's result: child processes on
+  this host (shardwise.launch.local), or for the MPI backend ranks under mpiexec
+  (shardwise.launch.mpi). Both fail fast (shardwise.launch.failfast).
+- `run_job`: what every command calls. Started by torchrun or mpiexec, this process is
+  one rank: join and run. Otherwise `launch`.
 
-The job function takes the world Communicator and returns a result; only rank 0's
-result is returned (a job that needs all ranks' data gathers it itself), and None on
-the other ranks of an externally launched job.
+The job function takes the world Communicator and returns a result; run_job returns only
+rank 0's result (a job that needs all ranks' data gathers it itself), and None on the
+other ranks of an externally launched job.
 """
 
 from __future__ import annotations
@@ -16,9 +18,40 @@ from typing import Any
 
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S
 from shardwise.launch.env import external_rank, resolve_backend
-from shardwise.launch.local import launch
+from shardwise.launch.local import launch_local
+from shardwise.launch.mpi import launch_mpi
 
-__all__ = ["run_job"]
+__all__ = ["launch", "run_job", "LaunchError"]
+
+
+class LaunchError(ValueError):
+    """The ranks an external launcher started do not fit the job (their number, or no
+    rendezvous address); nothing ran."""
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    job_timeout_s: float | None = None,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run fn(world_communicator, *args) on `world_size` ranks started here; results by rank.
+
+    timeout_s bounds every collective; job_timeout_s (default 4x timeout_s + 60 s;
+    math.inf: none) bounds the whole job, for a rank stuck outside any collective.
+    If any rank raises or dies, every rank is killed and RankFailedError names the root
+    cause; past the job timeout, JobTimeoutError.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    opts = {"args": args, "timeout_s": timeout_s, "job_timeout_s": job_timeout_s, "threads_per_rank": threads_per_rank}
+    if backend == "mpi" and world_size > 1:  # MPI ranks must come from mpiexec
+        return launch_mpi(fn, world_size, **opts)
+    return launch_local(fn, world_size, backend=backend, **opts)
 
 
 def run_job(
@@ -28,20 +61,28 @@ def run_job(
     args: tuple = (),
     backend: str = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    job_timeout_s: float | None = None,
 ) -> Any | None:
+    """fn(world, *args) on `world_size` ranks: ours (`launch`), or torchrun's / mpiexec's
+    when they started this process. Rank 0's result (None on an external launcher's
+    other ranks). backend "auto" is resolved here (shardwise.launch.env.resolve_backend).
+
+    job_timeout_s bounds the job on ranks we start (see `launch`; math.inf for a server);
+    an external launcher's ranks are its own to stop.
+    """
     backend = resolve_backend(backend)
     ext = external_rank()
     if ext is None:
-        return launch(fn, world_size, args=args, backend=backend, timeout_s=timeout_s)[0]
+        return launch(fn, world_size, args=args, backend=backend, timeout_s=timeout_s, job_timeout_s=job_timeout_s)[0]
     if ext.world_size != world_size:
-        raise ValueError(f"--tp {world_size} but {ext.launcher} started {ext.world_size} ranks; they must agree")
+        raise LaunchError(f"--tp {world_size} but {ext.launcher} started {ext.world_size} ranks; they must agree")
     if backend == "mpi":
         from shardwise.comm.mpi import init_mpi
 
         comm = init_mpi(timeout_s)
         return _run(fn, comm, args, ext.rank)
     if ext.master_addr is None or ext.master_port is None:
-        raise RuntimeError(
+        raise LaunchError(
             f"started by {ext.launcher} for backend {backend!r}, but MASTER_ADDR/MASTER_PORT are not set: "
             "export them to every rank (rank 0's host and a free port), or use --backend mpi"
         )

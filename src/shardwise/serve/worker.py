@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.comm import Communicator, ParallelDims
+from shardwise.comm import Communicator, tp_only
 from shardwise.engine.slots import SlotCaches
 from shardwise.engine.text import load_tokenizer, stop_ids
 from shardwise.log import get_logger, setup_logging
@@ -71,7 +71,7 @@ class _Fault:
 
 def serve_rank(world: Communicator, opts: ServeOptions) -> None:
     setup_logging(world.rank, world.size)
-    tp = ParallelDims(world_size=world.size, tp=world.size).build(world).tp
+    tp = tp_only(world)
     from shardwise.hf import load_pretrained
 
     model, report = load_pretrained(opts.model, comm=tp, dtype=opts.dtype, progress=False)

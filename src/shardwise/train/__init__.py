@@ -1,6 +1,5 @@
 """Training on a tp x dp mesh: config, data, RNG streams, optimizer, dp sync, step and loop."""
 
-from shardwise.train.agree import AgreedError, agree
 from shardwise.train.config import (
     ConfigError,
     DataSection,
@@ -19,8 +18,6 @@ from shardwise.train.step import StepStats, Trainer, train_step
 from shardwise.train.sync import BucketedSync, DDPSync, GradSync, NoSync, make_grad_sync
 
 __all__ = [
-    "AgreedError",
-    "agree",
     "ConfigError",
     "DataSection",
     "ModelSection",

@@ -19,9 +19,8 @@ from typing import Protocol
 
 from tqdm.auto import tqdm
 
-from shardwise.comm import Communicator, ParallelDims
+from shardwise.comm import Communicator, ParallelDims, agree
 from shardwise.log import get_logger
-from shardwise.train.agree import agree
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import DataError, DPSampler, TokenFile, tokenize_text
 from shardwise.train.layout import all_rank_specs, build_model, full_state

@@ -50,10 +50,11 @@ class DDPSync(GradSync):
     def __init__(self, model: nn.Module, dp: Communicator, bucket_mb: float) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        group = getattr(dp, "group", None)
+        if dp.process_group is None:
+            raise ValueError(f"DistributedDataParallel needs a torch.distributed group; dp uses {dp.backend!r}")
         # NOTE: parameters are already identical on every dp rank (same seed or same checkpoint);
         # DDP's initial broadcast from dp rank 0 keeps them so.
-        self.module = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
+        self.module = DistributedDataParallel(model, process_group=dp.process_group, bucket_cap_mb=bucket_mb)
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if last else self.module.no_sync()
@@ -92,7 +93,7 @@ def make_grad_sync(model: nn.Module, dp: Communicator, *, mode: str, bucket_mb: 
     """The GradSync for `mode` ("auto", "ddp", "bucketed") on this dp communicator."""
     if dp.size == 1:
         return NoSync(model)
-    is_torch = dp.backend in ("gloo", "nccl") and hasattr(dp, "group")
+    is_torch = dp.process_group is not None
     if mode == "ddp" and not is_torch:
         raise ValueError(f"parallel.dp_sync='ddp' needs a torch.distributed backend; dp group uses {dp.backend!r}")
     if mode == "ddp" or (mode == "auto" and is_torch):

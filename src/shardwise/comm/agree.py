@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from shardwise.comm import Communicator
+from shardwise.comm.communicator import Communicator
 
 __all__ = ["agree", "AgreedError"]
 

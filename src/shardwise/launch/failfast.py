@@ -1,0 +1,181 @@
+"""Fail-fast: the core both launchers share (local forkserver ranks, mpiexec ranks).
+
+- A rank reports once, over its pipe or socket: `ok_report(result)` or
+  `error_report(exception)`, sent with `send_report` and read with `recv_report`.
+- The parent collects the reports with `Outcomes.collect`: every rank's result; or, at
+  the first failure, a grace period of GRACE_S to hear from the others, then
+  RankFailedError naming the root cause (`root_cause`): a rank that raised something
+  other than a failed collective, or died, in preference to the CollectiveErrors
+  ("connection closed by peer") its failure causes on the others.
+- A wall-clock deadline (`job_deadline`) bounds the whole job: JobTimeoutError.
+
+The launchers own the transport and the processes (and kill every one of them on the
+way out); this module owns the decisions, so they are made one way for every backend.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from shardwise.comm.communicator import CollectiveError
+
+__all__ = [
+    "GRACE_S",
+    "Failure",
+    "Outcomes",
+    "RankFailedError",
+    "JobTimeoutError",
+    "caused_by_collective",
+    "error_report",
+    "job_deadline",
+    "ok_report",
+    "recv_report",
+    "root_cause",
+    "send_report",
+]
+
+GRACE_S = 1.0
+"""After a first failure, how long to collect the other ranks' errors (one may be the cause)."""
+_POLL_S = 0.2  # how long one wait for reports lasts, between deadline checks
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised or died; the job was taken down. `rank` is the root cause."""
+
+    def __init__(self, rank: int, summary: str, detail: str, pids: list[int]) -> None:
+        super().__init__(f"rank {rank} failed: {summary}\n{detail}")
+        self.rank, self.summary, self.detail, self.pids = rank, summary, detail, pids
+
+
+class JobTimeoutError(TimeoutError):
+    """The job ran past its wall-clock limit; every rank was killed."""
+
+    def __init__(self, message: str, pids: list[int]) -> None:
+        super().__init__(message)
+        self.pids = pids
+
+
+@dataclass
+class Failure:
+    """One rank's failure, as the parent learnt of it."""
+
+    rank: int
+    when: float
+    """time.time() of the failure (the rank's clock for a report, the parent's for a death)."""
+    summary: str
+    """One line: `ValueError: boom`, or how the process died."""
+    detail: str = ""
+    """The rank's traceback, when it could send one."""
+    secondary: bool = False
+    """A failed collective (or a silent death after another rank's report): most likely
+    the effect of another rank's failure, not the cause."""
+
+
+def caused_by_collective(e: BaseException | None) -> bool:
+    """Whether a CollectiveError is `e` or anywhere in its chain of causes."""
+    while e is not None:
+        if isinstance(e, CollectiveError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def root_cause(failures: list[Failure]) -> Failure:
+    """The failure to report: a rank that raised something other than a failed collective,
+    or died; among equals, the earliest."""
+    if not failures:
+        raise ValueError("root_cause of no failures")
+    return min(failures, key=lambda f: (f.secondary, f.when))
+
+
+def job_deadline(timeout_s: float, job_timeout_s: float | None) -> float:
+    """time.monotonic() past which the job is killed: job_timeout_s from now (math.inf:
+    never), by default 4x the collective timeout + 60 s."""
+    limit = job_timeout_s if job_timeout_s is not None else 4 * timeout_s + 60
+    return math.inf if math.isinf(limit) else time.monotonic() + limit
+
+
+# ---- a rank's report ------------------------------------------------------------------------
+def ok_report(result: Any) -> tuple:
+    return ("ok", result)
+
+
+def error_report(e: BaseException) -> tuple:
+    """The report of a rank whose job raised `e` (call it inside the `except`)."""
+    return ("error", time.time(), f"{type(e).__name__}: {e}", traceback.format_exc(), caused_by_collective(e))
+
+
+def send_report(conn: Connection, report: tuple) -> None:
+    # NOTE: plain pickle, not multiprocessing's: that one shares tensor storage through
+    # file descriptors, which vanish when the rank exits before the parent reads them.
+    # In-memory IPC between our own processes; nothing is ever unpickled from a file.
+    conn.send_bytes(pickle.dumps(report))
+
+
+def recv_report(conn: Connection) -> tuple:
+    """A rank's report; EOFError (or OSError) if it went away without one."""
+    return pickle.loads(conn.recv_bytes())  # in-memory IPC from our own rank process
+
+
+# ---- the parent's side ----------------------------------------------------------------------
+class Outcomes:
+    """What the parent knows of each rank: its result, or its failure."""
+
+    def __init__(self, world_size: int, pids: list[int]) -> None:
+        self.world_size, self.pids = world_size, pids
+        self.results: dict[int, Any] = {}
+        self.failures: list[Failure] = []
+
+    def add(self, rank: int, report: tuple) -> None:
+        """Record a rank's report (ok_report or error_report)."""
+        if report[0] == "ok":
+            self.results[rank] = report[1]
+        else:
+            self.failures.append(Failure(rank, *report[1:]))
+
+    def died(self, rank: int, summary: str, *, secondary: bool = False) -> None:
+        """Record a rank that went away without a report."""
+        self.failures.append(Failure(rank, time.time(), summary, "", secondary))
+
+    def settled(self, rank: int) -> bool:
+        return rank in self.results or any(f.rank == rank for f in self.failures)
+
+    def collect(
+        self,
+        poll: Callable[[float], None],
+        *,
+        running: Callable[[], bool],
+        deadline: float,
+        on_first_failure: Callable[[Failure], None] | None = None,
+    ) -> list[Any]:
+        """Call poll(seconds) (which waits that long at most and records what arrived) while
+        running(); return the results by rank, or raise RankFailedError for the root cause
+        GRACE_S after the first failure, or JobTimeoutError past the deadline.
+        on_first_failure(failure) is called once, e.g. to tell the survivors."""
+        first_failure_at: float | None = None
+        while running():
+            now = time.monotonic()
+            if first_failure_at is not None and now - first_failure_at > GRACE_S:
+                break
+            if now > deadline:
+                stuck = sorted(r for r in range(self.world_size) if r not in self.results)
+                raise JobTimeoutError(f"job timed out; ranks {stuck} had not finished", self.pids)
+            poll(_POLL_S)
+            if self.failures and first_failure_at is None:
+                first_failure_at = time.monotonic()
+                if on_first_failure is not None:
+                    on_first_failure(self.failures[0])
+        if self.failures:
+            root = root_cause(self.failures)
+            raise RankFailedError(root.rank, root.summary, root.detail, self.pids)
+        missing = [r for r in range(self.world_size) if r not in self.results]
+        if missing:  # ended without a word, and without an error code
+            raise RankFailedError(missing[0], "exited without reporting a result", "", self.pids)
+        return [self.results[r] for r in range(self.world_size)]
