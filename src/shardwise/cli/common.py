@@ -56,6 +56,8 @@ def resolve_model(model: Path | None, tp: int, *, auto: bool = False):
 
     model_dir = DEFAULT_MODEL if model is None else model
     try:
+        if not model_dir.is_dir():  # commands load weights: a config.json alone will not do
+            raise CheckpointError(f"model directory {model_dir} does not exist")
         if tp < 1:
             raise ShardError(f"--tp must be >= 1, got {tp}")
         resolved = resolve(model_dir, tp=tp, auto=auto)
