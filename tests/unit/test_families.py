@@ -1,5 +1,6 @@
-"""The family table: every entry is consistent with its model, plan and name table, and a
-new family is one entry plus one config reader (the example in docs/models.md)."""
+"""The family table: every entry is consistent with its model, plan and name table, a new
+family is one entry plus one config reader (the example in docs/models.md), and
+resolve_model decides between family code and the automatic plan."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from shardwise.comm import LocalCommunicator
 from shardwise.hf import FAMILIES, CheckpointError, Family, family_for, load_pretrained, read_config, resolve_model
 from shardwise.hf.families import llama_config
 from shardwise.hf.names import llama_names
-from shardwise.layers import model_shard_specs
+from shardwise.layers import ShardError, model_shard_specs
 from shardwise.models import ModelConfig
 from shardwise.sharding import parallelize
 from shardwise.sharding.plans import model_tp_sizes
@@ -108,3 +109,21 @@ def test_a_new_family_is_one_entry_and_one_reader(toy_checkpoint, monkeypatch):
             specs = model_shard_specs(sharded)
             for name, p in sharded.named_parameters():
                 assert torch.equal(p, specs[name].take(whole[name])), f"tp={tp} rank {rank}: {name}"
+
+
+def test_resolve_model_sends_other_model_types_to_the_automatic_plan(tmp_path):
+    """The one dispatch: a model_type outside FAMILIES is refused, or with auto=True checked
+    on transformers' meta model, so a tp it cannot split fails before any rank starts."""
+    cfg = transformers.GraniteConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=64,
+    )  # fmt: skip
+    transformers.GraniteForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"config\.json: model_type 'granite' has no shardwise model code"):
+        resolve_model(tmp_path, tp=2)
+    resolved = resolve_model(tmp_path, tp=2, auto=True)
+    assert resolved.family is None and resolved.config is None and resolved.path == tmp_path
+    with pytest.raises(
+        ShardError, match=r"config\.json: .*num_key_value_heads=2 cannot be split over tp=4.*valid tp sizes: 1, 2$"
+    ):
+        resolve_model(tmp_path, tp=4, auto=True)
