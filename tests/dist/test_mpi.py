@@ -16,7 +16,7 @@ from test_failure import _one_rank_never_arrives, _raise_on_rank, _wait_dead
 from test_layers import _run_linear_case, _run_merged_case, _run_qkv_case, _run_vocab_case
 
 from shardwise.launch import RankFailedError, launch
-from shardwise.models import BlockConfig
+from shardwise.models import ModelConfig
 
 pytest.importorskip("mpi4py")
 try:
@@ -44,7 +44,7 @@ def _all_checks(world, hf_path: str | None) -> dict:
     _collectives_case(world, ws)
     done += ["regions", "collectives"]
     counts = _block_case(
-        world, BlockConfig(hidden_size=24, num_heads=12, num_kv_heads=12, intermediate_size=48), "block"
+        world, ModelConfig.debug(hidden_size=24, num_heads=12, num_kv_heads=12, intermediate_size=48), "block"
     )
     _tiny_lm_case(world, TINY3 if ws == 3 else TINY, "fp32")
     done += ["block", "tiny_lm"]

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from shardwise.comm import LocalCommunicator
-from shardwise.hf import check_tp, load_pretrained, read_config
+from shardwise.hf import load_pretrained, read_config
+from shardwise.sharding.plans import check_tp
 
 tokenizers = pytest.importorskip("tokenizers")
 

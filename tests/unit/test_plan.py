@@ -8,9 +8,9 @@ from torch import nn
 
 from helpers import NoCollectives
 from shardwise.layers import ColumnParallelLinear, RowParallelLinear, ShardError
-from shardwise.models import BlockConfig, TinyLM
+from shardwise.models import DecoderLM, ModelConfig
 from shardwise.sharding import Colwise, matches, parallelize, resolve_plan
-from shardwise.sharding.plans import tiny_lm_plan
+from shardwise.sharding.plans import decoder_plan
 
 
 class UserMLP(nn.Module):
@@ -35,14 +35,14 @@ def test_pattern_matching_is_per_dotted_part():
 
 
 def test_indivisible_heads_are_refused_before_any_change():
-    cfg = BlockConfig(hidden_size=48, num_heads=12, num_kv_heads=6, vocab_size=50)
-    model = TinyLM(cfg)
+    cfg = ModelConfig.debug(hidden_size=48, num_heads=12, num_kv_heads=6, vocab_size=50)
+    model = DecoderLM(cfg)
     before = _snapshot(model)
     with pytest.raises(
         ShardError,
         match=r"^layers\.0\.attn\.qkv: num_key_value_heads=6 cannot be split over tp=4; valid tp sizes: 1, 2, 3, 6, 12$",
     ):
-        parallelize(model, tiny_lm_plan(cfg), comm=NoCollectives())
+        parallelize(model, decoder_plan(cfg), comm=NoCollectives())
     assert _snapshot(model) == before, "a failed parallelize must leave the model untouched"
 
 
@@ -83,8 +83,8 @@ def test_valid_plan_swaps_modules_without_collectives():
 
 
 def test_tied_embedding_and_head_stay_tied_with_padded_vocab():
-    cfg = BlockConfig(hidden_size=32, num_heads=8, num_kv_heads=2, vocab_size=50)
-    model = parallelize(TinyLM(cfg), tiny_lm_plan(cfg), comm=NoCollectives(rank=3))
+    cfg = ModelConfig.debug(hidden_size=32, num_heads=8, num_kv_heads=2, vocab_size=50)
+    model = parallelize(DecoderLM(cfg), decoder_plan(cfg), comm=NoCollectives(rank=3))
     assert model.lm_head.weight is model.embed.weight
     assert model.embed.weight.shape == (13, 32)  # 50 padded to 52, over 4 ranks
     assert not model.embed.weight[11:].any(), "rank 3's rows 50 and 51 are padding"

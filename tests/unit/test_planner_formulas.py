@@ -28,9 +28,9 @@ from shardwise.planner.footprint import (
 )
 from shardwise.planner.predict import Layout, mean_burst_s, predict_inference, predict_training
 from shardwise.planner.presets import model_preset
-from shardwise.planner.search import valid_tp_sizes
 from shardwise.planner.specs import PRECISIONS, Cluster, Device, Link, PlanError, TrainingWorkload
 from shardwise.sharding import parallelize
+from shardwise.sharding.plans import model_tp_sizes
 
 BENCH = model_preset("bench-156m")  # h 1024, 8 layers, 16/4 heads, inter 2816, vocab 32000
 
@@ -206,7 +206,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize(("name", "tp"), [(n, t) for n, cfg in CONFIGS.items() for t in valid_tp_sizes(cfg) if t <= 8])
+@pytest.mark.parametrize(("name", "tp"), [(n, t) for n, cfg in CONFIGS.items() for t in model_tp_sizes(cfg) if t <= 8])
 def test_counts_match_the_real_sharded_model(name, tp):
     """Parameters per rank and collectives per forward, against the model built on the meta
     device, sharded by its real plan, run through a dry-run communicator."""

@@ -12,8 +12,8 @@ from shardwise.planner import InferenceWorkload, evaluate, recommend
 from shardwise.planner.cost import pipeline_bubble_fraction
 from shardwise.planner.footprint import kv_bytes_per_token, stage_params
 from shardwise.planner.predict import Layout, predict_inference
-from shardwise.planner.search import valid_tp_sizes
 from shardwise.planner.specs import Cluster, Device, Link
+from shardwise.sharding.plans import model_tp_sizes
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -56,7 +56,7 @@ def _cluster(devices: int, memory_gib: float = 1.0) -> Cluster:
 @SETTINGS
 @given(configs())
 def test_more_devices_never_increase_weights_per_device(cfg):
-    tps, pps = valid_tp_sizes(cfg), _divisors(cfg.num_layers)
+    tps, pps = model_tp_sizes(cfg), _divisors(cfg.num_layers)
     for a, b in zip(tps, tps[1:], strict=False):
         for pp in pps:
             assert _weights(cfg, b, pp) <= _weights(cfg, a, pp)
@@ -94,7 +94,7 @@ def test_more_memory_never_needs_a_bigger_replica(cfg, memory_gib, factor):
 @given(configs(), st.integers(1, 8), st.integers(1, 512), st.integers(1, 64))
 def test_latency_grows_with_batch_and_context(cfg, batch, prompt, out):
     cl = _cluster(8)
-    tp = valid_tp_sizes(cfg)[-1] if valid_tp_sizes(cfg)[-1] <= 8 else 1
+    tp = model_tp_sizes(cfg)[-1] if model_tp_sizes(cfg)[-1] <= 8 else 1
     kw = dict(width=4, dtype="float32")
     p = predict_inference(cfg, cl, Layout(tp, 1, 1), batch=batch, prompt_len=prompt, output_len=out, **kw)
     more_b = predict_inference(cfg, cl, Layout(tp, 1, 1), batch=batch + 1, prompt_len=prompt, output_len=out, **kw)

@@ -24,9 +24,9 @@ from shardwise.checkpoint.files import SafetensorsWriter, dtype_from_name, fsync
 from shardwise.checkpoint.manifest import CheckpointError, Chunk, Manifest, TensorEntry
 from shardwise.checkpoint.reader import MANIFEST, CheckpointReader
 from shardwise.checkpoint.save import rank_file
-from shardwise.hf.load import check_tp
 from shardwise.layers import ShardSpec
 from shardwise.models.config import ModelConfig
+from shardwise.sharding.plans import check_tp
 from shardwise.train.layout import all_rank_specs, owned_intervals
 
 __all__ = ["reshard_checkpoint", "ReshardStats", "model_config"]

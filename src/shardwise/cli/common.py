@@ -47,22 +47,23 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
-def resolve_model(model: Path | None, tp: int):
-    """(model dir, ModelConfig) after checking the directory and the tp size; exits on error."""
-    from shardwise.hf import CheckpointError, check_tp, read_config
+def resolve_model(model: Path | None, tp: int, *, auto: bool = False):
+    """(model dir, ModelConfig) after checking the directory and the tp size (shardwise.hf.resolve_model);
+    exits with a one-line error. auto=True also accepts a model for the automatic plan (ModelConfig None)."""
+    from shardwise.hf import CheckpointError
+    from shardwise.hf import resolve_model as resolve
     from shardwise.layers import ShardError
 
     model_dir = DEFAULT_MODEL if model is None else model
     try:
-        if not model_dir.is_dir():
+        if not model_dir.is_dir():  # commands load weights: a config.json alone will not do
             raise CheckpointError(f"model directory {model_dir} does not exist")
-        _, cfg = read_config(model_dir)
         if tp < 1:
             raise ShardError(f"--tp must be >= 1, got {tp}")
-        check_tp(cfg, tp)
+        resolved = resolve(model_dir, tp=tp, auto=auto)
     except (CheckpointError, ShardError, NotImplementedError) as e:
         raise CliError(fail(str(e))) from None
-    return model_dir, cfg
+    return model_dir, resolved.config
 
 
 def job(

@@ -39,9 +39,9 @@ def _split(spec: ShardSpec) -> str:
 
 def describe(model_dir, cfg, tp: int, prompt_len: int = 128, dtype: str | None = None) -> dict:
     """Rank 0's view of the plan: per tensor split and bytes, totals, collectives per step."""
-    from shardwise.hf import read_config
+    from shardwise.hf import FAMILIES
 
-    family, _ = read_config(model_dir)
+    family = FAMILIES[cfg.family]
     dtype = dtype or cfg.dtype
     comm = DryRunCommunicator(tp)
     with torch.device("meta"):

@@ -94,7 +94,7 @@ def train_backend(name: str) -> str:
 def prepare(cfg) -> tuple:
     """Check the tp size against the model and tokenize the text (once), before any rank
     starts; (ModelConfig, token file, backend). Raises on bad input."""
-    from shardwise.hf.load import check_tp
+    from shardwise.sharding.plans import check_tp
     from shardwise.train import model_config, token_file
 
     model_cfg = model_config(cfg)

@@ -17,14 +17,12 @@ import argparse
 import gc
 import json
 import math
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from shardwise.cli.common import CliError, add_model_args, add_run_args, fail, job, resolve_model
+from shardwise.cli.common import add_model_args, add_run_args, fail, job, resolve_model
 from shardwise.comm import Communicator, LocalCommunicator, tp_only
-from shardwise.engine.text import DEFAULT_MODEL
 
 __all__ = ["add_parser", "run"]
 
@@ -181,43 +179,12 @@ def _worst(errs: list[Err]) -> Err:
     return {k: None if any(e[k] is None for e in errs) else max(e[k] for e in errs) for k in ("max_abs", "max_rel")}
 
 
-def _resolve(model: Path | None, tp: int) -> Path:
-    """The model directory after checking it and tp; models without shardwise code use the automatic plan."""
-    from shardwise.hf import CheckpointError, family_for
-    from shardwise.hf.load import raw_config
-
-    model_dir = DEFAULT_MODEL if model is None else model
-    try:
-        raw = raw_config(model_dir) if model_dir.is_dir() else None
-    except CheckpointError:
-        raw = None
-    if raw is None or family_for(raw) is not None:
-        return resolve_model(model, tp)[0]
-    from shardwise.layers import ShardError
-
-    try:  # the automatic plan, read off transformers' model built on the meta device
-        import transformers
-
-        from shardwise.hf.auto import auto_plan
-
-        cfg = transformers.AutoConfig.from_pretrained(model_dir)
-        lm = type(cfg) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING
-        with torch.device("meta"):
-            meta = (transformers.AutoModelForCausalLM if lm else transformers.AutoModel).from_config(cfg)
-        if tp < 1:
-            raise ShardError(f"--tp must be >= 1, got {tp}")
-        auto_plan(meta, cfg, tp)
-    except (ImportError, ShardError, ValueError, KeyError, OSError) as e:
-        raise CliError(fail(f"{model_dir / 'config.json'}: {e}")) from None
-    return model_dir
-
-
 def _fmt(e: Err, key: str) -> str:
     return "-" if e is None else "non-finite" if e[key] is None else f"{e[key]:.2e}"
 
 
 def run(args: argparse.Namespace) -> int:
-    model_dir = _resolve(args.model, args.tp)
+    model_dir, _ = resolve_model(args.model, args.tp, auto=True)  # auto: models without shardwise code
     if args.tolerance is not None and not args.tolerance >= 0:
         return fail(f"--tolerance must be >= 0, got {args.tolerance}")
     opts = {"model": str(model_dir), "dtype": args.dtype}

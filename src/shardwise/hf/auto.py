@@ -1,5 +1,5 @@
 """The automatic plan (DeepSpeed AutoTP's idea) for Hugging Face architectures without
-shardwise model code: load_pretrained sends any other model_type here.
+shardwise model code: shardwise.hf.load sends any model_type outside FAMILIES here.
 
 1. transformers builds its own model from config.json on the meta device.
 2. The plan is read off the module structure. Decoder layers: the one ModuleList of
@@ -33,14 +33,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from shardwise.comm import Communicator
-from shardwise.hf.checkpoint import Checkpoint, CheckpointError
+from shardwise.hf.checkpoint import Checkpoint, CheckpointError, raw_config
 from shardwise.hf.families import supported_model_types
-from shardwise.hf.load import DTYPES, LoadReport, _assign, _bytes_read, raw_config, refuse_unexpected
+from shardwise.hf.fill import DTYPES, LoadReport, assign, bytes_read, dtype_name, refuse_unexpected
 from shardwise.hf.sources import Src, read_shard, segments
 from shardwise.layers import ShardError, model_shard_specs, valid_tp_sizes
 from shardwise.sharding import Colwise, Rowwise, Style, Vocab, parallelize
 
-__all__ = ["load_auto", "auto_plan"]
+__all__ = ["load_auto", "auto_plan", "check_auto"]
 
 _HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_head")
 _SAFE_INTS = ("head_dim", "layer_idx", "num_key_value_groups", "sliding_window", "max_position_embeddings")
@@ -218,28 +218,39 @@ def auto_plan(model: nn.Module, hf_config, tp: int) -> dict[str, Style]:
     return _analyse(model, hf_config, tp)[0]
 
 
-def load_auto(
-    path: str | Path, *, comm: Communicator, dtype: str | torch.dtype | None = None, progress: bool = False
-) -> tuple[nn.Module, LoadReport]:
-    """Build the transformers model on meta, shard it by auto_plan and read this rank's slices."""
+def _meta_model(path: Path, dtype: str | torch.dtype | None = None) -> tuple[nn.Module, object]:
+    """(transformers model on the meta device, its config) for a checkpoint directory."""
     import transformers
 
-    path = Path(path)
-    model_type = raw_config(path).get("model_type")
     try:
         hf_config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as e:
         raise CheckpointError(
-            f"{path / 'config.json'}: transformers cannot build model_type {model_type!r} ({e}); "
-            f"shardwise has model code for: {', '.join(supported_model_types())}"
+            f"{path / 'config.json'}: transformers cannot build model_type {raw_config(path).get('model_type')!r} "
+            f"({e}); shardwise has model code for: {', '.join(supported_model_types())}"
         ) from None
-    name = str(dtype if dtype is not None else hf_config.dtype or "float32").replace("torch.", "")
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    name = dtype_name(dtype if dtype is not None else hf_config.dtype or "float32")
     lm = type(hf_config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING
     auto_cls = transformers.AutoModelForCausalLM if lm else transformers.AutoModel
     with torch.device("meta"):
         model = auto_cls.from_config(hf_config, dtype=DTYPES[name])
+    return model, hf_config
+
+
+def check_auto(path: str | Path, tp: int) -> None:
+    """Refuse, before any weight is read, a model the automatic plan cannot shard over tp
+    (a ShardError naming the module path, or a CheckpointError)."""
+    model, hf_config = _meta_model(Path(path))
+    _analyse(model, hf_config, tp)
+
+
+def load_auto(
+    path: str | Path, *, comm: Communicator, dtype: str | torch.dtype | None = None, progress: bool = False
+) -> tuple[nn.Module, LoadReport]:
+    """Build the transformers model on meta, shard it by auto_plan and read this rank's slices."""
+    path = Path(path)
+    model_type = raw_config(path).get("model_type")
+    model, hf_config = _meta_model(path, dtype)
     plan, fixes = _analyse(model, hf_config, comm.size)  # refuses before any data is read
     ckpt = Checkpoint(path)
     parallelize(model, plan, comm=comm)
@@ -259,18 +270,18 @@ def load_auto(
         ckpt, segs, ignore, what=f"a {model_type} model with num_hidden_layers={hf_config.num_hidden_layers}"
     )
     loaded: dict[str, torch.Tensor] = {}
-    bytes_read = 0
+    n_read = 0
     for n, spec in tqdm(specs.items(), desc=f"loading shards (tp={comm.size})", disable=not progress, leave=False):
         loaded[n] = read_shard(ckpt, segs[n], spec, params[n].dtype)  # (local shape)
-        bytes_read += _bytes_read(spec, ckpt.info(src[n]).dtype)
-    _assign(model, loaded)
+        n_read += bytes_read(spec, ckpt.info(src[n]).dtype)
+    assign(model, loaded)
     _fill_buffers(model, ckpt, to_ckpt)
     ckpt.close()
     left = [f"{p}.{k}".lstrip(".") for p, m in model.named_modules() for k, v in _tensors(m).items() if v.is_meta]
     if left:
         raise CheckpointError(f"{path}: tensors still on the meta device after loading: {', '.join(left)}")
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return model.eval(), LoadReport(f"auto:{model_type}", hf_config, param_bytes, bytes_read)
+    return model.eval(), LoadReport(f"auto:{model_type}", hf_config, param_bytes, n_read)
 
 
 def _name_map(ckpt: Checkpoint, model: nn.Module, probe: str):

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-__all__ = ["Checkpoint", "CheckpointError", "TensorInfo"]
+__all__ = ["Checkpoint", "CheckpointError", "TensorInfo", "raw_config"]
 
 _DTYPES = {
     "F32": torch.float32,
@@ -34,6 +34,18 @@ _DTYPES = {
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and the tensor."""
+
+
+def raw_config(path: str | Path) -> dict:
+    """config.json of a checkpoint directory (or that file itself), as a dict."""
+    path = Path(path)
+    cfg_file = path if path.is_file() else path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{cfg_file} does not exist")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,39 @@
-"""The Hugging Face families shardwise runs with its own model code.
+"""The Hugging Face families shardwise runs with its own model code: one table, FAMILIES.
 
-A family is data: how to read its config.json into a ModelConfig, and one name table
-from our parameter names to its checkpoint tensors. The model class and the sharding
-plan come from the config (see shardwise.sharding.plans.decoder).
+A family is one keyword entry: the config.json model_types it claims, a config reader
+(config.json -> ModelConfig), a name table (shardwise.hf.names), where its tensors sit
+(prefixes, a probe tensor, buffers to ignore), the model class and its sharding plan,
+and its quirks as fields that the shared readers consult. To add a family that fits
+DecoderLM (or BertEncoder), add an entry here and, when no reader fits, one reader
+below; docs/models.md walks through it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from shardwise.hf.sources import Src
+from shardwise.hf.checkpoint import CheckpointError
+from shardwise.hf.names import NameTable, bert_names, gpt2_names, llama_names, neox_names, phi3_names
+from shardwise.models.bert import BertEncoder
 from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
 from shardwise.sharding.plan import Plan
-from shardwise.sharding.plans.decoder import decoder_plan
+from shardwise.sharding.plans import bert_plan, decoder_plan
 
-__all__ = ["Family", "FAMILIES", "family_for", "register", "supported_model_types"]
-
-NameTable = dict[str, list[Src]]
+__all__ = [
+    "Family",
+    "FAMILIES",
+    "family_for",
+    "supported_model_types",
+    "llama_config",
+    "gpt2_config",
+    "neox_config",
+    "bert_config",
+]
 
 _ACTS = {
     "silu": "silu",
@@ -34,27 +46,54 @@ _ACTS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Family:
+    """One family shardwise has model code for. Build entries with keywords."""
+
     name: str
+    """Our name for it; ModelConfig.family and LoadReport.family."""
     model_types: tuple[str, ...]
-    config: Callable[[dict], ModelConfig]
+    """config.json model_type values it claims."""
+    reader: Callable[[dict, Family], ModelConfig]
+    """(config.json as a dict, this entry) -> ModelConfig; call it through `config`."""
     names: Callable[[ModelConfig, str], NameTable]
-    """(config, prefix) -> {our parameter name: [checkpoint sources]}."""
+    """(config, prefix) -> {our parameter name: [checkpoint sources]} (shardwise.hf.names)."""
     prefixes: tuple[str, ...]
     """Candidate prefixes of the base model's tensors, e.g. "model." (CausalLM) or "" (base)."""
     probe: str
     """A tensor every checkpoint of the family has, without prefix: finds the prefix."""
     ignore: tuple[str, ...] = ()
-    """fnmatch patterns of checkpoint tensors that are not weights we use (buffers)."""
+    """fnmatch patterns of checkpoint tensors that are not weights we use (buffers, task heads)."""
     model: Callable[[ModelConfig], nn.Module] = DecoderLM
     """The plain model class, built on the meta device."""
     plan: Callable[[ModelConfig], Plan] = decoder_plan
     """The sharding plan for that model."""
 
+    # Quirks: what sets this family apart from another one its reader also reads.
+    act_keys: tuple[str, ...] = ("hidden_act",)
+    """config.json keys naming the activation; the first one set wins (default silu)."""
+    tie_default: bool = False
+    """tie_word_embeddings when config.json does not say."""
+    fixed: dict = field(default_factory=dict, hash=False)
+    """ModelConfig fields that hold for every checkpoint of the family, whatever config.json
+    says (Qwen2: qkv_bias=True; Qwen3: qk_norm=True; Gemma: norm_offset=1.0)."""
+    scale_embeddings: bool = False
+    """Token embeddings are multiplied by sqrt(hidden_size) (Gemma)."""
+    window_switch: str | None = None
+    """The config.json flag that turns `sliding_window` on (Qwen2/3: use_sliding_window,
+    which shardwise refuses); None: `sliding_window` applies whenever it is set."""
 
-def _act(d: dict, *keys: str) -> str:
-    for k in keys:
+    def config(self, raw: dict, *, where: str = "config.json") -> ModelConfig:
+        """config.json (as a dict) -> ModelConfig; a missing field is a CheckpointError naming `where`."""
+        try:
+            cfg = self.reader(raw, self)
+        except KeyError as e:
+            raise CheckpointError(f"{where}: missing field {e} for a {self.name} config") from None
+        return replace(cfg, **self.fixed) if self.fixed else cfg
+
+
+def _act(d: dict, fam: Family) -> str:
+    for k in fam.act_keys:
         if d.get(k):
             if d[k] not in _ACTS:
                 raise NotImplementedError(f"activation {d[k]!r} is not supported; supported: {', '.join(_ACTS)}")
@@ -79,18 +118,23 @@ def _dtype(d: dict) -> str:
     return str(d.get("dtype") or d.get("torch_dtype") or "float32").replace("torch.", "")
 
 
-def _llama_like(d: dict, family: str) -> ModelConfig:
+def _tie(d: dict, fam: Family) -> bool:
+    return bool(d.get("tie_word_embeddings", fam.tie_default))
+
+
+def llama_config(d: dict, fam: Family) -> ModelConfig:
+    """Llama and the families shaped like it: RMSNorm, RoPE, a gated MLP, GQA."""
     heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // heads
     rope = _rope(d)
     bias = bool(d.get("attention_bias", False))
     window = d.get("sliding_window")
-    if family == "qwen2" or family == "qwen3":
-        if d.get("use_sliding_window"):
-            raise NotImplementedError(f"{family} with use_sliding_window=True is not supported")
+    if fam.window_switch is not None:
+        if d.get(fam.window_switch):
+            raise NotImplementedError(f"{fam.name} with {fam.window_switch}=True is not supported")
         window = None
     return ModelConfig(
-        family=family,
+        family=fam.name,
         vocab_size=d["vocab_size"],
         hidden_size=d["hidden_size"],
         intermediate_size=d["intermediate_size"],
@@ -100,75 +144,28 @@ def _llama_like(d: dict, family: str) -> ModelConfig:
         head_dim=head_dim,
         norm="rms",
         norm_eps=d.get("rms_norm_eps", 1e-6),
-        norm_offset=1.0 if family == "gemma" else 0.0,
-        act=_act(d, "hidden_activation", "hidden_act") if family == "gemma" else _act(d, "hidden_act"),
-        qkv_bias=bias or family == "qwen2",
+        act=_act(d, fam),
+        qkv_bias=bias,
         o_bias=bias,
         mlp_bias=bool(d.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
         positions="rope",
         max_positions=d.get("max_position_embeddings", 2048),
         rope_theta=rope["rope_theta"],
         rope_dim=int(head_dim * rope["partial"]),
         rope_scaling=rope["rope_scaling"],
-        embed_scale=math.sqrt(d["hidden_size"]) if family == "gemma" else 1.0,
-        tie_embeddings=bool(d.get("tie_word_embeddings", family == "gemma")),
+        embed_scale=math.sqrt(d["hidden_size"]) if fam.scale_embeddings else 1.0,
+        tie_embeddings=_tie(d, fam),
         sliding_window=window,
         dtype=_dtype(d),
     )
 
 
-def _llama_names(cfg: ModelConfig, prefix: str, *, fused: bool = False) -> NameTable:
-    nq, nkv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    t: NameTable = {"embed.weight": [Src(f"{prefix}embed_tokens.weight")], "norm.weight": [Src(f"{prefix}norm.weight")]}
-    if not cfg.tie_embeddings:
-        t["lm_head.weight"] = [Src("lm_head.weight")]
-    for i in range(cfg.num_layers):
-        p, q = f"{prefix}layers.{i}.", f"layers.{i}."
-        att = f"{p}self_attn."
-        if fused:  # Phi-3 stores qkv_proj and gate_up_proj already fused, in our order
-            t[q + "attn.qkv.weight"] = [Src(att + "qkv_proj.weight", nq + 2 * nkv)]
-            t[q + "mlp.up.weight"] = [Src(f"{p}mlp.gate_up_proj.weight", 2 * inter)]
-        else:
-            t[q + "attn.qkv.weight"] = [
-                Src(att + f"{x}_proj.weight", n) for x, n in (("q", nq), ("k", nkv), ("v", nkv))
-            ]
-            t[q + "mlp.up.weight"] = [Src(f"{p}mlp.gate_proj.weight", inter), Src(f"{p}mlp.up_proj.weight", inter)]
-        if cfg.qkv_bias:
-            t[q + "attn.qkv.bias"] = [Src(att + f"{x}_proj.bias", n) for x, n in (("q", nq), ("k", nkv), ("v", nkv))]
-        t[q + "attn.o.weight"] = [Src(att + "o_proj.weight")]
-        if cfg.o_bias:
-            t[q + "attn.o.bias"] = [Src(att + "o_proj.bias")]
-        if cfg.qk_norm:
-            t[q + "attn.q_norm.weight"] = [Src(att + "q_norm.weight")]
-            t[q + "attn.k_norm.weight"] = [Src(att + "k_norm.weight")]
-        t[q + "mlp.down.weight"] = [Src(f"{p}mlp.down_proj.weight")]
-        if cfg.mlp_bias:
-            t[q + "mlp.up.bias"] = [Src(f"{p}mlp.gate_proj.bias", inter), Src(f"{p}mlp.up_proj.bias", inter)]
-            t[q + "mlp.down.bias"] = [Src(f"{p}mlp.down_proj.bias")]
-        t[q + "attn_norm.weight"] = [Src(f"{p}input_layernorm.weight")]
-        t[q + "mlp_norm.weight"] = [Src(f"{p}post_attention_layernorm.weight")]
-    return t
-
-
-def _llama_family(name: str, model_types: tuple[str, ...], fused: bool = False) -> Family:
-    return Family(
-        name=name,
-        model_types=model_types,
-        config=lambda d: _llama_like(d, name),
-        names=lambda cfg, prefix: _llama_names(cfg, prefix, fused=fused),
-        prefixes=("model.", ""),
-        probe="embed_tokens.weight",
-        ignore=("*rotary_emb.inv_freq",),
-    )
-
-
-def _gpt2_config(d: dict) -> ModelConfig:
+def gpt2_config(d: dict, fam: Family) -> ModelConfig:
     hidden, heads = d["n_embd"], d["n_head"]
     if d.get("scale_attn_by_inverse_layer_idx") or d.get("reorder_and_upcast_attn"):
         raise NotImplementedError("GPT-2 with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn")
     return ModelConfig(
-        family="gpt2",
+        family=fam.name,
         vocab_size=d["vocab_size"],
         hidden_size=hidden,
         intermediate_size=d.get("n_inner") or 4 * hidden,
@@ -178,50 +175,24 @@ def _gpt2_config(d: dict) -> ModelConfig:
         head_dim=hidden // heads,
         norm="layer",
         norm_eps=d.get("layer_norm_epsilon", 1e-5),
-        act=_act(d, "activation_function"),
+        act=_act(d, fam),
         gated_mlp=False,
         qkv_bias=True,
         o_bias=True,
         mlp_bias=True,
         positions="learned",
         max_positions=d.get("n_positions", 1024),
-        tie_embeddings=bool(d.get("tie_word_embeddings", True)),
+        tie_embeddings=_tie(d, fam),
         dtype=_dtype(d),
     )
 
 
-def _gpt2_names(cfg: ModelConfig, prefix: str) -> NameTable:
-    # NOTE: Conv1D weights are stored (in, out); c_attn's columns are [q | k | v], our order.
-    t: NameTable = {
-        "embed.weight": [Src(f"{prefix}wte.weight")],
-        "pos_embed.weight": [Src(f"{prefix}wpe.weight")],
-        "norm.weight": [Src(f"{prefix}ln_f.weight")],
-        "norm.bias": [Src(f"{prefix}ln_f.bias")],
-    }
-    if not cfg.tie_embeddings:
-        t["lm_head.weight"] = [Src("lm_head.weight")]
-    for i in range(cfg.num_layers):
-        p, q = f"{prefix}h.{i}.", f"layers.{i}."
-        for ours, theirs in (
-            ("attn.qkv", "attn.c_attn"),
-            ("attn.o", "attn.c_proj"),
-            ("mlp.up", "mlp.c_fc"),
-            ("mlp.down", "mlp.c_proj"),
-        ):
-            t[f"{q}{ours}.weight"] = [Src(f"{p}{theirs}.weight", transposed=True)]
-            t[f"{q}{ours}.bias"] = [Src(f"{p}{theirs}.bias")]
-        for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            t[f"{q}{ours}.weight"] = [Src(f"{p}{theirs}.weight")]
-            t[f"{q}{ours}.bias"] = [Src(f"{p}{theirs}.bias")]
-    return t
-
-
-def _neox_config(d: dict) -> ModelConfig:
+def neox_config(d: dict, fam: Family) -> ModelConfig:
     hidden, heads = d["hidden_size"], d["num_attention_heads"]
     rope = _rope(d)
     head_dim = hidden // heads
     return ModelConfig(
-        family="gpt_neox",
+        family=fam.name,
         vocab_size=d["vocab_size"],
         hidden_size=hidden,
         intermediate_size=d["intermediate_size"],
@@ -231,7 +202,7 @@ def _neox_config(d: dict) -> ModelConfig:
         head_dim=head_dim,
         norm="layer",
         norm_eps=d.get("layer_norm_eps", 1e-5),
-        act=_act(d, "hidden_act"),
+        act=_act(d, fam),
         gated_mlp=False,
         qkv_bias=bool(d.get("attention_bias", True)),
         o_bias=bool(d.get("attention_bias", True)),
@@ -242,71 +213,102 @@ def _neox_config(d: dict) -> ModelConfig:
         rope_dim=int(head_dim * rope["partial"]),
         rope_scaling=rope["rope_scaling"],
         parallel_residual=bool(d.get("use_parallel_residual", True)),
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        tie_embeddings=_tie(d, fam),
         dtype=_dtype(d),
     )
 
 
-def _neox_names(cfg: ModelConfig, prefix: str) -> NameTable:
-    # NOTE: query_key_value is stored per head: [h0: q k v | h1: q k v | ...].
-    t: NameTable = {
-        "embed.weight": [Src(f"{prefix}embed_in.weight")],
-        "norm.weight": [Src(f"{prefix}final_layer_norm.weight")],
-        "norm.bias": [Src(f"{prefix}final_layer_norm.bias")],
-    }
-    if not cfg.tie_embeddings:
-        t["lm_head.weight"] = [Src("embed_out.weight")]
-    for i in range(cfg.num_layers):
-        p, q = f"{prefix}layers.{i}.", f"layers.{i}."
-        t[f"{q}attn.qkv.weight"] = [Src(f"{p}attention.query_key_value.weight", heads=cfg.num_heads, parts=3)]
-        t[f"{q}attn.o.weight"] = [Src(f"{p}attention.dense.weight")]
-        if cfg.qkv_bias:
-            t[f"{q}attn.qkv.bias"] = [Src(f"{p}attention.query_key_value.bias", heads=cfg.num_heads, parts=3)]
-            t[f"{q}attn.o.bias"] = [Src(f"{p}attention.dense.bias")]
-        for ours, theirs in (("mlp.up", "mlp.dense_h_to_4h"), ("mlp.down", "mlp.dense_4h_to_h")):
-            t[f"{q}{ours}.weight"] = [Src(f"{p}{theirs}.weight")]
-            t[f"{q}{ours}.bias"] = [Src(f"{p}{theirs}.bias")]
-        for ours, theirs in (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")):
-            t[f"{q}{ours}.weight"] = [Src(f"{p}{theirs}.weight")]
-            t[f"{q}{ours}.bias"] = [Src(f"{p}{theirs}.bias")]
-    return t
+# transformers builds these with add_pooling_layer=False: their checkpoints have no pooler.
+_NO_POOLER = frozenset({"BertForMaskedLM", "BertLMHeadModel", "BertForTokenClassification", "BertForQuestionAnswering"})
 
+
+def bert_config(d: dict, fam: Family) -> ModelConfig:
+    """A BERT config.json (transformers 4 or 5); decoders are refused."""
+    if d.get("is_decoder") or d.get("add_cross_attention"):
+        raise NotImplementedError("BERT as a decoder (is_decoder / add_cross_attention) is not supported")
+    pos = d.get("position_embedding_type", "absolute")
+    if pos != "absolute":
+        raise NotImplementedError(f"BERT position_embedding_type {pos!r} is not supported; supported: absolute")
+    hidden, heads = d["hidden_size"], d["num_attention_heads"]
+    archs = d.get("architectures") or []
+    return ModelConfig(
+        family=fam.name,
+        vocab_size=d["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=d["intermediate_size"],
+        num_layers=d["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        norm="layer",
+        norm_eps=d.get("layer_norm_eps", 1e-12),
+        act=_act(d, fam),
+        gated_mlp=False,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        positions="learned",
+        max_positions=d.get("max_position_embeddings", 512),
+        post_norm=True,
+        causal=False,
+        type_vocab_size=d.get("type_vocab_size", 2),
+        dtype=_dtype(d),
+        extra={"pooler": not archs or any(a not in _NO_POOLER for a in archs)},
+    )
+
+
+_LLAMA_LIKE = dict(reader=llama_config, names=llama_names, prefixes=("model.", ""), probe="embed_tokens.weight")
+_ROTARY = ("*rotary_emb.inv_freq",)  # a buffer older transformers saved
 
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        _llama_family("llama", ("llama",)),
-        _llama_family("mistral", ("mistral",)),
-        _llama_family("qwen2", ("qwen2",)),
-        _llama_family("qwen3", ("qwen3",)),
-        _llama_family("gemma", ("gemma",)),
-        _llama_family("phi3", ("phi3",), fused=True),
+        Family(name="llama", model_types=("llama",), **_LLAMA_LIKE, ignore=_ROTARY),
+        Family(name="mistral", model_types=("mistral",), **_LLAMA_LIKE, ignore=_ROTARY),
         Family(
-            "gpt2",
-            ("gpt2",),
-            _gpt2_config,
-            _gpt2_names,
-            ("transformer.", ""),
-            "wte.weight",
-            ("*.attn.bias", "*.attn.masked_bias"),
+            name="qwen2", model_types=("qwen2",), **_LLAMA_LIKE, ignore=_ROTARY,
+            fixed={"qkv_bias": True}, window_switch="use_sliding_window",
         ),
         Family(
-            "gpt_neox",
-            ("gpt_neox",),
-            _neox_config,
-            _neox_names,
-            ("gpt_neox.", ""),
-            "embed_in.weight",
-            ("*.attention.bias", "*.attention.masked_bias", "*rotary_emb.inv_freq"),
+            name="qwen3", model_types=("qwen3",), **_LLAMA_LIKE, ignore=_ROTARY,
+            fixed={"qk_norm": True}, window_switch="use_sliding_window",
+        ),
+        Family(
+            name="gemma", model_types=("gemma",), **_LLAMA_LIKE, ignore=_ROTARY,
+            act_keys=("hidden_activation", "hidden_act"), tie_default=True, fixed={"norm_offset": 1.0},
+            scale_embeddings=True,
+        ),
+        Family(
+            name="phi3", model_types=("phi3",), reader=llama_config, names=phi3_names, prefixes=("model.", ""),
+            probe="embed_tokens.weight", ignore=_ROTARY,
+        ),
+        Family(
+            name="gpt2", model_types=("gpt2",), reader=gpt2_config, names=gpt2_names,
+            prefixes=("transformer.", ""), probe="wte.weight", ignore=("*.attn.bias", "*.attn.masked_bias"),
+            act_keys=("activation_function",), tie_default=True,
+        ),
+        Family(
+            name="gpt_neox", model_types=("gpt_neox",), reader=neox_config, names=neox_names,
+            prefixes=("gpt_neox.", ""), probe="embed_in.weight",
+            ignore=("*.attention.bias", "*.attention.masked_bias", *_ROTARY),
+        ),
+        Family(
+            name="bert", model_types=("bert",), reader=bert_config, names=bert_names,
+            # BertModel checkpoints have no prefix; BertForPreTraining / BertForMaskedLM / ... have "bert."
+            prefixes=("bert.", ""), probe="embeddings.word_embeddings.weight",
+            ignore=(
+                "*embeddings.position_ids",  # buffers that older transformers saved
+                "*embeddings.token_type_ids",
+                "cls.*",  # the MLM / next-sentence heads of BertForPreTraining and BertForMaskedLM
+                # A pooler the config's architectures say is absent (bert-base-uncased is saved as
+                # BertForMaskedLM but still carries one); when the model has a pooler it is read.
+                "*pooler.dense.weight",
+                "*pooler.dense.bias",
+            ),
+            model=BertEncoder, plan=bert_plan,
         ),
     )
-}
-
-
-def register(family: Family) -> Family:
-    """Add a family (used by modules that define one, e.g. shardwise.hf.bert)."""
-    FAMILIES[family.name] = family
-    return family
+}  # fmt: skip
 
 
 def supported_model_types() -> list[str]:

@@ -2,6 +2,7 @@
 
 Pure functions of (sizes, tp, rank). The layers, the sharding plans, the checkpoint
 resharder and the planner all use these, so a split is computed one way everywhere.
+Which tp sizes a whole model allows is shardwise.sharding.plans.model_tp_sizes, built on these.
 """
 
 from __future__ import annotations

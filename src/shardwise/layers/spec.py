@@ -43,10 +43,6 @@ class ShardSpec:
         shape[self.dim] = sum(n for _, n in self.pieces) + self.pad
         return tuple(shape)
 
-    @property
-    def is_sharded(self) -> bool:
-        return self.dim is not None
-
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's local tensor, cut from the whole unsharded one (for tests and small tensors;
         loaders read the pieces from disk instead)."""

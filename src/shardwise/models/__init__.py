@@ -1,5 +1,14 @@
-"""Plain single-device models. Nothing here imports shardwise.comm or torch.distributed."""
+"""Plain single-device models. Nothing here imports shardwise.comm or torch.distributed.
 
-from shardwise.models.blocks import MLP, Attention, BlockConfig, GatedMLP, TinyLM, TransformerBlock
+One config (ModelConfig, with a tiny `ModelConfig.debug()` preset for tests and the
+demo), one decoder for every decoder family, one encoder (BERT), built from the shared
+blocks in shardwise.models.modules.
+"""
 
-__all__ = ["BlockConfig", "Attention", "GatedMLP", "MLP", "TransformerBlock", "TinyLM"]
+from shardwise.models.bert import BertEncoder, BertLayer
+from shardwise.models.config import ModelConfig
+from shardwise.models.decoder import DecoderLayer, DecoderLM
+from shardwise.models.modules import KVCache
+from shardwise.models.pooling import mean_pool
+
+__all__ = ["ModelConfig", "DecoderLM", "DecoderLayer", "BertEncoder", "BertLayer", "KVCache", "mean_pool"]

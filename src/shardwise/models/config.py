@@ -79,6 +79,20 @@ class ModelConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
+    @classmethod
+    def debug(cls, **overrides) -> ModelConfig:
+        """A tiny Llama-like model for tests and `shardwise demo`: 2 layers of width 32,
+        8 query and 4 KV heads (grouped-query), a gated SiLU MLP of 64, RoPE, tied
+        embeddings, a vocabulary of 250. Any field can be overridden; head_dim follows
+        hidden_size / num_heads unless given."""
+        fields = dict(
+            family="debug", vocab_size=250, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8,
+            num_kv_heads=4, tie_embeddings=True,
+        )  # fmt: skip
+        fields.update(overrides)
+        fields.setdefault("head_dim", fields["hidden_size"] // fields["num_heads"])
+        return cls(**fields)
+
     @property
     def rotary_dim(self) -> int:
         return self.rope_dim if self.rope_dim is not None else self.head_dim

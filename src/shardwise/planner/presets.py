@@ -10,7 +10,6 @@ machine (shardwise.bench.calibrate.this_host; `shardwise plan` wires it in).
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -178,32 +177,21 @@ def model_preset(name: str) -> ModelConfig:
     if key not in MODEL_PRESETS:
         raise _unknown("model", name, list(MODEL_PRESETS))
     raw = MODEL_PRESETS[key]
-    return family_for(raw).config(raw)
+    return family_for(raw).config(raw, where=f"model preset {key!r}")
 
 
 def resolve_model(spec: str | Path) -> tuple[str, ModelConfig]:
-    """(label, ModelConfig) from a checkpoint directory, a config.json, or a preset name."""
-    from shardwise.hf import CheckpointError, read_config
-    from shardwise.hf.families import family_for
+    """(label, ModelConfig) from a checkpoint directory, a config.json (both through
+    shardwise.hf.resolve_model), or a preset name."""
+    from shardwise.hf import CheckpointError
+    from shardwise.hf import resolve_model as resolve
 
     path = Path(spec)
-    try:
-        if path.is_dir():
-            _, cfg = read_config(path)
-            return str(path), _decoder_only(cfg, str(path))
-        if path.is_file():
-            try:
-                raw = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise PlanError(f"{path}: not valid JSON ({e})") from None
-            family = family_for(raw)
-            if family is None:
-                raise PlanError(f"{path}: model_type {raw.get('model_type')!r} has no shardwise model code")
-            return str(path), _decoder_only(family.config(raw), str(path))
-    except CheckpointError as e:
-        raise PlanError(str(e)) from None
-    except KeyError as e:
-        raise PlanError(f"{path}: missing field {e}") from None
+    if path.exists():
+        try:
+            return str(path), _decoder_only(resolve(path).config, str(path))
+        except CheckpointError as e:
+            raise PlanError(str(e)) from None
     if key_is_path_like(str(spec)) and preset_key(str(spec)) not in MODEL_PRESETS:
         raise PlanError(
             f"{spec}: no such file or directory, and not a model preset; presets: {', '.join(MODEL_PRESETS)}"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.layers.partition import HeadLayout
 from shardwise.models.config import ModelConfig
 from shardwise.planner.footprint import Footprint, inference_memory, training_memory
 from shardwise.planner.predict import (
@@ -30,8 +29,9 @@ from shardwise.planner.predict import (
     predict_training,
 )
 from shardwise.planner.specs import DTYPE_BYTES, GIB, Cluster, InferenceWorkload, PlanError, TrainingWorkload
+from shardwise.sharding.plans import model_tp_sizes
 
-__all__ = ["Candidate", "evaluate", "valid_tp_sizes", "compute_dtype", "model_key", "NOT_RUNNABLE"]
+__all__ = ["Candidate", "evaluate", "compute_dtype", "model_key", "NOT_RUNNABLE"]
 
 Workload = InferenceWorkload | TrainingWorkload
 
@@ -66,11 +66,6 @@ class Candidate:
         return self.layout.pp == 1
 
 
-def valid_tp_sizes(cfg: ModelConfig) -> list[int]:
-    """tp sizes shardwise can split this model over (heads, KV heads, intermediate size)."""
-    return [t for t in HeadLayout.valid_tp_sizes(cfg.num_heads, cfg.num_kv_heads) if cfg.intermediate_size % t == 0]
-
-
 def compute_dtype(cfg: ModelConfig, wl: Workload) -> str:
     return (wl.dtype or cfg.dtype) if isinstance(wl, InferenceWorkload) else wl.prec.compute
 
@@ -90,7 +85,7 @@ def check_inputs(cfg: ModelConfig, wl: Workload, headroom: float) -> None:
 
 def _layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, allow_cross: bool) -> tuple[list[Layout], list[str]]:
     skipped: list[str] = []
-    tps = [t for t in valid_tp_sizes(cfg) if t <= cluster.devices]
+    tps = [t for t in model_tp_sizes(cfg) if t <= cluster.devices]
     if not allow_cross:
         crossing = [t for t in tps if t > cluster.devices_per_node]
         if crossing:

@@ -12,7 +12,7 @@ from shardwise.train.config import (
 from shardwise.train.data import DataError, DPSampler, TokenFile, tokenize_text, write_token_file
 from shardwise.train.layout import all_rank_specs, build_model, full_state, owned_intervals, rank_specs, train_plan
 from shardwise.train.loop import Checkpointing, TrainResult, model_config, plot_losses, setup, token_file, train
-from shardwise.train.optim import STATE_KEYS, GradNorm, build_optimizer, lr_at
+from shardwise.train.optim import GradNorm, build_optimizer, lr_at
 from shardwise.train.rng import RNGTracker
 from shardwise.train.step import StepStats, Trainer, train_step
 from shardwise.train.sync import BucketedSync, DDPSync, GradSync, NoSync, make_grad_sync
@@ -43,7 +43,6 @@ __all__ = [
     "setup",
     "token_file",
     "train",
-    "STATE_KEYS",
     "GradNorm",
     "build_optimizer",
     "lr_at",

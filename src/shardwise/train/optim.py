@@ -22,10 +22,7 @@ from shardwise.layers import ShardSpec
 from shardwise.train.config import OptimSection
 from shardwise.train.layout import owned_mask
 
-__all__ = ["build_optimizer", "lr_at", "GradNorm", "STATE_KEYS"]
-
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
-"""The per-parameter AdamW state tensors, each shaped and sharded like its parameter."""
+__all__ = ["build_optimizer", "lr_at", "GradNorm"]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:

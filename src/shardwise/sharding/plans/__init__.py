@@ -1,6 +1,8 @@
-"""Sharding plans for shardwise's own model families, written as data."""
+"""Sharding plans for shardwise's own model families, written as data, and the tp sizes
+they can split a model by."""
 
-from shardwise.sharding.plans.blocks import block_plan, mlp_plan, tiny_lm_plan
-from shardwise.sharding.plans.decoder import decoder_plan
+from shardwise.sharding.plans.bert import bert_plan
+from shardwise.sharding.plans.decoder import attention_plan, decoder_plan, layer_plan, mlp_plan
+from shardwise.sharding.plans.tp import check_tp, model_tp_sizes
 
-__all__ = ["block_plan", "mlp_plan", "tiny_lm_plan", "decoder_plan"]
+__all__ = ["attention_plan", "mlp_plan", "layer_plan", "decoder_plan", "bert_plan", "model_tp_sizes", "check_tp"]
