@@ -99,3 +99,99 @@ def test_no_reaching_through_a_communicator_into_its_backend():
         if (SRC / "comm") not in p.parents and (hits := _reaches(p.read_text(), private))
     }
     assert offenders == {}, f"use the Communicator interface (e.g. `process_group`), not its backend: {offenders}"
+
+
+# --- import circles -------------------------------------------------------------------
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts))]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the shardwise modules it imports, anywhere in its body. Importing a.b.c
+    also runs the __init__ of a.b, unless the importer is itself inside a.b (then that
+    __init__ is already running: not an edge)."""
+    paths = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        own = set(_ancestors(name)) | ({name} if path.name == "__init__.py" else set())
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                mods = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module for a in node.names
+                ]
+            else:
+                continue
+            for m in mods:
+                if m in paths:
+                    implicit = {a for a in _ancestors(m) if a in paths} - own
+                    targets |= {m} | implicit
+        graph[name] = targets - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_a_circle_is_found():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    assert "shardwise.launch.failfast" in graph["shardwise.launch.local"]  # the graph sees imports
+    assert "shardwise.launch.mpi" in graph["shardwise.launch.env"]  # lazy ones too (inside a function)
+    found = cycles(graph)
+    assert found == [], "import circles (two modules that are one idea, or a missing third): " + "; ".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+def test_the_planner_never_imports_the_measuring_code():
+    """The planner reads measurements as data (a Calibration); bench/ measures."""
+    graph = import_graph()
+    bad = {m: sorted(d for d in deps if d.startswith("shardwise.bench")) for m, deps in graph.items()}
+    assert {m: d for m, d in bad.items() if m.startswith("shardwise.planner") and d} == {}
