@@ -9,7 +9,7 @@ import pytest
 from processes import run_cli
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [pytest.param(2, marks=pytest.mark.smoke), 4])  # tp=2: the CLI smoke of test-fast
 def test_demo_passes_and_reports_errors_and_counts(tp):
     out = run_cli("demo", "--tp", str(tp))
     assert out.returncode == 0, out.stdout + out.stderr

@@ -37,7 +37,7 @@ warmup_steps = 2
 
 [parallel]
 tp = 2
-backend = "gloo"  # the default ("auto") picks MPI where installed; tests/dist covers MPI
+backend = "gloo"  # the default ("auto") picks MPI where installed; tests/multiproc covers MPI
 
 [run]
 steps = 8

@@ -52,7 +52,13 @@ def _generate_case(world, path, prompt_lists, sampling, stop_ids, rank_seeds):
 CASES = [("llama3", 1), ("llama3", 2), ("llama3", 4), ("gpt2", 3), ("mistral", 2), ("gpt_neox", 4), ("gemma", 2)]
 
 
-@pytest.mark.parametrize("family,tp", CASES, ids=[f"{f}-tp{t}" for f, t in CASES])
+SMOKE = ("llama3", 2)  # in `make test-fast`
+
+
+@pytest.mark.parametrize(
+    "family,tp",
+    [pytest.param(f, t, id=f"{f}-tp{t}", marks=[pytest.mark.smoke] if (f, t) == SMOKE else []) for f, t in CASES],
+)
 def test_greedy_with_kv_cache_matches_transformers_generate(rank_pool, reference, family, tp):
     path, ref, ids, mask = reference(family)
     results = rank_pool.run(_generate_case, tp, args=(str(path), _as_lists(ids, mask), SamplingParams(), (), False))

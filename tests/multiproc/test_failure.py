@@ -19,7 +19,7 @@ from processes import wait_gone
 from shardwise.launch import JobTimeoutError, RankFailedError, launch
 
 
-@pytest.mark.parametrize("world_size,bad_rank", [(2, 1), (4, 2), (4, 0)])
+@pytest.mark.parametrize("world_size,bad_rank", [pytest.param(2, 1, marks=pytest.mark.smoke), (4, 2), (4, 0)])
 def test_raising_rank_takes_job_down_with_its_error(world_size, bad_rank):
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
