@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["run_cli", "process_tag", "tagged_pids", "alive", "wait_gone"]
@@ -37,11 +38,11 @@ def process_tag() -> dict[str, str]:
 
 def tagged_pids(tag: dict[str, str]) -> list[int]:
     """Live processes whose environment holds `tag`."""
-    (entry,) = (f"{k}={v}".encode() for k, v in tag.items())
+    entries = [f"{k}={v}".encode() for k, v in tag.items()]
     pids = []
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
-            if proc.name.isdigit() and entry in (proc / "environ").read_bytes():
+            if proc.name.isdigit() and all(e in (proc / "environ").read_bytes() for e in entries):
                 pids.append(int(proc.name))
     return pids
 
@@ -55,7 +56,7 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def wait_gone(*, pids: list[int] = (), tag: dict[str, str] | None = None, within_s: float = 10.0) -> list[int]:
+def wait_gone(*, pids: Sequence[int] = (), tag: dict[str, str] | None = None, within_s: float = 10.0) -> list[int]:
     """Wait until the processes `pids`, and those tagged with `tag`, are gone; those still alive after within_s."""
 
     def survivors() -> list[int]:

@@ -153,6 +153,7 @@ class _Job:
         return RuntimeError(f"the pooled job of {self.world_size} ranks ended {when}: {self._error!r}")
 
     def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
+        __tracebackhide__ = True  # pytest shows the rank's traceback, not this loop
         blob = pickle.dumps((fn, args))
         for conn in self.conns.values():
             conn.send_bytes(blob)
@@ -187,9 +188,8 @@ class _Job:
             if pending and not self._thread.is_alive():
                 raise self._dead("during a case")
         if failures:
-            _, _, rank, summary, detail = min(
-                failures
-            )  # a rank's own error before failed collectives; then the earliest
+            # the root cause: a rank's own error before the failed collectives it caused; then the earliest
+            _, _, rank, summary, detail = min(failures)
             raise RankFailedError(rank, summary, detail, self.pids)
         return [results[r] for r in range(self.world_size)]
 
@@ -220,6 +220,7 @@ class RankPool:
         self, fn: Callable[..., Any], world_size: int, *, args: tuple = (), timeout_s: float = CASE_TIMEOUT_S
     ) -> list[Any]:
         """fn(world_communicator, *args) on `world_size` pooled ranks; the results by rank."""
+        __tracebackhide__ = True
         if world_size not in self._jobs:
             self._jobs[world_size] = _Job(world_size)
         try:
