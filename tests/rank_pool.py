@@ -202,9 +202,10 @@ class _Job:
 
     def kill(self) -> None:
         """SIGKILL every rank; launch sees them die and returns (its error is dropped)."""
-        for pid in self.pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        if self._thread.is_alive():  # NOTE: once launch has returned, its ranks are reaped: a pid may be reused
+            for pid in self.pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         self._thread.join(timeout=30)
         for conn in self.conns.values():
             conn.close()
