@@ -1,4 +1,4 @@
-# The two entry points: `make demo` and `make test`. Both create .venv when missing.
+# The entry points: `make demo`, `make test` (CI) and `make test-fast`. Each creates .venv when missing.
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint clean bench-load bench-inference
+.PHONY: install demo test test-fast lint clean bench-load bench-inference
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ lint: install
 
 test: lint
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q
+
+# Unit tests, one parity case per layer kind at tp=2, one CLI smoke: under 90 s on 2 cores.
+test-fast: lint
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow"
 
 bench-load: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/load_memory.py

@@ -1,7 +1,11 @@
-"""Shared test utilities: tolerances, and the expected shard of an unsharded gradient."""
+"""Shared test utilities: tolerances, the expected shard of an unsharded gradient, parameter grids."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
+import pytest
 import torch
 from torch import nn
 
@@ -55,3 +59,13 @@ class NoCollectives(LocalCommunicator):
 
     def _barrier(self):
         raise AssertionError("a collective ran during plan validation")
+
+
+def grid(*axes: list, smoke: Callable[..., bool] = lambda *values: False) -> list:
+    """The product of parameter axes as pytest params (a tuple entry fills several names);
+    those for which smoke(*values) holds are marked `smoke`: they run in `make test-fast`."""
+    params = []
+    for combo in itertools.product(*axes):
+        values = [v for part in combo for v in (part if isinstance(part, tuple) else (part,))]
+        params.append(pytest.param(*values, marks=[pytest.mark.smoke] if smoke(*values) else []))
+    return params

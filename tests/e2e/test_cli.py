@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
-
-def _shardwise(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardwise", *args], capture_output=True, text=True, timeout=300, check=False
-    )
+from processes import run_cli
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [pytest.param(2, marks=pytest.mark.smoke), 4])  # tp=2: the CLI smoke of test-fast
 def test_demo_passes_and_reports_errors_and_counts(tp):
-    out = _shardwise("demo", "--tp", str(tp))
+    out = run_cli("demo", "--tp", str(tp))
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"PASS: tp={tp} matches the unsharded model" in out.stdout
     errors = [float(m) for m in re.findall(r"(\d\.\d\de[-+]\d\d)  ok", out.stdout)]
@@ -28,21 +22,21 @@ def test_demo_passes_and_reports_errors_and_counts(tp):
 
 
 def test_demo_refuses_invalid_tp_before_starting_ranks():
-    out = _shardwise("demo", "--tp", "3")
+    out = run_cli("demo", "--tp", "3")
     assert out.returncode == 2
     assert "valid tp sizes: 1, 2, 4, 8" in out.stderr
     assert "PASS" not in out.stdout
 
 
 def test_version():
-    out = _shardwise("--version")
+    out = run_cli("--version")
     assert out.returncode == 0 and out.stdout.startswith("shardwise ")
 
 
 def test_info_describes_the_plan_without_starting_ranks():
     import json
 
-    out = _shardwise("info", "--tp", "2", "--json")
+    out = run_cli("info", "--tp", "2", "--json")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     by_name = {t["name"]: t for t in info["tensors"]}
@@ -52,12 +46,12 @@ def test_info_describes_the_plan_without_starting_ranks():
     assert by_name["norm.weight"]["split"] == "replicated"
     assert info["bytes_per_rank"] < 0.51 * info["bytes_unsharded"]
     assert info["collectives"]["decode_step"]["all_reduce/tp"]["calls"] == 9  # 4 layers x 2 + embedding
-    human = _shardwise("info", "--tp", "4")
+    human = run_cli("info", "--tp", "4")
     assert human.returncode == 0 and "parameters per rank:" in human.stdout
 
 
 def test_info_refuses_invalid_tp():
-    out = _shardwise("info", "--tp", "16")
+    out = run_cli("info", "--tp", "16")
     assert out.returncode == 2
     assert (
         out.stderr.strip()
@@ -68,7 +62,7 @@ def test_info_refuses_invalid_tp():
 def test_bench_comm_reports_every_available_backend():
     import json
 
-    out = _shardwise("bench", "comm", "--sizes", "4096,65536", "--repeats", "10", "--json")
+    out = run_cli("bench", "comm", "--sizes", "4096,65536", "--repeats", "10", "--json")
     assert out.returncode == 0, out.stderr
     points = json.loads(out.stdout)["points"]
     backends = {p["backend"] for p in points}

@@ -8,32 +8,21 @@ import shutil
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_models import TINY, prompts, save_tiny
+from processes import process_tag, run_cli, wait_gone
 from shardwise.launch.env import resolve_backend
 
 BIN = Path(sys.executable).parent
 _AUTO = resolve_backend("auto")
 
 
-def _run(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardwise", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
-
-
 def test_default_model_json_at_tp2_matches_tp1():
-    out = _run("generate", "--tp", "2", "--max-new-tokens", "8", "--json", "--compare-tp1")
+    out = run_cli("generate", "--tp", "2", "--max-new-tokens", "8", "--json", "--compare-tp1")
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)  # stdout is exactly one JSON object
     assert r["tp"] == 2 and r["backend"] == _AUTO and r["matches_tp1"] is True  # --backend auto, recorded
@@ -46,7 +35,7 @@ def test_default_model_json_at_tp2_matches_tp1():
 
 
 def test_human_output_streams_text_and_summarises():
-    out = _run("generate", "--tp", "2", "--prompt", "Hello there", "--max-new-tokens", "6")
+    out = run_cli("generate", "--tp", "2", "--prompt", "Hello there", "--max-new-tokens", "6")
     assert out.returncode == 0, out.stderr
     assert "trained on Jane Austen's novels" in out.stdout
     assert out.stdout.split("\n\n", 1)[1].startswith("Hello there")
@@ -72,7 +61,7 @@ def test_batch_of_prompt_ids_matches_transformers(tiny_llama):
     args = ["generate", "--model", str(path), "--tp", "2", "--max-new-tokens", "10", "--json", "--ignore-eos"]
     for p in lists:
         args += ["--prompt-ids", ",".join(map(str, p))]
-    out = _run(*args)
+    out = run_cli(*args)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["tokens"] == ref
 
@@ -106,37 +95,21 @@ def test_bad_input_is_one_line_and_starts_no_rank(args, message):
     import re
 
     start = time.monotonic()
-    out = _run("generate", *args)
+    out = run_cli("generate", *args)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and re.search(message, lines[0]), out.stderr
     assert time.monotonic() - start < 30
 
 
-def _tagged_processes(tag: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if tag.encode() in (proc / "environ").read_bytes():
-                    pids.append(int(proc.name))
-            except OSError:
-                pass
-    return pids
-
-
 def test_failing_rank_takes_the_job_down_and_leaves_no_process():
-    tag = f"SHARDWISE_TEST_TAG={uuid.uuid4()}"
-    key, value = tag.split("=")
+    tag = process_tag()
     start = time.monotonic()
-    out = _run("generate", "--tp", "4", "--debug-fail-rank", "2", "--timeout", "20", env={key: value})
+    out = run_cli("generate", "--tp", "4", "--debug-fail-rank", "2", "--timeout", "20", env=tag)
     assert out.returncode == 1
     assert out.stderr.count("rank 2 failed: RuntimeError: injected failure on rank 2") == 1
     assert time.monotonic() - start < 20 + 30
-    deadline = time.monotonic() + 10
-    while _tagged_processes(tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _tagged_processes(tag) == [], "orphan rank processes remain"
+    assert wait_gone(tag=tag, within_s=10) == [], "orphan rank processes remain"
 
 
 def test_console_script_is_installed():
@@ -170,7 +143,7 @@ def test_under_mpiexec(tiny_llama, backend):
 
 def test_backend_mpi_starts_its_own_ranks_under_mpiexec(tiny_llama):
     path, lists, ref = tiny_llama
-    out = _run(
+    out = run_cli(
         "generate",
         "--model",
         str(path),

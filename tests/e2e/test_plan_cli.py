@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 import subprocess
-import sys
 
 import torch
 
+from processes import run_cli
+
 
 def _plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardwise", "plan", *args],
-        capture_output=True, text=True, timeout=120, check=False, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    return run_cli("plan", *args, env=env, timeout=120)
 
 
 def test_plan_a_preset_as_json_and_bad_input():

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -12,24 +11,15 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from processes import process_tag, run_cli, wait_gone
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
-
-
-def _tagged(tag: str) -> list[int]:
-    """Live processes whose environment holds `tag` (the server and each of its ranks)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            if proc.name.isdigit() and tag.encode() in (proc / "environ").read_bytes():
-                pids.append(int(proc.name))
-    return pids
 
 
 class Server:
@@ -40,11 +30,10 @@ class Server:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.tag = f"SHARDWISE_TEST_TAG={uuid.uuid4()}"
-        key, value = self.tag.split("=")
+        self.tag = process_tag()
         self.log = tmp / f"serve-{self.port}.log"
         cmd = [sys.executable, "-m", "shardwise", "serve", "--port", str(self.port), *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", key: value}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.tag}
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
@@ -75,14 +64,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        assert _wait_gone(self.tag), "orphan rank processes remain"
-
-
-def _wait_gone(tag: str, seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while _tagged(tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not _tagged(tag)
+        assert wait_gone(tag=self.tag) == [], "orphan rank processes remain"
 
 
 @pytest.fixture(scope="module")
@@ -118,18 +100,15 @@ def offline():
     ],
 )
 def test_bad_options_are_one_line_and_start_no_rank(args, message):
-    out = subprocess.run(
-        [sys.executable, "-m", "shardwise", "serve", *args], capture_output=True, text=True, timeout=60
-    )
+    out = run_cli("serve", *args, timeout=60)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("shardwise: error: ") and message in lines[0]
 
 
 def test_greedy_completions_equal_offline_generate_cli(server):
     prompts = [[5, 6, 7], [40, 41, 300, 12, 99, 7, 250, 3], [200]]
-    cmd = [sys.executable, "-m", "shardwise", "generate", "--tp", "2", "--backend", "gloo", "--json", "--ignore-eos"]
-    cmd += ["--max-new-tokens", "12"] + [x for p in prompts for x in ("--prompt-ids", ",".join(map(str, p)))]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = ["generate", "--tp", "2", "--backend", "gloo", "--json", "--ignore-eos", "--max-new-tokens", "12"]
+    out = run_cli(*args, *[x for p in prompts for x in ("--prompt-ids", ",".join(map(str, p)))])
     assert out.returncode == 0, out.stderr[-2000:]
     want = json.loads(out.stdout)["text"]
     client = server.client()
@@ -277,7 +256,7 @@ def test_full_queue_is_429_disconnect_frees_slot_and_killing_server_kills_ranks(
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
         s.proc.send_signal(signal.SIGKILL)  # the server process dies: its ranks follow
         s.proc.wait(10)
-        assert _wait_gone(s.tag), "ranks outlived the server process"
+        assert wait_gone(tag=s.tag) == [], "ranks outlived the server process"
     finally:
         s.stop()
 

@@ -6,27 +6,14 @@ that `shardwise generate` runs; and bad input fails with one line."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from processes import run_cli
 from shardwise.checkpoint import CheckpointReader
 from train_helpers import CORPUS, TINY_MODEL, TOKENIZER
-
-
-def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardwise", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
 
 
 def _toml(tmp: Path) -> Path:
@@ -50,7 +37,7 @@ warmup_steps = 2
 
 [parallel]
 tp = 2
-backend = "gloo"  # the default ("auto") picks MPI where installed; tests/dist covers MPI
+backend = "gloo"  # the default ("auto") picks MPI where installed; tests/multiproc covers MPI
 
 [run]
 steps = 8
@@ -65,7 +52,7 @@ out_dir = "run"
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
-    out = _run("train", "--config", str(_toml(tmp)))
+    out = run_cli("train", "--config", str(_toml(tmp)))
     assert out.returncode == 0, out.stderr
     return tmp, out
 
@@ -87,13 +74,13 @@ def test_reshard_export_transformers_and_generate(trained):
     transformers = pytest.importorskip("transformers")
     tmp, _ = trained
     src, dst, hf = tmp / "run" / "checkpoints", tmp / "tp4", tmp / "hf"
-    out = _run("checkpoint", "reshard", str(src), str(dst), "--tp", "4", "--json")
+    out = run_cli("checkpoint", "reshard", str(src), str(dst), "--tp", "4", "--json")
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
     assert (stats["tp_from"], stats["tp_to"]) == (2, 4) and stats["peak_chunk_bytes"] < stats["total_tensor_bytes"]
     assert CheckpointReader(dst).manifest.layout == {"tp": 4, "dp": 1}
 
-    out = _run("checkpoint", "export-hf", str(dst), str(hf))
+    out = run_cli("checkpoint", "export-hf", str(dst), str(hf))
     assert out.returncode == 0, out.stderr
     assert {p.name for p in hf.iterdir()} == {
         "config.json",
@@ -113,7 +100,7 @@ def test_reshard_export_transformers_and_generate(trained):
     q_rows = TINY_MODEL["hidden_size"]
     assert torch.equal(model.model.layers[1].self_attn.q_proj.weight, weight("layers.1.attn.qkv.weight")[:q_rows])
 
-    out = _run(
+    out = run_cli(
         "generate", "--model", str(hf), "--tp", "2", "--prompt", "It is a truth", "--max-new-tokens", "6", "--json"
     )
     assert out.returncode == 0, out.stderr
@@ -123,11 +110,11 @@ def test_reshard_export_transformers_and_generate(trained):
 
 def test_info_and_bad_input_fail_with_one_line(trained, tmp_path):
     tmp, _ = trained
-    out = _run("checkpoint", "info", str(tmp / "run" / "checkpoints"), "--verify")
+    out = run_cli("checkpoint", "info", str(tmp / "run" / "checkpoints"), "--verify")
     assert out.returncode == 0 and "step 8, saved at tp=2 x dp=1" in out.stdout and "verified" in out.stdout
     bad = tmp_path / "bad.toml"
     bad.write_text("[data]\ntokens = 'x'\n[parallel]\ntp = 3\n")
-    out = _run("train", "--config", str(bad))
+    out = run_cli("train", "--config", str(bad))
     assert out.returncode == 2 and out.stderr.startswith("shardwise: error: ") and "tp=3" in out.stderr
-    out = _run("checkpoint", "reshard", str(tmp_path / "nothing"), str(tmp_path / "x"), "--tp", "2")
+    out = run_cli("checkpoint", "reshard", str(tmp_path / "nothing"), str(tmp_path / "x"), "--tp", "2")
     assert out.returncode == 2 and "does not exist" in out.stderr and len(out.stderr.strip().splitlines()) == 1

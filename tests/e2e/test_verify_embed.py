@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_models import save_tiny
+from processes import run_cli
 from shardwise.launch.env import resolve_backend
 
 transformers = pytest.importorskip("transformers")
@@ -23,12 +23,6 @@ SENTENCES = [
     "a cat sat on the mat",
 ]
 TEXTS = ["the quick brown fox", "a cat sat on the mat by the dog", "tensor parallelism"]  # unequal lengths
-
-
-def _shardwise(*args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardwise", *map(str, args)], capture_output=True, text=True, timeout=300, check=False
-    )
 
 
 def _json(out: subprocess.CompletedProcess) -> dict:
@@ -100,7 +94,7 @@ def _reference_embeddings(path: Path, texts: list[str], normalize: bool) -> torc
 
 @pytest.mark.parametrize("family", ["llama3", "bert"])
 def test_verify_json_passes_against_unsharded_and_transformers(ckpts, family):
-    out = _shardwise("verify", "--model", ckpts[family], "--tp", "2", "--json")
+    out = run_cli("verify", "--model", ckpts[family], "--tp", "2", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     r = _json(out)
     assert r["passed"] and r["first_diverging_layer"] is None
@@ -117,7 +111,7 @@ def test_verify_json_passes_against_unsharded_and_transformers(ckpts, family):
 
 
 def test_verify_human_output_table_and_pass_line(ckpts):
-    out = _shardwise("verify", "--model", ckpts["gpt2"], "--tp", "2")
+    out = run_cli("verify", "--model", ckpts["gpt2"], "--tp", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert "sharded vs unsharded" in out.stdout and "sharded vs transformers" in out.stdout
@@ -127,7 +121,7 @@ def test_verify_human_output_table_and_pass_line(ckpts):
 
 
 def test_verify_zero_tolerance_fails_and_names_the_first_diverging_layer(ckpts):
-    out = _shardwise("verify", "--model", ckpts["llama3"], "--tp", "2", "--tolerance", "0", "--json")
+    out = run_cli("verify", "--model", ckpts["llama3"], "--tp", "2", "--tolerance", "0", "--json")
     assert out.returncode == 1, out.stdout + out.stderr
     r = _json(out)
     assert r["passed"] is False and r["tolerance"] == 0.0
@@ -140,11 +134,11 @@ def test_verify_zero_tolerance_fails_and_names_the_first_diverging_layer(ckpts):
 
 
 def test_verify_corrupted_layer_is_the_first_diverging_one(ckpts):
-    out = _shardwise("verify", "--model", ckpts["llama3_nan"], "--tp", "2")
+    out = run_cli("verify", "--model", ckpts["llama3_nan"], "--tp", "2")
     assert out.returncode == 1, out.stdout + out.stderr
     assert out.stdout.splitlines()[-1] == "FAIL: tp=2 exceeds 0.0001 relative error; first diverging layer: 1"
     assert "non-finite" in out.stdout
-    out = _shardwise("verify", "--model", ckpts["llama3_nan"], "--tp", "2", "--json")
+    out = run_cli("verify", "--model", ckpts["llama3_nan"], "--tp", "2", "--json")
     r = _json(out)  # strict JSON: non-finite errors are null
     assert out.returncode == 1 and r["first_diverging_layer"] == 1 and r["passed"] is False
     assert r["layers"][0]["vs_unsharded"]["max_rel"] < 1e-5
@@ -152,7 +146,7 @@ def test_verify_corrupted_layer_is_the_first_diverging_one(ckpts):
 
 
 def test_verify_refuses_a_tp_the_model_cannot_split(ckpts):
-    out = _shardwise("verify", "--model", ckpts["llama3"], "--tp", "3")
+    out = run_cli("verify", "--model", ckpts["llama3"], "--tp", "3")
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0, out.stderr  # one line
     assert "cannot be split over tp=3; valid tp sizes: 1, 2, 4, 8" in out.stderr
@@ -161,7 +155,7 @@ def test_verify_refuses_a_tp_the_model_cannot_split(ckpts):
 
 @pytest.mark.parametrize("tp,normalize", [(1, False), (2, True)])
 def test_embed_json_matches_transformers_mean_pooled(ckpts, tp, normalize):
-    out = _shardwise(
+    out = run_cli(
         "embed", "--model", ckpts["bert"], "--tp", str(tp), *(["--normalize"] if normalize else []), "--json",
         *[a for t in TEXTS for a in ("--text", t)],
     )  # fmt: skip
@@ -178,7 +172,7 @@ def test_embed_json_matches_transformers_mean_pooled(ckpts, tp, normalize):
 
 
 def test_embed_human_output_shows_values_and_cosines(ckpts):
-    out = _shardwise("embed", "--model", ckpts["bert"], "--tp", "1", "--text", TEXTS[0], "--text", TEXTS[1])
+    out = run_cli("embed", "--model", ckpts["bert"], "--tp", "1", "--text", TEXTS[0], "--text", TEXTS[1])
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("[")]
     assert len(rows) == 2 + 2 and all("dim 48: [" in r for r in rows[:2])  # 2 embeddings, 2 cosine rows
@@ -187,10 +181,10 @@ def test_embed_human_output_shows_values_and_cosines(ckpts):
 
 
 def test_embed_refuses_a_decoder_and_a_missing_tokenizer(ckpts, tmp_path):
-    out = _shardwise("embed", "--model", ckpts["llama3"], "--tp", "2", "--text", "hi")
+    out = run_cli("embed", "--model", ckpts["llama3"], "--tp", "2", "--text", "hi")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().count("\n") == 0 and "decoder; embed needs an encoder" in out.stderr
     bare = shutil.copytree(ckpts["bert"], tmp_path / "bare")
     (bare / "tokenizer.json").unlink()
-    out = _shardwise("embed", "--model", bare, "--tp", "2", "--text", "hi")
+    out = run_cli("embed", "--model", bare, "--tp", "2", "--text", "hi")
     assert out.returncode == 2 and "has no tokenizer.json" in out.stderr

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import prompts, save_tiny
 from test_blocks import TINY, TINY3, _block_case, _tiny_lm_case
-from test_comm import _collectives_case, _regions_case
-from test_failure import _one_rank_never_arrives, _raise_on_rank, _wait_dead
-from test_layers import _run_linear_case, _run_merged_case, _run_qkv_case, _run_vocab_case
 
+from cases.comm import collectives_case, regions_case
+from cases.failure import one_rank_never_arrives, raise_on_rank
+from cases.layers import linear_case, merged_case, qkv_case, vocab_case
+from hf_models import prompts, save_tiny
+from processes import wait_gone
 from shardwise.launch import RankFailedError, launch
 from shardwise.models import ModelConfig
 
@@ -32,16 +33,16 @@ def _all_checks(world, hf_path: str | None) -> dict:
     done = []
     for dtype in ("fp32", "bf16"):
         for kind, gather in (("column", False), ("column", True), ("row", False)):
-            _run_linear_case(world, kind, dtype, gather)
-        _run_merged_case(world, dtype)
-        _run_vocab_case(world, 50, dtype)
+            linear_case(world, kind, dtype, gather)
+        merged_case(world, dtype)
+        vocab_case(world, 50, dtype)
         done += [f"linear/{dtype}", f"merged/{dtype}", f"vocab/{dtype}"]
     heads = [(12, 12), (12, 6)] if ws == 3 else [(8, 2), (4, 1), (12, 12)]
     for nh, nkv in heads:
-        _run_qkv_case(world, nh, nkv, "fp32", False)
+        qkv_case(world, nh, nkv, "fp32", False)
         done.append(f"qkv/{nh}/{nkv}")
-    _regions_case(world)
-    _collectives_case(world, ws)
+    regions_case(world)
+    collectives_case(world, ws)
     done += ["regions", "collectives"]
     counts = _block_case(
         world, ModelConfig.debug(hidden_size=24, num_heads=12, num_kv_heads=12, intermediate_size=48), "block"
@@ -52,7 +53,6 @@ def _all_checks(world, hf_path: str | None) -> dict:
     if hf_path is not None:
         from helpers import tp_group
         from hf_models import greedy
-
         from shardwise.engine import generate
         from shardwise.hf import load_pretrained
 
@@ -101,23 +101,23 @@ def test_parity_on_mpi(world_size, llama):
 def test_mpi_raising_rank_takes_the_job_down():
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
-        launch(_raise_on_rank, 3, args=(1,), backend="mpi", timeout_s=30)
+        launch(raise_on_rank, 3, args=(1,), backend="mpi", timeout_s=30)
     assert info.value.rank == 1 and "ValueError: boom on rank 1" in str(info.value)
     assert time.monotonic() - start < 30
-    assert _wait_dead(info.value.pids) == []
+    assert wait_gone(pids=info.value.pids) == []
 
 
 def test_mpi_collective_times_out_instead_of_hanging():
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
-        launch(_one_rank_never_arrives, 2, backend="mpi", timeout_s=2)
+        launch(one_rank_never_arrives, 2, backend="mpi", timeout_s=2)
     assert info.value.rank == 0
     assert (
         "CollectiveError: all_reduce on group 'world' (rank 0 of 2, mpi, timeout 2s) failed: MPI all_reduce timed out"
         in str(info.value)
     )
     assert time.monotonic() - start < 2 + 20
-    assert _wait_dead(info.value.pids) == []
+    assert wait_gone(pids=info.value.pids) == []
 
 
 def _idle_wait_cpu(world) -> tuple[float, float]:
@@ -163,4 +163,4 @@ def test_mpi_survivors_fail_at_once_when_a_peer_raises(tmp_path):
     elapsed, error = out.read_text().split("\n", 1)
     assert float(elapsed) < 10, f"rank 0 learnt of the failure after {elapsed} s"
     assert "CollectiveError" in error and "rank 1 failed: ValueError: boom on rank 1" in error
-    assert _wait_dead(info.value.pids) == []
+    assert wait_gone(pids=info.value.pids) == []

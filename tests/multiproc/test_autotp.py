@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers import NoCollectives, tp_group
 from hf_models import INIT_STD, greedy, prompts
-
 from shardwise.comm import LocalCommunicator
-from shardwise.launch import launch
 from shardwise.layers import ShardError
 
 transformers = pytest.importorskip("transformers")
@@ -83,9 +82,9 @@ CASES = [(arch, tp) for arch in ("opt", "granite") for tp in (1, 2, 4)]
 
 
 @pytest.mark.parametrize("arch,tp", CASES, ids=[f"{a}-tp{t}" for a, t in CASES])
-def test_auto_plan_matches_transformers(reference, arch, tp):
+def test_auto_plan_matches_transformers(rank_pool, reference, arch, tp):
     path, ref_logits, ref_tokens, full_bytes = reference(arch)
-    results = launch(_auto_case, tp, args=(path, ref_logits.shape[-1]))
+    results = rank_pool.run(_auto_case, tp, args=(path, ref_logits.shape[-1]))
     real = prompts(ref_logits.shape[-1])[1].bool()  # compare real tokens only
     scale = ref_logits[real].abs().max().item()
     for rank, r in enumerate(results):

@@ -1,17 +1,16 @@
-"""Every tensor-parallel layer against its unsharded twin: outputs, input and parameter
-gradients, batch > 1, at world sizes 1, 2, 3 (where the shapes allow) and 4."""
+"""Rank functions of the layer parity tests, fn(world, ...): every tensor-parallel layer
+against its unsharded twin, outputs, input and parameter gradients, batch > 1. Each
+raises on a mismatch; the gloo tests (through the rank pool) and the MPI test run them."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, sharded_grads_expected
 from torch import nn
 
+from helpers import assert_close, sharded_grads_expected
 from shardwise.layers import (
     ColumnParallelLinear,
-    HeadLayout,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -19,10 +18,10 @@ from shardwise.layers import (
     VocabParallelLMHead,
     vocab_parallel_cross_entropy,
 )
-from shardwise.launch import launch
 from shardwise.sharding import Vocab
 
-WORLD_SIZES = [1, 2, 3, 4]
+__all__ = ["DTYPES", "linear_case", "qkv_case", "merged_case", "vocab_case", "untied_head_case"]
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 B, T = 3, 5  # batch > 1 and a sequence dim: (B, T, features)
 
@@ -31,7 +30,7 @@ def _shard(t: torch.Tensor, comm, dim: int) -> torch.Tensor:
     return t.chunk(comm.size, dim=dim)[comm.rank]
 
 
-def _run_linear_case(comm, kind: str, dtype_name: str, gather: bool) -> None:
+def linear_case(comm, kind: str, dtype_name: str, gather: bool) -> None:
     dtype = DTYPES[dtype_name]
     torch.manual_seed(0)  # same unsharded layer, input and upstream gradient on every rank
     full = nn.Linear(24, 36, bias=True).to(dtype)
@@ -64,14 +63,7 @@ def _run_linear_case(comm, kind: str, dtype_name: str, gather: bool) -> None:
     assert_close(layer.bias.grad, expect_b, "bias grad")
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind,gather", [("column", False), ("column", True), ("row", False)])
-def test_linear_parity(world_size, dtype, kind, gather):
-    launch(_run_linear_case, world_size, args=(kind, dtype, gather))
-
-
-def _run_qkv_case(comm, num_heads: int, num_kv_heads: int, dtype_name: str, separate: bool) -> None:
+def qkv_case(comm, num_heads: int, num_kv_heads: int, dtype_name: str, separate: bool) -> None:
     dtype = DTYPES[dtype_name]
     torch.manual_seed(1)
     hidden, hd = 32, 4
@@ -84,7 +76,9 @@ def _run_qkv_case(comm, num_heads: int, num_kv_heads: int, dtype_name: str, sepa
     if separate:  # q, k, v as three nn.Linear, as in most Hugging Face checkpoints
         q_rows, kv_rows = num_heads * hd, num_kv_heads * hd
         parts = []
-        for w, b in zip(full.weight.split([q_rows, kv_rows, kv_rows]), full.bias.split([q_rows, kv_rows, kv_rows])):
+        for w, b in zip(
+            full.weight.split([q_rows, kv_rows, kv_rows]), full.bias.split([q_rows, kv_rows, kv_rows]), strict=True
+        ):
             lin = nn.Linear(hidden, w.shape[0]).to(dtype)
             lin.weight.data.copy_(w)
             lin.bias.data.copy_(b)
@@ -118,24 +112,7 @@ def _run_qkv_case(comm, num_heads: int, num_kv_heads: int, dtype_name: str, sepa
     assert_close(layer.bias.grad, torch.cat([q_b[q_sl], k_b[k_sl], v_b[v_sl]]), "bias grad")
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize(
-    "num_heads,num_kv_heads",
-    [(12, 12), (12, 6), (8, 2), (4, 1)],  # MHA, GQA split, GQA replicated at tp=4, MQA
-)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_qkv_parity(world_size, num_heads, num_kv_heads, dtype):
-    if world_size not in HeadLayout.valid_tp_sizes(num_heads, num_kv_heads):
-        pytest.skip(f"{num_heads} q / {num_kv_heads} kv heads do not split over tp={world_size}")
-    launch(_run_qkv_case, world_size, args=(num_heads, num_kv_heads, dtype, False))
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_qkv_from_separate_projections(world_size):
-    launch(_run_qkv_case, world_size, args=(8, 2, "fp32", True))
-
-
-def _run_merged_case(comm, dtype_name: str) -> None:
+def merged_case(comm, dtype_name: str) -> None:
     dtype = DTYPES[dtype_name]
     torch.manual_seed(2)
     gate, up = nn.Linear(24, 12).to(dtype), nn.Linear(24, 12).to(dtype)
@@ -156,13 +133,7 @@ def _run_merged_case(comm, dtype_name: str) -> None:
     assert_close(layer.bias.grad, b_expect, "bias grad")
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_merged_gate_up_parity(world_size, dtype):
-    launch(_run_merged_case, world_size, args=(dtype,))
-
-
-def _run_vocab_case(comm, vocab: int, dtype_name: str) -> None:
+def vocab_case(comm, vocab: int, dtype_name: str) -> None:
     """Embedding -> tied vocab-parallel head -> vocab-parallel CE, against F.cross_entropy."""
     dtype = DTYPES[dtype_name]
     torch.manual_seed(3)
@@ -194,14 +165,7 @@ def _run_vocab_case(comm, vocab: int, dtype_name: str) -> None:
     assert_close(pemb.weight.grad, pemb.shard.copy_rows(emb.weight.grad), "tied weight grad")
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("vocab", [48, 50])  # divisible by 1..4; 50 needs padding at tp=3, 4
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_vocab_parallel_parity(world_size, vocab, dtype):
-    launch(_run_vocab_case, world_size, args=(vocab, dtype))
-
-
-def _run_untied_head_case(comm) -> None:
+def untied_head_case(comm) -> None:
     torch.manual_seed(4)
     lin = nn.Linear(16, 50, bias=True)
     x = torch.randn(B, T, 16, requires_grad=True)
@@ -218,8 +182,3 @@ def _run_untied_head_case(comm) -> None:
     assert_close(x_local.grad, x.grad, "input grad")
     assert_close(head.weight.grad, expected["head.weight"], "weight grad")
     assert_close(head.bias.grad, expected["head.bias"], "bias grad")
-
-
-@pytest.mark.parametrize("world_size", [1, 3, 4])
-def test_untied_lm_head_with_bias(world_size):
-    launch(_run_untied_head_case, world_size)

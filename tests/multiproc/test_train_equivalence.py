@@ -69,12 +69,12 @@ def _assert_matches(got: dict, ref: dict, what: str) -> None:
     assert got["replicated_identical"] and all(ok for _, ok in got["replicated_identical"]), got
 
 
-def test_tp2_dp2_ddp_and_bucketed_match_single_process(tokens, tmp_path):
+def test_tp2_dp2_ddp_and_bucketed_match_single_process(rank_pool, tokens, tmp_path):
     cfg = tiny_config(tokens, tmp_path, tp=2, dp=2, steps=STEPS)
     ref = _reference(cfg)
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the tiny model should learn something in 10 steps"
-    ddp = launch(_run, 4, args=(cfg.replace(parallel={"dp_sync": "ddp"}),))
-    bucketed = launch(_run, 4, args=(cfg.replace(parallel={"dp_sync": "bucketed"}),))
+    ddp = rank_pool.run(_run, 4, args=(cfg.replace(parallel={"dp_sync": "ddp"}),))
+    bucketed = rank_pool.run(_run, 4, args=(cfg.replace(parallel={"dp_sync": "bucketed"}),))
     assert ddp[0]["sync"] == DDPSync.__name__ and bucketed[0]["sync"] == BucketedSync.__name__
     for results, what in ((ddp, "tp2 x dp2 ddp"), (bucketed, "tp2 x dp2 bucketed")):
         _assert_matches(results[0], ref, what)
@@ -106,22 +106,22 @@ def test_dp2_on_mpi_uses_the_bucketed_all_reduce_and_matches(tokens, tmp_path):
     _assert_matches(results[0], _reference(cfg), "dp2 on mpi")
 
 
-def test_tp2_dp1_with_grad_accumulation_matches_single_process(tokens, tmp_path):
+def test_tp2_dp1_with_grad_accumulation_matches_single_process(rank_pool, tokens, tmp_path):
     cfg = tiny_config(tokens, tmp_path, tp=2, dp=1, steps=STEPS)  # 4 micro-steps of 2 per step
     ref = _reference(cfg.replace(data={"micro_batch_size": 8}))  # reference: one micro-batch of 8
-    _assert_matches(launch(_run, 2, args=(cfg,))[0], ref, "tp2 x dp1")
+    _assert_matches(rank_pool.run(_run, 2, args=(cfg,))[0], ref, "tp2 x dp1")
 
 
-def test_bf16_autocast_trains_close_to_fp32(tokens, tmp_path):
+def test_bf16_autocast_trains_close_to_fp32(rank_pool, tokens, tmp_path):
     cfg = tiny_config(tokens, tmp_path, tp=2, dp=1, steps=4)
     ref = _reference(cfg)
-    got = launch(_run, 2, args=(cfg.replace(run={"bf16": True}),))[0]
+    got = rank_pool.run(_run, 2, args=(cfg.replace(run={"bf16": True}),))[0]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=3e-2)
 
 
-def test_rng_streams_follow_tp_and_dp(tokens, tmp_path):
+def test_rng_streams_follow_tp_and_dp(rank_pool, tokens, tmp_path):
     """4 ranks = tp groups [0,1] [2,3]; dp groups [0,2] [1,3]."""
-    got = launch(_rng_streams, 4, args=(tiny_config(tokens, tmp_path, tp=2, dp=2),))[0]
+    got = rank_pool.run(_rng_streams, 4, args=(tiny_config(tokens, tmp_path, tp=2, dp=2),))[0]
     rep, shard, after = got["replicated"], got["sharded"], got["after"]
     assert torch.equal(rep[0], rep[1]) and torch.equal(rep[2], rep[3]), "same mask within a tp group"
     assert not torch.equal(rep[0], rep[2]), "different masks across dp replicas"
@@ -141,11 +141,11 @@ def _grad_norm(world, cfg) -> dict:
     return {"norm": norm, "clipped": tr.grad_norm.norm().item()}
 
 
-def test_grad_norm_counts_replicated_rows_once(tokens, tmp_path):
+def test_grad_norm_counts_replicated_rows_once(rank_pool, tokens, tmp_path):
     """tp=4 with 2 KV heads: each KV head lives on 2 ranks, norms on all 4; the norm is still
     the unsharded gradient's, and clipping scales it as torch's clip_grad_norm_ does."""
     cfg = tiny_config(tokens, tmp_path, tp=4)
     ref = _grad_norm(LocalCommunicator(), cfg.replace(parallel={"tp": 1}))
-    for r in launch(_grad_norm, 4, args=(cfg,)):
+    for r in rank_pool.run(_grad_norm, 4, args=(cfg,)):
         assert r["norm"] == pytest.approx(ref["norm"], rel=1e-5)
         assert r["clipped"] == pytest.approx(ref["norm"] / 2, rel=1e-5)

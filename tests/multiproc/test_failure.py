@@ -10,71 +10,39 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from cases.failure import one_rank_never_arrives, raise_on_rank
+from processes import wait_gone
 from shardwise.launch import JobTimeoutError, RankFailedError, launch
 
 
-def _alive(pid: int) -> bool:
-    """True for a running process; False for a reaped one or a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _wait_dead(pids: list[int], within_s: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        if not alive:
-            return []
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
-
-
-def _raise_on_rank(comm, bad_rank: int) -> None:
-    if comm.rank == bad_rank:
-        time.sleep(0.2)  # the others are already waiting in the collective
-        raise ValueError(f"boom on rank {bad_rank}")
-    for _ in range(1000):
-        comm.all_reduce(torch.ones(4))
-
-
-@pytest.mark.parametrize("world_size,bad_rank", [(2, 1), (4, 2), (4, 0)])
+@pytest.mark.parametrize("world_size,bad_rank", [pytest.param(2, 1, marks=pytest.mark.smoke), (4, 2), (4, 0)])
 def test_raising_rank_takes_job_down_with_its_error(world_size, bad_rank):
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
-        launch(_raise_on_rank, world_size, args=(bad_rank,), timeout_s=30)
+        launch(raise_on_rank, world_size, args=(bad_rank,), timeout_s=30)
     elapsed = time.monotonic() - start
     err = info.value
     assert err.rank == bad_rank
     assert f"ValueError: boom on rank {bad_rank}" in str(err)
     assert "Traceback" in err.detail
     assert elapsed < 15, f"took {elapsed:.1f}s to fail"
-    assert _wait_dead(err.pids) == [], "orphan rank processes remain"
-
-
-def _one_rank_never_arrives(comm) -> None:
-    if comm.rank == 1:
-        time.sleep(120)  # stuck outside any collective
-    comm.all_reduce(torch.ones(4))
+    assert wait_gone(pids=err.pids) == [], "orphan rank processes remain"
 
 
 def test_collective_times_out_instead_of_hanging():
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
-        launch(_one_rank_never_arrives, 2, timeout_s=2)
+        launch(one_rank_never_arrives, 2, timeout_s=2)
     elapsed = time.monotonic() - start
     assert info.value.rank == 0
     assert "CollectiveError: all_reduce on group 'world' (rank 0 of 2, gloo, timeout 2s) failed" in str(info.value)
     assert "Timed out" in str(info.value)
     assert elapsed < 2 + 10, f"took {elapsed:.1f}s, collective timeout was 2s"
-    assert _wait_dead(info.value.pids) == []
+    assert wait_gone(pids=info.value.pids) == []
 
 
 def _rank_killed(comm) -> None:
@@ -89,7 +57,7 @@ def test_killed_rank_is_reported_by_signal():
         launch(_rank_killed, 3, timeout_s=30)
     assert info.value.rank == 1
     assert "SIGKILL" in str(info.value)
-    assert _wait_dead(info.value.pids) == []
+    assert wait_gone(pids=info.value.pids) == []
 
 
 def _sleep_forever(comm) -> None:
@@ -100,7 +68,7 @@ def test_job_timeout_kills_every_rank():
     with pytest.raises(JobTimeoutError) as info:
         launch(_sleep_forever, 2, job_timeout_s=2)
     assert "ranks [0, 1] had not finished" in str(info.value)
-    assert _wait_dead(info.value.pids) == []
+    assert wait_gone(pids=info.value.pids) == []
 
 
 def test_ranks_die_with_a_killed_parent(tmp_path):
@@ -131,7 +99,7 @@ def test_ranks_die_with_a_killed_parent(tmp_path):
         pids = [int(p.name) for p in pid_dir.iterdir()]
         parent.kill()
         parent.wait()
-        assert _wait_dead(pids, within_s=10) == [], "ranks outlived their parent"
+        assert wait_gone(pids=pids, within_s=10) == [], "ranks outlived their parent"
     finally:
         if parent.poll() is None:
             parent.kill()

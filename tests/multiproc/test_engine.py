@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers import NoCollectives, tp_group
 from hf_models import TINY, prompts, save_tiny
-
 from shardwise.engine import PromptError, SamplingParams, generate
-from shardwise.launch import launch
 
 transformers = pytest.importorskip("transformers")
 NEW = 16
@@ -53,10 +52,16 @@ def _generate_case(world, path, prompt_lists, sampling, stop_ids, rank_seeds):
 CASES = [("llama3", 1), ("llama3", 2), ("llama3", 4), ("gpt2", 3), ("mistral", 2), ("gpt_neox", 4), ("gemma", 2)]
 
 
-@pytest.mark.parametrize("family,tp", CASES, ids=[f"{f}-tp{t}" for f, t in CASES])
-def test_greedy_with_kv_cache_matches_transformers_generate(reference, family, tp):
+SMOKE = ("llama3", 2)  # in `make test-fast`
+
+
+@pytest.mark.parametrize(
+    "family,tp",
+    [pytest.param(f, t, id=f"{f}-tp{t}", marks=[pytest.mark.smoke] if (f, t) == SMOKE else []) for f, t in CASES],
+)
+def test_greedy_with_kv_cache_matches_transformers_generate(rank_pool, reference, family, tp):
     path, ref, ids, mask = reference(family)
-    results = launch(_generate_case, tp, args=(str(path), _as_lists(ids, mask), SamplingParams(), (), False))
+    results = rank_pool.run(_generate_case, tp, args=(str(path), _as_lists(ids, mask), SamplingParams(), (), False))
     for r in results:
         assert r["tokens"] == ref.tolist()
         assert r["finish"] == ["length", "length"]
@@ -68,23 +73,23 @@ def test_greedy_with_kv_cache_matches_transformers_generate(reference, family, t
         assert comm == {}
 
 
-def test_sampling_is_decided_on_rank0_and_broadcast(reference):
+def test_sampling_is_decided_on_rank0_and_broadcast(rank_pool, reference):
     path, _, ids, mask = reference("llama3")
     unseeded = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=None)
-    results = launch(_generate_case, 4, args=(str(path), _as_lists(ids, mask), unseeded, (), True))
+    results = rank_pool.run(_generate_case, 4, args=(str(path), _as_lists(ids, mask), unseeded, (), True))
     assert all(r["tokens"] == results[0]["tokens"] for r in results), "ranks disagree on sampled tokens"
 
     seeded = SamplingParams(temperature=1.0, top_k=20, seed=7)
-    a = launch(_generate_case, 2, args=(str(path), _as_lists(ids, mask), seeded, (), True))
-    b = launch(_generate_case, 1, args=(str(path), _as_lists(ids, mask), seeded, (), False))
+    a = rank_pool.run(_generate_case, 2, args=(str(path), _as_lists(ids, mask), seeded, (), True))
+    b = rank_pool.run(_generate_case, 1, args=(str(path), _as_lists(ids, mask), seeded, (), False))
     assert a[0]["tokens"] == a[1]["tokens"] == b[0]["tokens"], "a seed must reproduce across tp sizes"
 
 
-def test_stop_tokens_end_each_prompt_on_its_own(reference):
+def test_stop_tokens_end_each_prompt_on_its_own(rank_pool, reference):
     path, ref, ids, mask = reference("llama3")
     stop = ref[0, 4].item()  # the first prompt's 5th greedy token
     assert stop not in ref[0, :4].tolist()
-    (r,) = launch(_generate_case, 1, args=(str(path), _as_lists(ids, mask), SamplingParams(), (stop,), False))
+    (r,) = rank_pool.run(_generate_case, 1, args=(str(path), _as_lists(ids, mask), SamplingParams(), (stop,), False))
     assert r["tokens"][0] == ref[0, :4].tolist() and r["finish"][0] == "stop"
     if stop not in ref[1].tolist():
         assert r["tokens"][1] == ref[1].tolist() and r["finish"][1] == "length"

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers import tp_group
 from hf_models import TINY, greedy, prompts, save_tiny
-
-from shardwise.launch import launch
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,10 +57,16 @@ def _shardwise_case(world, path: str, vocab: int) -> dict:
 CASES = [(family, tp) for family, (_, _, _, tps) in TINY.items() for tp in tps]
 
 
-@pytest.mark.parametrize("family,tp", CASES, ids=[f"{f}-tp{t}" for f, t in CASES])
-def test_logits_and_greedy_tokens_match_transformers(reference, family, tp):
+SMOKE = ("llama3", 2)  # in `make test-fast`
+
+
+@pytest.mark.parametrize(
+    "family,tp",
+    [pytest.param(f, t, id=f"{f}-tp{t}", marks=[pytest.mark.smoke] if (f, t) == SMOKE else []) for f, t in CASES],
+)
+def test_logits_and_greedy_tokens_match_transformers(rank_pool, reference, family, tp):
     path, ref_logits, ref_tokens = reference(family)
-    results = launch(_shardwise_case, tp, args=(str(path), ref_logits.shape[-1]))
+    results = rank_pool.run(_shardwise_case, tp, args=(str(path), ref_logits.shape[-1]))
     _, mask = prompts(ref_logits.shape[-1])
     real = mask.bool()  # compare real tokens only; padded positions are never used
     scale = ref_logits[real].abs().max().item()

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tp_group
 
-from shardwise.launch import launch
+from helpers import tp_group
 from shardwise.models.pooling import mean_pool
 
 transformers = pytest.importorskip("transformers")
@@ -96,13 +95,13 @@ def _err(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("name,tp", CASES, ids=[f"{n}-tp{t}" for n, t in CASES])
-def test_bert_matches_transformers(reference, name, tp):
+def test_bert_matches_transformers(rank_pool, reference, name, tp):
     path, ref_hidden, ref_pooled = reference(name)
     vocab = TINY[name][1]["vocab_size"]
     _, mask, _ = inputs(vocab)
     real = mask.bool()  # padded rows are never used, and differ by design
     ref_mean = mean_pool(ref_hidden, mask, normalize=True)
-    results = launch(_shardwise_case, tp, args=(str(path), vocab))
+    results = rank_pool.run(_shardwise_case, tp, args=(str(path), vocab))
     for rank, r in enumerate(results):
         assert r["family"] == "bert"
         assert r["embed_rows"] == -(-vocab // tp), f"rank {rank}: {r['embed_rows']} embedding rows"

@@ -1,16 +1,24 @@
-"""The torch.distributed communicator and its groups: every collective's result, on
-tp and dp sub-groups built by ParallelDims, and the accounting of each."""
+"""Rank functions of the communicator tests, fn(world, ...): every collective's result on
+tp and dp sub-groups, and the region autograd functions forward and backward. Each
+raises on a mismatch; the gloo tests (through the rank pool) and the MPI test run them."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from shardwise.comm import ParallelDims
-from shardwise.launch import launch
+from helpers import tp_group
+from shardwise.comm import (
+    ParallelDims,
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    scatter_to_region,
+)
+
+__all__ = ["collectives_case", "regions_case"]
 
 
-def _collectives_case(comm, tp: int) -> dict:
+def collectives_case(comm, tp: int) -> dict:
     mesh = ParallelDims(world_size=comm.size, tp=tp).build(comm)
     r, tp_rank, dp_rank = comm.rank, mesh.tp.rank, mesh.dp.rank
     tp_members = ParallelDims(world_size=comm.size, tp=tp).tp_groups()[r // tp]
@@ -54,40 +62,7 @@ def _collectives_case(comm, tp: int) -> dict:
     return comm.stats.snapshot()
 
 
-@pytest.mark.parametrize("world_size,tp", [(1, 1), (2, 2), (3, 3), (4, 2), (4, 4)])
-def test_collectives_on_sub_groups(world_size, tp):
-    snapshots = launch(_collectives_case, world_size, args=(tp,))
-    stats = snapshots[0]
-    if tp == 1:
-        assert "all_reduce/tp" not in stats, "size-1 groups must short-circuit"
-    else:
-        # 1 sum + 1 max + 1 alias check + 2 half-precision sums
-        assert stats["all_reduce/tp"]["calls"] == 5
-        assert stats["all_reduce/tp"]["bytes"] == 6 * 4 + 2 * 4 + 4 + 4 * 2 * 2
-        assert stats["all_gather/tp"] == {"calls": 3, "bytes": 3 * 6 * 4}
-        assert stats["broadcast/tp"] == {"calls": 1, "bytes": 12}
-    if world_size // tp > 1:
-        assert stats["all_reduce/dp"] == {"calls": 1, "bytes": 4}
-    if world_size > 1:
-        assert stats["barrier/world"]["calls"] == 1
-
-
-def _mismatched_world(comm) -> None:
-    ParallelDims(world_size=comm.size + 1, tp=1).build(comm)
-
-
-def test_build_rejects_a_mesh_of_the_wrong_size():
-    from shardwise.launch import RankFailedError
-
-    with pytest.raises(RankFailedError, match=r"communicator has 2 ranks but ParallelDims.world_size=3"):
-        launch(_mismatched_world, 2)
-
-
-def _regions_case(world) -> None:
-    from helpers import tp_group
-
-    from shardwise.comm import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
-
+def regions_case(world) -> None:
     comm = tp_group(world)
     p, r = comm.size, comm.rank
     torch.manual_seed(0)
@@ -126,8 +101,3 @@ def _regions_case(world) -> None:
     if p == 1:  # size-1 groups short-circuit: no autograd node, no collective
         assert copy_to_region(x, comm) is x and reduce_from_region(x, comm) is x
         assert comm.stats.calls() == 0
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_region_functions_forward_and_backward(world_size):
-    launch(_regions_case, world_size)

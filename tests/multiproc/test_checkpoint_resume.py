@@ -13,7 +13,6 @@ import torch
 from shardwise.checkpoint import Checkpointer, CheckpointError, load_checkpoint
 from shardwise.checkpoint.offline import reshard_checkpoint
 from shardwise.comm import LocalCommunicator
-from shardwise.launch import launch
 from shardwise.train import setup, train
 from train_helpers import tiny_config, write_tiny_tokens
 
@@ -21,14 +20,14 @@ LOSS_TOL, PARAM_TOL = 2e-5, 1e-4
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(rank_pool, tmp_path_factory):
     """An uninterrupted 20-step reference, and a tp=2 run stopped and saved at step 10."""
     tmp = tmp_path_factory.mktemp("resume")
     tokens = write_tiny_tokens(tmp / "tokens.safetensors")
     cfg = tiny_config(tokens, tmp / "ref", steps=20)
     ref = train(LocalCommunicator(), cfg, return_state=True)
     first = cfg.replace(parallel={"tp": 2}, run={"steps": 10, "out_dir": str(tmp / "tp2")})
-    half = launch(train, 2, args=(first, Checkpointer()))[0]
+    half = rank_pool.run(train, 2, args=(first, Checkpointer()))[0]
     return {"cfg": cfg, "ref": ref, "half": half, "tmp": tmp}
 
 
@@ -60,12 +59,12 @@ def test_resume_at_tp1_matches_uninterrupted_run(run):
     _check_resumed(train(LocalCommunicator(), cfg, Checkpointer(), return_state=True), run, "tp2 -> tp1")
 
 
-def test_resume_at_tp4_matches_uninterrupted_run(run):
+def test_resume_at_tp4_matches_uninterrupted_run(rank_pool, run):
     """tp=4 with 2 KV heads: each KV head on 2 ranks; the tp=2 chunks are resharded on load."""
     cfg = run["cfg"].replace(
         parallel={"tp": 4}, run={"resume": run["half"].checkpoint, "out_dir": str(run["tmp"] / "tp4")}
     )
-    _check_resumed(launch(_train_with_state, 4, args=(cfg,))[0], run, "tp2 -> tp4")
+    _check_resumed(rank_pool.run(_train_with_state, 4, args=(cfg,))[0], run, "tp2 -> tp4")
 
 
 def test_offline_reshard_to_tp4_loads_the_same_state(run):
@@ -101,7 +100,7 @@ def _load_damaged(world, cfg, variants: list[str]) -> list[str]:
     return messages
 
 
-def test_damaged_checkpoint_fails_on_every_rank(run, tmp_path):
+def test_damaged_checkpoint_fails_on_every_rank(rank_pool, run, tmp_path):
     """Each damage is seen by one rank only (each reads its own file); all ranks raise."""
     src = run["half"].checkpoint
     variants = []
@@ -118,7 +117,7 @@ def test_damaged_checkpoint_fails_on_every_rank(run, tmp_path):
         variants.append(str(dst))
     variants.append(src)  # and a good one still loads afterwards: no rank was left behind
     cfg = run["cfg"].replace(parallel={"tp": 2})
-    per_rank = launch(_load_damaged, 2, args=(cfg, variants))
+    per_rank = rank_pool.run(_load_damaged, 2, args=(cfg, variants))
     for rank, (missing, corrupt, good) in enumerate(per_rank):
         assert "rank-00001.safetensors: missing file of checkpoint step 10" in missing, (rank, missing)
         assert "rank-00000.safetensors: SHA-256 mismatch" in corrupt, (rank, corrupt)

@@ -1,0 +1,45 @@
+"""The torch.distributed communicator and its groups: every collective's result, on
+tp and dp sub-groups built by ParallelDims, and the accounting of each; the region
+functions. The cases (tests/cases/comm.py) run on pooled ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from cases.comm import collectives_case, regions_case
+from shardwise.comm import ParallelDims
+from shardwise.launch import launch
+
+
+@pytest.mark.parametrize("world_size,tp", [(1, 1), pytest.param(2, 2, marks=pytest.mark.smoke), (3, 3), (4, 2), (4, 4)])
+def test_collectives_on_sub_groups(rank_pool, world_size, tp):
+    snapshots = rank_pool.run(collectives_case, world_size, args=(tp,))
+    stats = snapshots[0]
+    if tp == 1:
+        assert "all_reduce/tp" not in stats, "size-1 groups must short-circuit"
+    else:
+        # 1 sum + 1 max + 1 alias check + 2 half-precision sums
+        assert stats["all_reduce/tp"]["calls"] == 5
+        assert stats["all_reduce/tp"]["bytes"] == 6 * 4 + 2 * 4 + 4 + 4 * 2 * 2
+        assert stats["all_gather/tp"] == {"calls": 3, "bytes": 3 * 6 * 4}
+        assert stats["broadcast/tp"] == {"calls": 1, "bytes": 12}
+    if world_size // tp > 1:
+        assert stats["all_reduce/dp"] == {"calls": 1, "bytes": 4}
+    if world_size > 1:
+        assert stats["barrier/world"]["calls"] == 1
+
+
+def _mismatched_world(comm) -> None:
+    ParallelDims(world_size=comm.size + 1, tp=1).build(comm)
+
+
+def test_build_rejects_a_mesh_of_the_wrong_size():
+    from shardwise.launch import RankFailedError
+
+    with pytest.raises(RankFailedError, match=r"communicator has 2 ranks but ParallelDims.world_size=3"):
+        launch(_mismatched_world, 2)
+
+
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.smoke), 3, 4])
+def test_region_functions_forward_and_backward(rank_pool, world_size):
+    rank_pool.run(regions_case, world_size)

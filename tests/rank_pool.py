@@ -1,0 +1,235 @@
+"""Many multi-process cases per launched job: a pool of gloo ranks per world size.
+
+    results = rank_pool.run(fn, world_size, args=(...))   # like launch(fn, world_size, args=...)
+
+Starting ranks (fresh processes and a gloo rendezvous) costs more than most parity cases.
+The pool starts the ranks of a world size once, through shardwise.launch.launch in a
+background thread, with a rank function that loops: receive (fn, args) over a loopback
+connection with an authkey, run fn(world, *args), send back the result or the error.
+
+- Each case starts as in a fresh process: the communication counters are reset, torch's
+  random generator is re-seeded with the process's initial seed, gradients are enabled.
+- A case that fails on any rank raises RankFailedError with that rank's own traceback
+  (the root cause, as launch chooses it); the ranks may be out of step after a failure,
+  so the job is killed and the next case of that world size starts a new one.
+- A case that runs past its timeout raises JobTimeoutError, and the job is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import secrets
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener, wait
+from typing import Any
+
+from shardwise.comm import CollectiveError
+from shardwise.launch import JobTimeoutError, RankFailedError, launch
+
+__all__ = ["RankPool"]
+
+CASE_TIMEOUT_S = 150.0  # under pytest's per-test timeout, so a hung case fails by its own name
+START_TIMEOUT_S = 120.0
+GRACE_S = 1.0  # after a first failure, how long to collect the other ranks' errors
+
+
+def _caused_by_collective(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, CollectiveError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _send(conn: Connection, msg: Any) -> None:
+    # NOTE: plain pickle, as launch does: multiprocessing's pickler would share tensor
+    # storage through file descriptors, which need the sender to stay alive and in step.
+    conn.send_bytes(pickle.dumps(msg))
+
+
+def _serve_cases(world, address: tuple[str, int], authkey: bytes) -> None:
+    """The rank function of a pooled job: run (fn, args) cases until told to stop."""
+    import torch
+
+    seed = torch.initial_seed()  # what a fresh process starts from
+    conn = Client(address, authkey=authkey)
+    _send(conn, ("hello", world.rank, os.getpid()))
+    while True:
+        try:
+            case = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the test session is gone
+        if case is None:
+            break
+        fn, args = case
+        world.stats.reset()
+        torch.manual_seed(seed)
+        try:
+            with torch.enable_grad():
+                reply = ("ok", fn(world, *args))
+            blob = pickle.dumps(reply)
+        except BaseException as e:  # noqa: BLE001 - every failure is reported to the test
+            summary = f"{type(e).__name__}: {e}"
+            blob = pickle.dumps(("error", time.time(), summary, traceback.format_exc(), _caused_by_collective(e)))
+        conn.send_bytes(blob)
+    conn.close()
+
+
+class _Job:
+    """One launched job of `world_size` ranks, each looping over cases."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        authkey = secrets.token_bytes(32)
+        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        self._address, self._authkey = self._listener.address, authkey
+        self._error: BaseException | None = None
+        self._accepting = True
+        self.conns: dict[int, Connection] = {}
+        self.pids: list[int] = []
+        self._thread = threading.Thread(target=self._launch, name=f"rank-pool-{world_size}", daemon=True)
+        self._thread.start()
+        try:
+            self._accept_all()
+        finally:
+            self._accepting = False
+            self._poke()  # ends the accept loop
+            self._listener.close()
+
+    def _launch(self) -> None:
+        try:
+            # NOTE: the job lives as long as the test session; each case has its own timeout.
+            launch(_serve_cases, self.world_size, args=(self._address, self._authkey), job_timeout_s=7 * 24 * 3600)
+        except BaseException as e:  # noqa: BLE001 - reported by the case that finds the job dead
+            self._error = e
+
+    def _poke(self) -> None:
+        with contextlib.suppress(OSError, EOFError, AuthenticationError):
+            Client(self._address, authkey=self._authkey).close()
+
+    def _accept_all(self) -> None:
+        accepted: queue.Queue = queue.Queue()
+
+        def accept() -> None:
+            while self._accepting:
+                try:
+                    accepted.put(self._listener.accept())
+                except (AuthenticationError, EOFError):
+                    continue  # not one of ours
+                except OSError:
+                    return
+
+        threading.Thread(target=accept, name="rank-pool-accept", daemon=True).start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pids: dict[int, int] = {}
+        while len(self.conns) < self.world_size:
+            if not self._thread.is_alive():
+                raise self._dead("while starting")
+            if time.monotonic() > deadline:
+                self.pids = list(pids.values())
+                self.kill()  # a connected rank's death ends the job; unconnected ones fail to connect
+                raise JobTimeoutError(f"a pool of {self.world_size} ranks did not start in {START_TIMEOUT_S:.0f} s", [])
+            with contextlib.suppress(queue.Empty):
+                conn = accepted.get(timeout=0.2)
+                try:
+                    _, rank, pid = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    continue  # a poke
+                self.conns[rank], pids[rank] = conn, pid
+        self.pids = [pids[r] for r in range(self.world_size)]
+
+    def _dead(self, when: str) -> BaseException:
+        self._thread.join(timeout=30)
+        if isinstance(self._error, RankFailedError | JobTimeoutError):
+            return self._error
+        return RuntimeError(f"the pooled job of {self.world_size} ranks ended {when}: {self._error!r}")
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
+        __tracebackhide__ = True  # pytest shows the rank's traceback, not this loop
+        blob = pickle.dumps((fn, args))
+        for conn in self.conns.values():
+            conn.send_bytes(blob)
+        pending = {conn: rank for rank, conn in self.conns.items()}
+        results: dict[int, Any] = {}
+        failures: list[tuple[bool, float, int, str, str]] = []
+        deadline = time.monotonic() + timeout_s
+        first_failure_at: float | None = None
+        while pending:
+            now = time.monotonic()
+            if first_failure_at is not None and now - first_failure_at > GRACE_S:
+                break
+            if now > deadline:
+                stuck = sorted(pending.values())
+                name = getattr(fn, "__qualname__", repr(fn))
+                raise JobTimeoutError(
+                    f"case {name} timed out after {timeout_s:.0f} s; ranks {stuck} had not finished", self.pids
+                )
+            for conn in wait(list(pending), timeout=0.2):
+                rank = pending.pop(conn)
+                try:
+                    msg = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    raise self._dead("during a case") from None  # a rank died: launch names the cause
+                if msg[0] == "ok":
+                    results[rank] = msg[1]
+                else:
+                    _, when, summary, detail, secondary = msg
+                    failures.append((secondary, when, rank, summary, detail))
+            if failures and first_failure_at is None:
+                first_failure_at = time.monotonic()
+            if pending and not self._thread.is_alive():
+                raise self._dead("during a case")
+        if failures:
+            # the root cause: a rank's own error before the failed collectives it caused; then the earliest
+            _, _, rank, summary, detail = min(failures)
+            raise RankFailedError(rank, summary, detail, self.pids)
+        return [results[r] for r in range(self.world_size)]
+
+    def stop(self) -> None:
+        for conn in self.conns.values():
+            with contextlib.suppress(OSError):
+                _send(conn, None)
+        self._thread.join(timeout=30)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every rank; launch sees them die and returns (its error is dropped)."""
+        if self._thread.is_alive():  # NOTE: once launch has returned, its ranks are reaped: a pid may be reused
+            for pid in self.pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self._thread.join(timeout=30)
+        for conn in self.conns.values():
+            conn.close()
+
+
+class RankPool:
+    """Jobs of gloo ranks, one per world size, started on first use and reused by every case."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[int, _Job] = {}
+
+    def run(
+        self, fn: Callable[..., Any], world_size: int, *, args: tuple = (), timeout_s: float = CASE_TIMEOUT_S
+    ) -> list[Any]:
+        """fn(world_communicator, *args) on `world_size` pooled ranks; the results by rank."""
+        __tracebackhide__ = True
+        if world_size not in self._jobs:
+            self._jobs[world_size] = _Job(world_size)
+        try:
+            return self._jobs[world_size].run(fn, args, timeout_s)
+        except BaseException:  # a failed, hung or interrupted case leaves the ranks out of step
+            self._jobs.pop(world_size).kill()
+            raise
+
+    def close(self) -> None:
+        while self._jobs:
+            self._jobs.popitem()[1].stop()
