@@ -25,34 +25,18 @@ import secrets
 import signal
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any
 
-from shardwise.comm import CollectiveError
 from shardwise.launch import JobTimeoutError, RankFailedError, launch
+from shardwise.launch.failfast import Outcomes, error_report, ok_report, recv_report, send_report
 
 __all__ = ["RankPool"]
 
 CASE_TIMEOUT_S = 150.0  # under pytest's per-test timeout, so a hung case fails by its own name
 START_TIMEOUT_S = 120.0
-GRACE_S = 1.0  # after a first failure, how long to collect the other ranks' errors
-
-
-def _caused_by_collective(e: BaseException | None) -> bool:
-    while e is not None:
-        if isinstance(e, CollectiveError):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _send(conn: Connection, msg: Any) -> None:
-    # NOTE: plain pickle, as launch does: multiprocessing's pickler would share tensor
-    # storage through file descriptors, which need the sender to stay alive and in step.
-    conn.send_bytes(pickle.dumps(msg))
 
 
 def _serve_cases(world, address: tuple[str, int], authkey: bytes) -> None:
@@ -61,7 +45,7 @@ def _serve_cases(world, address: tuple[str, int], authkey: bytes) -> None:
 
     seed = torch.initial_seed()  # what a fresh process starts from
     conn = Client(address, authkey=authkey)
-    _send(conn, ("hello", world.rank, os.getpid()))
+    send_report(conn, ("hello", world.rank, os.getpid()))
     while True:
         try:
             case = pickle.loads(conn.recv_bytes())
@@ -74,12 +58,10 @@ def _serve_cases(world, address: tuple[str, int], authkey: bytes) -> None:
         torch.manual_seed(seed)
         try:
             with torch.enable_grad():
-                reply = ("ok", fn(world, *args))
-            blob = pickle.dumps(reply)
+                report = ok_report(fn(world, *args))
         except BaseException as e:  # noqa: BLE001 - every failure is reported to the test
-            summary = f"{type(e).__name__}: {e}"
-            blob = pickle.dumps(("error", time.time(), summary, traceback.format_exc(), _caused_by_collective(e)))
-        conn.send_bytes(blob)
+            report = error_report(e)
+        send_report(conn, report)
     conn.close()
 
 
@@ -158,45 +140,32 @@ class _Job:
         for conn in self.conns.values():
             conn.send_bytes(blob)
         pending = {conn: rank for rank, conn in self.conns.items()}
-        results: dict[int, Any] = {}
-        failures: list[tuple[bool, float, int, str, str]] = []
-        deadline = time.monotonic() + timeout_s
-        first_failure_at: float | None = None
-        while pending:
-            now = time.monotonic()
-            if first_failure_at is not None and now - first_failure_at > GRACE_S:
-                break
-            if now > deadline:
-                stuck = sorted(pending.values())
-                name = getattr(fn, "__qualname__", repr(fn))
-                raise JobTimeoutError(
-                    f"case {name} timed out after {timeout_s:.0f} s; ranks {stuck} had not finished", self.pids
-                )
-            for conn in wait(list(pending), timeout=0.2):
+        outcomes = Outcomes(self.world_size, self.pids)
+
+        def poll(seconds: float) -> None:
+            for conn in wait(list(pending), timeout=seconds):
                 rank = pending.pop(conn)
                 try:
-                    msg = pickle.loads(conn.recv_bytes())
+                    outcomes.add(rank, recv_report(conn))
                 except (EOFError, OSError):
                     raise self._dead("during a case") from None  # a rank died: launch names the cause
-                if msg[0] == "ok":
-                    results[rank] = msg[1]
-                else:
-                    _, when, summary, detail, secondary = msg
-                    failures.append((secondary, when, rank, summary, detail))
-            if failures and first_failure_at is None:
-                first_failure_at = time.monotonic()
             if pending and not self._thread.is_alive():
                 raise self._dead("during a case")
-        if failures:
-            # the root cause: a rank's own error before the failed collectives it caused; then the earliest
-            _, _, rank, summary, detail = min(failures)
-            raise RankFailedError(rank, summary, detail, self.pids)
-        return [results[r] for r in range(self.world_size)]
+
+        # the launcher's own loop: the root cause (a rank's own error before the failed
+        # collectives it caused) GRACE_S after the first failure, or a timeout
+        try:
+            return outcomes.collect(poll, running=lambda: bool(pending), deadline=time.monotonic() + timeout_s)
+        except JobTimeoutError:
+            name, stuck = getattr(fn, "__qualname__", repr(fn)), sorted(pending.values())
+            raise JobTimeoutError(
+                f"case {name} timed out after {timeout_s:.0f} s; ranks {stuck} had not finished", self.pids
+            ) from None
 
     def stop(self) -> None:
         for conn in self.conns.values():
             with contextlib.suppress(OSError):
-                _send(conn, None)
+                send_report(conn, None)
         self._thread.join(timeout=30)
         self.kill()
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_blocks import TINY, TINY3, _block_case, _tiny_lm_case
 
+from cases.blocks import TINY, TINY3, block_case, tiny_lm_case
 from cases.comm import collectives_case, regions_case
 from cases.failure import one_rank_never_arrives, raise_on_rank
 from cases.layers import linear_case, merged_case, qkv_case, vocab_case
@@ -44,10 +44,10 @@ def _all_checks(world, hf_path: str | None) -> dict:
     regions_case(world)
     collectives_case(world, ws)
     done += ["regions", "collectives"]
-    counts = _block_case(
+    counts = block_case(
         world, ModelConfig.debug(hidden_size=24, num_heads=12, num_kv_heads=12, intermediate_size=48), "block"
     )
-    _tiny_lm_case(world, TINY3 if ws == 3 else TINY, "fp32")
+    tiny_lm_case(world, TINY3 if ws == 3 else TINY, "fp32")
     done += ["block", "tiny_lm"]
     out = {"done": done, "block_counts": counts, "backend": world.backend}
     if hf_path is not None:
