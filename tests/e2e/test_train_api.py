@@ -16,7 +16,7 @@ from shardwise.train import setup, train_step
 from train_helpers import tiny_config, write_tiny_tokens
 
 STEPS = 2
-LOSS_TOL = 2e-5  # as tests/dist/test_train_equivalence.py
+LOSS_TOL = 2e-5  # as tests/multiproc/test_train_equivalence.py
 
 
 @pytest.fixture(scope="module")
