@@ -1,6 +1,7 @@
 """Subprocesses as a user starts them, and the processes they leave behind.
 
 out = run_cli("generate", "--tp", "2", "--json")   # python -m shardwise ..., captured
+out = run_cli_inline("generate", "--tp", "3")       # the same, in this process: no rank may start
 tag = process_tag()                                # an env entry inherited by every rank
 assert wait_gone(tag=tag) == [], "orphan rank processes remain"
 """
@@ -8,6 +9,7 @@ assert wait_gone(tag=tag) == [], "orphan rank processes remain"
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -16,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["run_cli", "process_tag", "tagged_pids", "alive", "wait_gone"]
+__all__ = ["run_cli", "run_cli_inline", "process_tag", "tagged_pids", "alive", "wait_gone"]
 
 
 def run_cli(*args: str | Path, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -29,6 +31,33 @@ def run_cli(*args: str | Path, env: dict[str, str] | None = None, timeout: float
         check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
+
+
+def run_cli_inline(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`shardwise *args` inside this process, for a command that answers or refuses before any
+    rank starts (bad input, `info`, `plan`, `--version`): the same parser, checks and messages
+    as run_cli, without a new interpreter importing torch for each case (about 2 s here).
+    Starting ranks fails the test: every command starts them through cli.common.run_job."""
+    from unittest import mock
+
+    from shardwise.cli import common
+    from shardwise.cli.main import main
+
+    def no_ranks(*_, **__):
+        raise AssertionError(f"`shardwise {' '.join(map(str, args))}` started ranks; test it with run_cli")
+
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        mock.patch.object(common, "run_job", no_ranks),
+        mock.patch.dict(os.environ, env or {}),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse, CliError
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(["shardwise", *map(str, args)], code or 0, out.getvalue(), err.getvalue())
 
 
 def process_tag() -> dict[str, str]:

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from processes import run_cli
+from processes import run_cli, run_cli_inline
 
 
 @pytest.mark.parametrize("tp", [pytest.param(2, marks=pytest.mark.smoke), 4])  # tp=2: the CLI smoke of test-fast
@@ -22,21 +22,21 @@ def test_demo_passes_and_reports_errors_and_counts(tp):
 
 
 def test_demo_refuses_invalid_tp_before_starting_ranks():
-    out = run_cli("demo", "--tp", "3")
+    out = run_cli_inline("demo", "--tp", "3")
     assert out.returncode == 2
     assert "valid tp sizes: 1, 2, 4, 8" in out.stderr
     assert "PASS" not in out.stdout
 
 
 def test_version():
-    out = run_cli("--version")
+    out = run_cli_inline("--version")
     assert out.returncode == 0 and out.stdout.startswith("shardwise ")
 
 
 def test_info_describes_the_plan_without_starting_ranks():
     import json
 
-    out = run_cli("info", "--tp", "2", "--json")
+    out = run_cli_inline("info", "--tp", "2", "--json")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     by_name = {t["name"]: t for t in info["tensors"]}
@@ -46,12 +46,12 @@ def test_info_describes_the_plan_without_starting_ranks():
     assert by_name["norm.weight"]["split"] == "replicated"
     assert info["bytes_per_rank"] < 0.51 * info["bytes_unsharded"]
     assert info["collectives"]["decode_step"]["all_reduce/tp"]["calls"] == 9  # 4 layers x 2 + embedding
-    human = run_cli("info", "--tp", "4")
+    human = run_cli_inline("info", "--tp", "4")
     assert human.returncode == 0 and "parameters per rank:" in human.stdout
 
 
 def test_info_refuses_invalid_tp():
-    out = run_cli("info", "--tp", "16")
+    out = run_cli_inline("info", "--tp", "16")
     assert out.returncode == 2
     assert (
         out.stderr.strip()

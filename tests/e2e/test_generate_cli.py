@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_models import TINY, prompts, save_tiny
-from processes import process_tag, run_cli, wait_gone
+from processes import process_tag, run_cli, run_cli_inline, wait_gone
 from shardwise.launch.env import resolve_backend
 
 BIN = Path(sys.executable).parent
@@ -95,7 +95,7 @@ def test_bad_input_is_one_line_and_starts_no_rank(args, message):
     import re
 
     start = time.monotonic()
-    out = run_cli("generate", *args)
+    out = run_cli_inline("generate", *args)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and re.search(message, lines[0]), out.stderr

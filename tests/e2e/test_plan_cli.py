@@ -8,11 +8,13 @@ import subprocess
 
 import torch
 
-from processes import run_cli
+from processes import run_cli_inline
 
 
 def _plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run_cli("plan", *args, env=env, timeout=120)
+    """`shardwise plan ...` in this process: a plan starts no rank (a this-host plan reads its
+    calibration from the cache here; see run_cli_inline)."""
+    return run_cli_inline("plan", *args, env=env)
 
 
 def test_plan_a_preset_as_json_and_bad_input():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import process_tag, run_cli, wait_gone
+from processes import process_tag, run_cli, run_cli_inline, wait_gone
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -100,7 +100,7 @@ def offline():
     ],
 )
 def test_bad_options_are_one_line_and_start_no_rank(args, message):
-    out = run_cli("serve", *args, timeout=60)
+    out = run_cli_inline("serve", *args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("shardwise: error: ") and message in lines[0]
 

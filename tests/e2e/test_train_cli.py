@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from processes import run_cli
+from processes import run_cli, run_cli_inline
 from shardwise.checkpoint import CheckpointReader
 from train_helpers import CORPUS, TINY_MODEL, TOKENIZER
 
@@ -110,11 +110,11 @@ def test_reshard_export_transformers_and_generate(trained):
 
 def test_info_and_bad_input_fail_with_one_line(trained, tmp_path):
     tmp, _ = trained
-    out = run_cli("checkpoint", "info", str(tmp / "run" / "checkpoints"), "--verify")
+    out = run_cli_inline("checkpoint", "info", str(tmp / "run" / "checkpoints"), "--verify")
     assert out.returncode == 0 and "step 8, saved at tp=2 x dp=1" in out.stdout and "verified" in out.stdout
     bad = tmp_path / "bad.toml"
     bad.write_text("[data]\ntokens = 'x'\n[parallel]\ntp = 3\n")
-    out = run_cli("train", "--config", str(bad))
+    out = run_cli_inline("train", "--config", str(bad))
     assert out.returncode == 2 and out.stderr.startswith("shardwise: error: ") and "tp=3" in out.stderr
-    out = run_cli("checkpoint", "reshard", str(tmp_path / "nothing"), str(tmp_path / "x"), "--tp", "2")
+    out = run_cli_inline("checkpoint", "reshard", str(tmp_path / "nothing"), str(tmp_path / "x"), "--tp", "2")
     assert out.returncode == 2 and "does not exist" in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_models import save_tiny
-from processes import run_cli
+from processes import run_cli, run_cli_inline
 from shardwise.launch.env import resolve_backend
 
 transformers = pytest.importorskip("transformers")
@@ -146,7 +146,7 @@ def test_verify_corrupted_layer_is_the_first_diverging_one(ckpts):
 
 
 def test_verify_refuses_a_tp_the_model_cannot_split(ckpts):
-    out = run_cli("verify", "--model", ckpts["llama3"], "--tp", "3")
+    out = run_cli_inline("verify", "--model", ckpts["llama3"], "--tp", "3")
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0, out.stderr  # one line
     assert "cannot be split over tp=3; valid tp sizes: 1, 2, 4, 8" in out.stderr
@@ -181,10 +181,10 @@ def test_embed_human_output_shows_values_and_cosines(ckpts):
 
 
 def test_embed_refuses_a_decoder_and_a_missing_tokenizer(ckpts, tmp_path):
-    out = run_cli("embed", "--model", ckpts["llama3"], "--tp", "2", "--text", "hi")
+    out = run_cli_inline("embed", "--model", ckpts["llama3"], "--tp", "2", "--text", "hi")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().count("\n") == 0 and "decoder; embed needs an encoder" in out.stderr
     bare = shutil.copytree(ckpts["bert"], tmp_path / "bare")
     (bare / "tokenizer.json").unlink()
-    out = run_cli("embed", "--model", bare, "--tp", "2", "--text", "hi")
+    out = run_cli_inline("embed", "--model", bare, "--tp", "2", "--text", "hi")
     assert out.returncode == 2 and "has no tokenizer.json" in out.stderr
