@@ -26,9 +26,11 @@ def rss_anon_bytes() -> int:
 
 
 def import_meta_kernels() -> None:
-    """Import what building a module on the meta device imports (torch's decompositions,
+    """Import what computing on the meta device imports (torch's decompositions, dynamo,
     sympy: about 70 MiB of Python objects, once per process), so that a measurement taken
-    after this counts it in the baseline after imports, not in the load."""
+    after this counts it in the baseline after imports, not in the load. shardwise's own
+    loading does not import them (shardwise.models.meta); the benchmarks call this so that
+    every loader they compare starts from the same baseline."""
     import torch
 
     with torch.device("meta"):

@@ -20,7 +20,7 @@ from shardwise.comm import Communicator, tp_only
 from shardwise.engine import PromptError, SamplingParams, generate, validate_prompts
 from shardwise.engine.text import DEFAULT_MODEL, StreamDecoder, load_tokenizer, stop_ids
 from shardwise.log import get_logger, setup_logging
-from shardwise.memory import PeakAnonMemory, import_meta_kernels
+from shardwise.memory import PeakAnonMemory
 
 __all__ = ["add_parser", "run"]
 
@@ -63,7 +63,6 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
     tp = tp_only(world)
     from shardwise.hf import load_pretrained
 
-    import_meta_kernels()  # counted in the baseline after imports, not in the load
     with PeakAnonMemory() as mem:
         model, report = load_pretrained(
             opts["model"], comm=tp, dtype=opts["dtype"], progress=tp.rank == 0 and opts["progress"]

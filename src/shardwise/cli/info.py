@@ -15,6 +15,7 @@ import torch
 from shardwise.cli.common import add_model_args, resolve_model
 from shardwise.comm.dryrun import DryRunCommunicator
 from shardwise.layers import ShardSpec, model_shard_specs
+from shardwise.models.meta import on_meta
 from shardwise.sharding import parallelize
 
 __all__ = ["add_parser", "run", "describe"]
@@ -44,7 +45,7 @@ def describe(model_dir, cfg, tp: int, prompt_len: int = 128, dtype: str | None =
     family = FAMILIES[cfg.family]
     dtype = dtype or cfg.dtype
     comm = DryRunCommunicator(tp)
-    with torch.device("meta"):
+    with on_meta():
         model = family.model(cfg)
     parallelize(model, family.plan(cfg), comm=comm)
     specs = model_shard_specs(model)

@@ -34,6 +34,7 @@ from shardwise.hf.fill import DTYPES, LoadReport, assign, bytes_read, dtype_name
 from shardwise.hf.sources import read_shard, segments
 from shardwise.layers import ShardError, model_shard_specs
 from shardwise.models.config import ModelConfig
+from shardwise.models.meta import on_meta
 from shardwise.sharding import parallelize
 from shardwise.sharding.plans import check_tp
 
@@ -114,7 +115,7 @@ def load_pretrained(
     prefix = _prefix(ckpt, family)
     table = family.names(cfg, prefix)
 
-    with torch.device("meta"):
+    with on_meta():
         model = family.model(cfg)
     parallelize(model, family.plan(cfg), comm=comm)
     specs = model_shard_specs(model)

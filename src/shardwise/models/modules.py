@@ -40,7 +40,7 @@ class Norm(nn.Module):
     def __init__(self, dim: int, kind: str, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.kind, self.eps, self.offset = kind, eps, offset
-        self.weight = nn.Parameter(torch.ones(dim) - offset)
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))  # NOTE: no arithmetic, cheap on meta
         self.bias = nn.Parameter(torch.zeros(dim)) if kind == "layer" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from shardwise.comm.dryrun import DryRunCommunicator
 from shardwise.layers import ShardSpec, model_shard_specs
 from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
+from shardwise.models.meta import on_meta
 from shardwise.sharding import parallelize
 from shardwise.sharding.plan import Plan
 from shardwise.sharding.plans.decoder import decoder_plan
@@ -72,7 +73,7 @@ def build_model(cfg: ModelConfig, tp: Communicator, *, init_std: float | None, s
     """
     plan = train_plan(cfg)
     if init_std is None:
-        with torch.device("meta"):
+        with on_meta():
             model = DecoderLM(cfg)
     else:
         torch.manual_seed(seed)
@@ -83,7 +84,7 @@ def build_model(cfg: ModelConfig, tp: Communicator, *, init_std: float | None, s
 
 def rank_specs(cfg: ModelConfig, tp: int, rank: int) -> dict[str, ShardSpec]:
     """The ShardSpec of every parameter on `rank` of a tp-sized job; no communication."""
-    with torch.device("meta"):
+    with on_meta():
         model = DecoderLM(cfg)
     parallelize(model, train_plan(cfg), comm=DryRunCommunicator(tp, rank))
     return model_shard_specs(model)
