@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +23,19 @@ def test_demo_passes_and_reports_errors_and_counts(tp):
     assert "one transformer block, forward : all_reduce/tp x2" in out.stdout
     assert "one transformer block, backward: all_reduce/tp x2" in out.stdout
     assert len(re.search(r"parameter MiB per rank: ([\d., ]+)", out.stdout).group(1).split(",")) == tp
+
+
+def test_demo_runs_under_torchrun():
+    """demo goes through run_job like every command: torchrun's ranks join, rank 0 reports."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun not installed")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "shardwise", "demo", "--tp", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([*cmd, "--backend", "gloo"], capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("PASS: tp=2 matches the unsharded model") == 1, "rank 0 reports, once"
+    assert "sharded over tp=2 ranks (gloo)" in out.stdout
 
 
 def test_demo_refuses_invalid_tp_before_starting_ranks():
