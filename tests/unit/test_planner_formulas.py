@@ -28,7 +28,7 @@ from shardwise.planner.footprint import (
 )
 from shardwise.planner.predict import Layout, mean_burst_s, predict_inference, predict_training
 from shardwise.planner.presets import model_preset
-from shardwise.planner.specs import PRECISIONS, Cluster, Device, Link, PlanError, TrainingWorkload
+from shardwise.planner.specs import PRECISIONS, Cluster, Device, Link, PlannerError, TrainingWorkload
 from shardwise.sharding import parallelize
 from shardwise.sharding.plans import model_tp_sizes
 
@@ -111,7 +111,7 @@ def test_extra_after_compute_by_hand():
     assert link.extra_after_s(1e-2) == link.extra_after_s(1.0) == pytest.approx(1100e-6)  # above: the last
     assert Link("none", 1, 5).extra_after_s(1e-3) == 0
     for bad in (((0.0, 1e-6),), ((1e-3, -1e-6),)):
-        with pytest.raises(PlanError, match="after_compute"):
+        with pytest.raises(PlannerError, match="after_compute"):
             Link("bad", 1, 5, after_compute=bad)
     # calibration: a call inside the step, less the same all-reduce between idle ranks, at least 0
     assert after_compute_extra_us(1150.0, 400.0) == pytest.approx(750.0)

@@ -10,7 +10,7 @@ import pytest
 from shardwise.bench.calibrate import Calibration, fit_link, load_calibration
 from shardwise.planner import (
     InferenceWorkload,
-    PlanError,
+    PlannerError,
     TrainingWorkload,
     cluster_preset,
     customize,
@@ -137,7 +137,7 @@ def test_training_plan_uses_every_device_and_explains():
     ],
 )  # fmt: skip
 def test_bad_input_names_the_numbers(build, message):
-    with pytest.raises(PlanError) as e:
+    with pytest.raises(PlannerError) as e:
         build()
     assert message in str(e.value)
 

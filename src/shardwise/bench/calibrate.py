@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from shardwise.planner.specs import Cluster, Device, Link, PlanError
+from shardwise.planner.specs import Cluster, Device, Link, PlannerError
 
 __all__ = [
     "Calibration",
@@ -87,7 +87,7 @@ class Calibration:
         (the other calibrated backends' links in other_links)."""
         if link not in self.links:
             why = self.unavailable.get(link, "not measured")
-            raise PlanError(
+            raise PlannerError(
                 f"backend {link!r} has no calibration on this host ({why}); calibrated: {', '.join(self.links)}"
             )
         links = {}
@@ -298,7 +298,7 @@ def load_calibration(*, recalibrate: bool = False, path: Path | None = None, log
         try:
             cal = Calibration.from_json(path.read_text())
         except (ValueError, TypeError) as e:
-            raise PlanError(f"{path}: not a calibration file ({e}); run with --recalibrate") from None
+            raise PlannerError(f"{path}: not a calibration file ({e}); run with --recalibrate") from None
         same_host = cal.host == (platform.node() or "localhost") and cal.devices == _cores()
         if same_host and cal.torch == torch.__version__ and cal.version == VERSION:
             return cal

@@ -88,12 +88,12 @@ def _list_presets() -> int:
 def _cluster(args):
     """A preset, or this host as measured (shardwise.bench.calibrate)."""
     from shardwise.planner.presets import THIS_HOST, cluster_preset, preset_key
-    from shardwise.planner.specs import PlanError
+    from shardwise.planner.specs import PlannerError
 
     if preset_key(args.cluster) != THIS_HOST:
         return cluster_preset(args.cluster, nodes=args.nodes)
     if args.nodes != 1:
-        raise PlanError(f"this-host is one node; got nodes={args.nodes}")
+        raise PlannerError(f"this-host is one node; got nodes={args.nodes}")
     from shardwise.bench.calibrate import this_host
 
     return this_host(link=args.link, recalibrate=args.recalibrate)
@@ -101,10 +101,10 @@ def _cluster(args):
 
 def _build(args):
     from shardwise.planner.presets import customize, resolve_model
-    from shardwise.planner.specs import InferenceWorkload, PlanError, TrainingWorkload
+    from shardwise.planner.specs import InferenceWorkload, PlannerError, TrainingWorkload
 
     if not args.model:
-        raise PlanError("--model is required: a checkpoint directory, a config.json or a preset (--list-presets)")
+        raise PlannerError("--model is required: a checkpoint directory, a config.json or a preset (--list-presets)")
     label, cfg = resolve_model(args.model)
     flash = not args.no_flash_attention
     if args.train:
@@ -132,14 +132,14 @@ def run(args: argparse.Namespace) -> int:
     from shardwise.layers import ShardError
     from shardwise.planner.recommend import recommend
     from shardwise.planner.report import plot, render_text, to_json
-    from shardwise.planner.specs import PlanError
+    from shardwise.planner.specs import PlannerError
 
     try:
         if args.top < 1:
-            raise PlanError(f"--top must be >= 1, got {args.top}")
+            raise PlannerError(f"--top must be >= 1, got {args.top}")
         label, cfg, wl, cluster = _build(args)
         rec = recommend(label, cfg, wl, cluster, headroom=args.headroom, allow_cross_node_tp=args.allow_cross_node_tp)
-    except (PlanError, ShardError, NotImplementedError) as e:
+    except (PlannerError, ShardError, NotImplementedError) as e:
         return fail(str(e))
     if args.json:
         print(json.dumps(to_json(rec)))

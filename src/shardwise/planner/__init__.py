@@ -18,7 +18,7 @@ from shardwise.planner.predict import Layout
 from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, customize, model_preset
 from shardwise.planner.recommend import Recommendation, recommend
 from shardwise.planner.search import NOT_RUNNABLE, Candidate, evaluate
-from shardwise.planner.specs import Cluster, Device, InferenceWorkload, Link, PlanError, TrainingWorkload
+from shardwise.planner.specs import Cluster, Device, InferenceWorkload, Link, PlannerError, TrainingWorkload
 
 __all__ = [
     "recommend",
@@ -37,5 +37,5 @@ __all__ = [
     "Link",
     "InferenceWorkload",
     "TrainingWorkload",
-    "PlanError",
+    "PlannerError",
 ]

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from shardwise.planner.footprint import kv_bytes_per_token, stage_params
 from shardwise.planner.search import NOT_RUNNABLE, evaluate
-from shardwise.planner.specs import DTYPE_BYTES, GIB, InferenceWorkload, PlanError, TrainingWorkload
+from shardwise.planner.specs import DTYPE_BYTES, GIB, InferenceWorkload, PlannerError, TrainingWorkload
 
 __all__ = ["explain", "diagnose", "PAYOFF"]
 
@@ -189,7 +189,7 @@ def diagnose(rec, allow_cross: bool) -> tuple[str, list[str]]:
         """The best fitting layout of wl2 on cl2 (one with pp > 1 only if `pipeline`), or None."""
         try:
             ranked, _ = evaluate(cfg, wl2, cl2, headroom=h, allow_cross_node_tp=allow_cross)
-        except PlanError:
+        except PlannerError:
             return None
         return ranked[0] if ranked and ranked[0].fits and (pipeline or ranked[0].runnable) else None
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from shardwise.models.config import ModelConfig
-from shardwise.planner.specs import Cluster, Device, Link, PlanError
+from shardwise.planner.specs import Cluster, Device, Link, PlannerError
 
 __all__ = [
     "MODEL_PRESETS",
@@ -164,10 +164,10 @@ def preset_key(name: str) -> str:
     return name.strip().lower().replace("_", "-").replace(" ", "-")
 
 
-def _unknown(kind: str, name: str, known: list[str]) -> PlanError:
+def _unknown(kind: str, name: str, known: list[str]) -> PlannerError:
     close = difflib.get_close_matches(preset_key(name), known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return PlanError(f"unknown {kind} preset {name!r}{hint}; known: {', '.join(known)}")
+    return PlannerError(f"unknown {kind} preset {name!r}{hint}; known: {', '.join(known)}")
 
 
 def model_preset(name: str) -> ModelConfig:
@@ -191,9 +191,9 @@ def resolve_model(spec: str | Path) -> tuple[str, ModelConfig]:
         try:
             return str(path), _decoder_only(resolve(path).config, str(path))
         except CheckpointError as e:
-            raise PlanError(str(e)) from None
+            raise PlannerError(str(e)) from None
     if key_is_path_like(str(spec)) and preset_key(str(spec)) not in MODEL_PRESETS:
-        raise PlanError(
+        raise PlannerError(
             f"{spec}: no such file or directory, and not a model preset; presets: {', '.join(MODEL_PRESETS)}"
         )
     return preset_key(str(spec)), model_preset(str(spec))
@@ -205,7 +205,7 @@ def key_is_path_like(spec: str) -> bool:
 
 def _decoder_only(cfg: ModelConfig, label: str) -> ModelConfig:
     if not cfg.causal or cfg.family == "bert":
-        raise PlanError(f"{label}: the planner models decoder LMs; {cfg.family} is an encoder")
+        raise PlannerError(f"{label}: the planner models decoder LMs; {cfg.family} is an encoder")
     return cfg
 
 
@@ -214,9 +214,9 @@ def cluster_preset(name: str, *, nodes: int = 1) -> Cluster:
     instead: shardwise.bench.calibrate.this_host()."""
     key = preset_key(name)
     if nodes < 1:
-        raise PlanError(f"nodes must be >= 1, got {nodes}")
+        raise PlannerError(f"nodes must be >= 1, got {nodes}")
     if key == THIS_HOST:
-        raise PlanError("this-host is measured, not a preset: use shardwise.bench.calibrate.this_host()")
+        raise PlannerError("this-host is measured, not a preset: use shardwise.bench.calibrate.this_host()")
     if key not in CLUSTER_PRESETS:
         raise _unknown("cluster", name, [*CLUSTER_PRESETS, THIS_HOST])
     p = CLUSTER_PRESETS[key]
@@ -262,7 +262,7 @@ def customize(
     inter = cluster.inter
     if inter_gbps is not None or inter_latency_us is not None:
         if inter is None and (inter_gbps is None or inter_latency_us is None):
-            raise PlanError("an inter-node link needs both --inter-gbps and --inter-latency-us")
+            raise PlannerError("an inter-node link needs both --inter-gbps and --inter-latency-us")
         inter = Link(
             "inter-node (custom)" if inter is None else f"{inter.name} (custom)",
             inter.busbw_gbps if inter_gbps is None else inter_gbps,

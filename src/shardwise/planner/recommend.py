@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from shardwise.models.config import ModelConfig
 from shardwise.planner.explain import diagnose, explain
 from shardwise.planner.search import Candidate, Workload, compute_dtype, evaluate, model_key
-from shardwise.planner.specs import Cluster, PlanError
+from shardwise.planner.specs import Cluster, PlannerError
 
 __all__ = ["Recommendation", "recommend"]
 
@@ -54,7 +54,7 @@ def recommend(
     run fits, by how much and what would fit instead."""
     ranked, skipped = evaluate(cfg, wl, cluster, headroom=headroom, allow_cross_node_tp=allow_cross_node_tp)
     if not ranked:
-        raise PlanError(f"no valid layout of {model} on {cluster.devices} devices: " + "; ".join(skipped))
+        raise PlannerError(f"no valid layout of {model} on {cluster.devices} devices: " + "; ".join(skipped))
     best = ranked[0] if ranked[0].fits and ranked[0].runnable else None
     winner = min(ranked, key=model_key)
     pipeline = winner if winner.fits and not winner.runnable else None

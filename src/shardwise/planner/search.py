@@ -28,7 +28,7 @@ from shardwise.planner.predict import (
     predict_inference,
     predict_training,
 )
-from shardwise.planner.specs import DTYPE_BYTES, GIB, Cluster, InferenceWorkload, PlanError, TrainingWorkload
+from shardwise.planner.specs import DTYPE_BYTES, GIB, Cluster, InferenceWorkload, PlannerError, TrainingWorkload
 from shardwise.sharding.plans import model_tp_sizes
 
 __all__ = ["Candidate", "evaluate", "compute_dtype", "model_key", "NOT_RUNNABLE"]
@@ -72,15 +72,15 @@ def compute_dtype(cfg: ModelConfig, wl: Workload) -> str:
 
 def check_inputs(cfg: ModelConfig, wl: Workload, headroom: float) -> None:
     if not 0 <= headroom < 1:
-        raise PlanError(f"headroom must be a fraction in [0, 1), got {headroom}")
+        raise PlannerError(f"headroom must be a fraction in [0, 1), got {headroom}")
     if isinstance(wl, InferenceWorkload):
         if wl.prompt_len + wl.output_len > cfg.max_positions:
-            raise PlanError(
+            raise PlannerError(
                 f"prompt_len={wl.prompt_len} + output_len={wl.output_len} = {wl.prompt_len + wl.output_len} "
                 f"exceeds the model's context of {cfg.max_positions} tokens"
             )
     elif wl.seq_len > cfg.max_positions:
-        raise PlanError(f"seq_len={wl.seq_len} exceeds the model's context of {cfg.max_positions} tokens")
+        raise PlannerError(f"seq_len={wl.seq_len} exceeds the model's context of {cfg.max_positions} tokens")
 
 
 def _layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, allow_cross: bool) -> tuple[list[Layout], list[str]]:

@@ -1,7 +1,7 @@
 """The planner's inputs as typed values that check themselves: links, devices, clusters, workloads.
 
 Every number that is out of range, or inconsistent with another, is refused with a
-PlanError that names the numbers, before anything is computed.
+PlannerError that names the numbers, before anything is computed.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
-    "PlanError",
+    "PlannerError",
     "Link",
     "Device",
     "Cluster",
@@ -26,7 +26,7 @@ GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-class PlanError(ValueError):
+class PlannerError(ValueError):
     """Input the planner cannot plan for: unknown names, impossible or inconsistent numbers."""
 
 
@@ -35,11 +35,11 @@ def _check(obj: object, *, positive: tuple[str, ...] = (), nonneg: tuple[str, ..
     for name in positive:
         v = getattr(obj, name)
         if v is None or not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
-            raise PlanError(f"{what}: {name} must be > 0, got {v}")
+            raise PlannerError(f"{what}: {name} must be > 0, got {v}")
     for name in nonneg:
         v = getattr(obj, name)
         if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
-            raise PlanError(f"{what}: {name} must be >= 0, got {v}")
+            raise PlannerError(f"{what}: {name} must be >= 0, got {v}")
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,9 @@ class Link:
     def __post_init__(self) -> None:
         _check(self, positive=("busbw_gbps",), nonneg=("latency_us",))
         if any(n <= 0 or s <= 0 for n, s in self.points):
-            raise PlanError(f"Link {self.name}: measured points must be positive, got {self.points}")
+            raise PlannerError(f"Link {self.name}: measured points must be positive, got {self.points}")
         if any(b <= 0 or e < 0 for b, e in self.after_compute):
-            raise PlanError(
+            raise PlannerError(
                 f"Link {self.name}: after_compute needs bursts > 0 and extras >= 0, got {self.after_compute}"
             )
 
@@ -144,23 +144,23 @@ class Device:
         _check(self, nonneg=("layer_overhead_us", "step_overhead_us", "reserved_gib"))
         for dtype, v in self.peak_tflops.items():
             if dtype not in DTYPE_BYTES:
-                raise PlanError(f"Device {self.name}: peak_tflops has unknown dtype {dtype!r}")
+                raise PlannerError(f"Device {self.name}: peak_tflops has unknown dtype {dtype!r}")
             if not v > 0:
-                raise PlanError(f"Device {self.name}: peak_tflops[{dtype}] must be > 0, got {v}")
+                raise PlannerError(f"Device {self.name}: peak_tflops[{dtype}] must be > 0, got {v}")
         if self.matmul_efficiency > 1 or self.mem_efficiency > 1:
-            raise PlanError(
+            raise PlannerError(
                 f"Device {self.name}: efficiencies must be <= 1, got matmul {self.matmul_efficiency}, "
                 f"memory {self.mem_efficiency}"
             )
         if self.reserved_gib >= self.memory_gib:
-            raise PlanError(f"Device {self.name}: reserved_gib={self.reserved_gib} >= memory_gib={self.memory_gib}")
+            raise PlannerError(f"Device {self.name}: reserved_gib={self.reserved_gib} >= memory_gib={self.memory_gib}")
 
     def flops(self, dtype: str, busy: bool = False) -> float:
         """Achieved matmul FLOP/s in `dtype` (falls back to float32's peak when not listed),
         alone or while the node's other devices work too (`busy`)."""
         peak = self.peak_tflops.get(dtype, self.peak_tflops.get("float32"))
         if peak is None:
-            raise PlanError(f"Device {self.name} has no peak_tflops for {dtype} or float32")
+            raise PlannerError(f"Device {self.name} has no peak_tflops for {dtype} or float32")
         return peak * 1e12 * self.matmul_efficiency * (self.busy_compute if busy else 1.0)
 
     def bytes_per_s(self, busy: bool = False) -> float:
@@ -186,12 +186,12 @@ class Cluster:
     def __post_init__(self) -> None:
         _check(self, positive=("devices", "devices_per_node"))
         if self.devices > self.devices_per_node and self.devices % self.devices_per_node:
-            raise PlanError(
+            raise PlannerError(
                 f"cluster {self.name}: devices={self.devices} is not a multiple of "
                 f"devices_per_node={self.devices_per_node} (whole nodes only)"
             )
         if self.devices > self.devices_per_node and self.inter is None:
-            raise PlanError(
+            raise PlannerError(
                 f"cluster {self.name}: {self.devices} devices span {self.nodes} nodes but no inter-node link is given"
             )
 
@@ -250,7 +250,7 @@ class InferenceWorkload:
         if self.target_latency_ms is not None:
             _check(self, positive=("target_latency_ms",))
         if self.dtype is not None and self.dtype not in DTYPE_BYTES:
-            raise PlanError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+            raise PlannerError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -271,13 +271,13 @@ class TrainingWorkload:
     def __post_init__(self) -> None:
         _check(self, positive=("global_batch", "micro_batch", "seq_len"))
         if self.micro_batch > self.global_batch:
-            raise PlanError(f"micro_batch={self.micro_batch} is larger than global_batch={self.global_batch}")
+            raise PlannerError(f"micro_batch={self.micro_batch} is larger than global_batch={self.global_batch}")
         if self.global_batch % self.micro_batch:
-            raise PlanError(f"global_batch={self.global_batch} is not a multiple of micro_batch={self.micro_batch}")
+            raise PlannerError(f"global_batch={self.global_batch} is not a multiple of micro_batch={self.micro_batch}")
         if self.optimizer not in ("adam", "sgd"):
-            raise PlanError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
+            raise PlannerError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
         if self.precision not in PRECISIONS:
-            raise PlanError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+            raise PlannerError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
     @property
     def prec(self) -> Precision:
