@@ -177,12 +177,69 @@ def test_interleaved_bubble_is_megatrons_formula(p, v, groups):
     assert sim.bubble < simulate(one_f_one_b(p, m)).bubble
 
 
+@pytest.mark.parametrize("name,p,m,v", [c for c in CASES if _allowed(*c)], ids=lambda x: str(x))
+def test_buffered_sends_pass_and_are_never_slower(name, p, m, v):
+    lists = build_schedule(name, p, m, v)
+    for costs in (Costs(), Costs(forward=1, backward=2, transfer=0.25)):
+        buffered = simulate(lists, costs=costs, sends="buffered")
+        assert buffered.makespan <= simulate(lists, costs=costs).makespan
+    if name != "interleaved":
+        assert simulate(lists, costs=Costs(forward=1, backward=2), sends="buffered").makespan == 3 * (m + p - 1)
+
+
+def test_facing_sends_only_deadlock_when_sends_block():
+    """The check runs sends as rendezvous because buffering hides this deadlock: the same lists
+    finish when sends return at once."""
+    lists = _lists(2, 4)
+    r1 = lists[1]
+    i, j = r1.index(Action(Kind.RECV_ACT, 2, 1, peer=0)), r1.index(Action(Kind.SEND_GRAD, 1, 1, peer=0))
+    r1[i], r1[j] = r1[j], r1[i]
+    simulate(lists, sends="buffered")
+    with pytest.raises(ScheduleCheckError, match="deadlock"):
+        simulate(lists)
+
+
+def test_buffered_receives_take_messages_in_order():
+    lists = _lists()
+    r1 = lists[1]
+    i, j = r1.index(Action(Kind.RECV_ACT, 1, 1, peer=0)), r1.index(Action(Kind.RECV_ACT, 2, 1, peer=0))
+    r1[i], r1[j] = r1[j], r1[i]
+    with pytest.raises(
+        ScheduleCheckError, match=r"rank 1, RECV_ACT\(microbatch 2, stage 1 <- rank 0\): gets SEND_ACT\(microbatch 1"
+    ):
+        simulate(lists, sends="buffered")
+    lists = _lists()
+    lists[0].append(Action(Kind.SEND_ACT, 2, 0, peer=1))
+    with pytest.raises(
+        ScheduleCheckError, match=r"rank 0, SEND_ACT\(microbatch 2, stage 0 -> rank 1\): sends a second time"
+    ):
+        simulate(lists, sends="buffered")
+    with pytest.raises(ValueError, match="sends must be 'rendezvous' or 'buffered', got 'eager'"):
+        simulate(_lists(), sends="eager")
+
+
+def test_a_send_nobody_receives_is_caught_when_buffered():
+    lists = [list(a) for a in gpipe(2, 2)]
+    lists[1].remove(Action(Kind.RECV_ACT, 1, 1, peer=0))
+    lists[1].remove(Action(Kind.FORWARD, 1, 1))
+    lists[1].remove(Action(Kind.BACKWARD, 1, 1))
+    lists[1].remove(Action(Kind.SEND_GRAD, 1, 1, peer=0))
+    lists[0].remove(Action(Kind.RECV_GRAD, 1, 0, peer=1))
+    lists[0].remove(Action(Kind.BACKWARD, 1, 0))
+    with pytest.raises(
+        ScheduleCheckError, match=r"rank 0, SEND_ACT\(microbatch 1, stage 0 -> rank 1\): is never received"
+    ):
+        simulate(lists, sends="buffered")
+
+
 def test_interleaved_with_slower_backward_is_measured_not_promised():
     """The transfers are placed for forward = backward; with backward = 2 x forward and
     blocking sends the interleaved lists still run, but the gain over 1F1B can vanish
     (docs/pipeline.md shows the numbers). This pins that the simulator sees it."""
     slow = Costs(forward=1, backward=2)
-    assert simulate(interleaved(2, 8, 2), costs=slow).bubble > simulate(one_f_one_b(2, 8), costs=slow).bubble
+    one = simulate(one_f_one_b(2, 8), costs=slow).bubble
+    assert simulate(interleaved(2, 8, 2), costs=slow).bubble > one
+    assert simulate(interleaved(2, 8, 2), costs=slow, sends="buffered").bubble > one  # the receives' places, too
 
 
 # --- activations held --------------------------------------------------------------------

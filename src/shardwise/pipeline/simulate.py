@@ -8,14 +8,21 @@ It checks a schedule without processes and measures it:
 and reports busy and idle time per rank, the makespan, the bubble (idle fraction) and the
 peak number of micro-batches in flight (activations held) per rank and per virtual stage.
 
-NOTE: a send completes only when its receive is reached (rendezvous), the strictest reading
-of blocking point-to-point; lists that finish here finish with buffered sends too.
-A transfer starts when both ends have reached it and takes `Costs.transfer` on both.
+Two readings of a blocking send (`sends=`):
+- "rendezvous" (the default, and the check): a send completes only when its receive is
+  reached, as MPI and gloo do for large messages. A transfer starts when both ends have
+  reached it and holds both for `Costs.transfer`. Lists that finish here finish under any
+  buffering.
+- "buffered": a send returns at once (small messages, eager protocols); the message arrives
+  `Costs.transfer` later, and receives take messages from each peer in order (MPI's
+  non-overtaking rule). Shows what blocking costs a schedule.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from shardwise.pipeline.actions import Action, Kind
 
@@ -78,11 +85,15 @@ def simulate(
     microbatches: int | None = None,
     virtual_stages: int | None = None,
     costs: Costs | None = None,
+    sends: Literal["rendezvous", "buffered"] = "rendezvous",
 ) -> Simulation:
     """Run `lists` (one per pp rank). `microbatches` and `virtual_stages` default to what the
     lists mention; give them to also catch a micro-batch or chunk that no list mentions.
-    `costs` defaults to Costs(): forward = backward = 1, free transfers."""
+    `costs` defaults to Costs(): forward = backward = 1, free transfers. `sends`: see the module
+    docstring; "rendezvous" is the check, "buffered" shows what blocking costs."""
     costs = costs if costs is not None else Costs()
+    if sends not in ("rendezvous", "buffered"):
+        raise ValueError(f"sends must be 'rendezvous' or 'buffered', got {sends!r}")
     pp = len(lists)
     if pp < 1:
         raise ScheduleCheckError("no ranks: the schedule has no action lists")
@@ -103,6 +114,7 @@ def simulate(
     done: set[Action] = set()  # FORWARD/BACKWARD that ran (peer-less actions)
     have: set[tuple[Kind, int, int]] = set()  # (FORWARD = input | BACKWARD = output grad, mb, stage) present
     sent: set[Action] = set()  # sends that happened (a send's stage fixes its rank)
+    channels: dict[tuple[int, int], deque[tuple[float, Action]]] = {}  # buffered: (src, dst) -> (arrival, send)
     held = [0] * pp
     peak = [0] * pp
     held_stage = [0] * stages
@@ -136,7 +148,43 @@ def simulate(
         clock[r] += cost
         busy[r] += cost
 
+    def check_send(rank: int, send: Action) -> None:
+        produced = Action(Kind.FORWARD if send.kind == Kind.SEND_ACT else Kind.BACKWARD, send.microbatch, send.stage)
+        if produced not in done:
+            raise _fail(rank, send, f"sends before {produced} ran")
+        if send in sent:
+            raise _fail(rank, send, "sends a second time")
+        sent.add(send)
+
+    def receive(recv: Action) -> None:
+        have.add((Kind.FORWARD if recv.kind == Kind.RECV_ACT else Kind.BACKWARD, recv.microbatch, recv.stage))
+
+    def try_buffered(r: int, a: Action) -> bool:
+        q = a.peer
+        assert q is not None
+        if a.is_send:
+            check_send(r, a)
+            channels.setdefault((r, q), deque()).append((clock[r] + costs.transfer, a))
+            timeline[r].append((clock[r], clock[r], a))
+            pos[r] += 1
+            return True
+        queue = channels.get((q, r))
+        if not queue:
+            return False
+        arrival, b = queue[0]
+        if b != a.counterpart(r):
+            raise _fail(r, a, f"gets {b} from rank {q}: expected {a.counterpart(r)}")
+        queue.popleft()
+        receive(a)
+        start = max(clock[r], arrival)
+        timeline[r].append((start, start, a))
+        clock[r] = start
+        pos[r] += 1
+        return True
+
     def try_transfer(r: int, a: Action) -> bool:
+        if sends == "buffered":
+            return try_buffered(r, a)
         q = a.peer
         assert q is not None
         if pos[q] >= len(lists[q]):
@@ -149,13 +197,8 @@ def simulate(
         if b != a.counterpart(r):
             raise _fail(r, a, f"meets {b} on rank {q}: expected {a.counterpart(r)} there")
         (send, send_rank), recv = ((a, r), b) if a.is_send else ((b, q), a)
-        produced = Action(Kind.FORWARD if send.kind == Kind.SEND_ACT else Kind.BACKWARD, send.microbatch, send.stage)
-        if produced not in done:
-            raise _fail(send_rank, send, f"sends before {produced} ran")
-        if send in sent:
-            raise _fail(send_rank, send, "sends a second time")
-        sent.add(send)
-        have.add((Kind.FORWARD if recv.kind == Kind.RECV_ACT else Kind.BACKWARD, recv.microbatch, recv.stage))
+        check_send(send_rank, send)
+        receive(recv)
         start = max(clock[r], clock[q])
         end = start + costs.transfer
         timeline[r].append((start, end, a))
@@ -181,6 +224,9 @@ def simulate(
             waits = "; ".join(f"rank {r} waits at {lists[r][pos[r]]}" for r in range(pp) if pos[r] < len(lists[r]))
             raise ScheduleCheckError(f"deadlock: {waits}")
 
+    for (src, _), queue in channels.items():
+        if queue:
+            raise _fail(src, queue[0][1], "is never received")
     for s in range(stages):
         for i in range(m):
             for kind in (Kind.FORWARD, Kind.BACKWARD):
