@@ -14,6 +14,7 @@ from cases.blocks import TINY, TINY3, block_case, tiny_lm_case
 from cases.comm import collectives_case, regions_case
 from cases.failure import one_rank_never_arrives, raise_on_rank
 from cases.layers import linear_case, merged_case, qkv_case, vocab_case
+from cases.p2p import mesh_case, mismatch_case, p2p_case, peer_never_sends
 from hf_models import prompts, save_tiny
 from processes import wait_gone
 from shardwise.launch import RankFailedError, launch
@@ -49,7 +50,13 @@ def _all_checks(world, hf_path: str | None) -> dict:
     )
     tiny_lm_case(world, TINY3 if ws == 3 else TINY, "fp32")
     done += ["block", "tiny_lm"]
-    out = {"done": done, "block_counts": counts, "backend": world.backend}
+    p2p = []
+    for tp, pp in [(1, ws), (2, 2)] if ws == 4 else [(1, ws)]:
+        mesh_case(world, tp, pp)
+        p2p += [p2p_case(world, tp, pp, check) for check in (False, True)]
+    done.append("p2p")
+    out = {"done": done, "block_counts": counts, "backend": world.backend, "p2p": p2p}
+    out["p2p_mismatch"] = mismatch_case(world)
     if hf_path is not None:
         from helpers import tp_group
         from hf_models import greedy
@@ -86,9 +93,12 @@ def test_parity_on_mpi(world_size, llama):
     path, ref_logits, ref_gen, mask = llama
     hf_path = None if world_size == 3 else str(path)  # the tiny llama's 2 KV heads do not split over 3
     results = launch(_all_checks, world_size, args=(hf_path,), backend="mpi", timeout_s=120)
-    for r in results:
+    both = "point-to-point mismatch on group 'pp': rank 0 sends float32 (2, 3) to rank 1, which expects bfloat16 (2, 4)"
+    for rank, r in enumerate(results):
         assert r["backend"] == "mpi"
         assert len(r["done"]) >= 10
+        assert all(p["counted"] == p["expected"] and p["other_ops"] == [] for p in r["p2p"]), r["p2p"]
+        assert len(r["p2p_mismatch"]) == (rank < 2) and all(both in e for e in r["p2p_mismatch"])
         assert r["block_counts"]["fwd"]["all_reduce/tp"]["calls"] == 2
         assert r["block_counts"]["bwd"]["all_reduce/tp"]["calls"] == 2
         if hf_path is not None:
@@ -114,6 +124,19 @@ def test_mpi_collective_times_out_instead_of_hanging():
     assert info.value.rank == 0
     assert (
         "CollectiveError: all_reduce on group 'world' (rank 0 of 2, mpi, timeout 2s) failed: MPI all_reduce timed out"
+        in str(info.value)
+    )
+    assert time.monotonic() - start < 2 + 20
+    assert wait_gone(pids=info.value.pids) == []
+
+
+def test_mpi_recv_times_out_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch(peer_never_sends, 2, backend="mpi", timeout_s=2)
+    assert info.value.rank == 0
+    assert (
+        "CollectiveError: recv from rank 1 on group 'pp' (rank 0 of 2, mpi, timeout 2s) failed: MPI recv timed out"
         in str(info.value)
     )
     assert time.monotonic() - start < 2 + 20

@@ -2,7 +2,14 @@
 
 from shardwise.comm.accounting import CommStats, OpCount
 from shardwise.comm.agree import AgreedError, agree
-from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, CollectiveError, Communicator, LocalCommunicator, ReduceOp
+from shardwise.comm.communicator import (
+    DEFAULT_TIMEOUT_S,
+    CollectiveError,
+    Communicator,
+    LocalCommunicator,
+    P2PMismatchError,
+    ReduceOp,
+)
 from shardwise.comm.dims import Mesh, ParallelDims, tp_only
 from shardwise.comm.regions import (
     copy_to_region,
@@ -17,6 +24,7 @@ __all__ = [
     "CommStats",
     "OpCount",
     "CollectiveError",
+    "P2PMismatchError",
     "Communicator",
     "LocalCommunicator",
     "ReduceOp",

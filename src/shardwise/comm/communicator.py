@@ -4,6 +4,12 @@ A Communicator is one group of ranks. Layers receive it explicitly; nothing in
 shardwise reads a global process group. Backends (torch.distributed, MPI) implement
 the underscored primitives; this base class short-circuits size-1 groups and counts
 every collective it issues in `stats`.
+
+Point-to-point (`send`, `recv`, `send_recv`) goes through the same wrapper: the same
+timeout, the same accounting (`send/pp`, `recv/pp`: calls, payload bytes, seconds) and
+the same CollectiveError, naming the peer. Ranks are local to the group (in a pp group,
+rank s is stage s). With `p2p_check` on, each message is preceded by a (shape, dtype)
+header and the receiver's answer, so a mismatch raises P2PMismatchError on both sides.
 """
 
 from __future__ import annotations
@@ -16,10 +22,21 @@ import torch
 
 from shardwise.comm.accounting import CommStats
 
-__all__ = ["Communicator", "LocalCommunicator", "CollectiveError", "ReduceOp", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "Communicator",
+    "LocalCommunicator",
+    "CollectiveError",
+    "P2PMismatchError",
+    "ReduceOp",
+    "DEFAULT_TIMEOUT_S",
+]
 
 ReduceOp = Literal["sum", "max"]
 DEFAULT_TIMEOUT_S = 60.0
+
+# Point-to-point message tags: the payload, the debug header, and the receiver's answer to it.
+_TAG_DATA, _TAG_HEADER, _TAG_ANSWER = 0, 1, 2
+_PEER_WORD = {"send": "to", "recv": "from"}
 
 
 class CollectiveError(RuntimeError):
@@ -29,12 +46,18 @@ class CollectiveError(RuntimeError):
     cause (a rank that raised something else, or died) in preference to these.
     """
 
-    def __init__(self, op: str, comm: Communicator, cause: BaseException) -> None:
+    def __init__(self, op: str, comm: Communicator, cause: BaseException, peer: int | None = None) -> None:
+        to = f" {_PEER_WORD.get(op, 'with')} rank {peer}" if peer is not None else ""
         super().__init__(
-            f"{op} on group {comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, "
+            f"{op}{to} on group {comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, "
             f"timeout {comm.timeout_s:g}s) failed: {cause}"
         )
-        self.op, self.group = op, comm.name
+        self.op, self.group, self.peer = op, comm.name, peer
+
+
+class P2PMismatchError(ValueError):
+    """Under `p2p_check`, a send and its recv disagree on shape or dtype. Raised on both
+    ranks, naming both and both (shape, dtype)s; no payload has moved, the ranks are in step."""
 
 
 class Communicator(ABC):
@@ -50,6 +73,16 @@ class Communicator(ABC):
     stats: CommStats
     backend: str
     timeout_s: float
+    p2p_check: bool = False
+    """Debug mode: send a (shape, dtype) header before each point-to-point message, and the
+    receiver answers with its own, so a mismatch raises P2PMismatchError on both ranks
+    instead of hanging or corrupting. Two extra small messages per send: set it on every
+    rank of the group, or on none. Splits inherit it."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where this backend's tensors live (CUDA for NCCL, else CPU): recv's default."""
+        return torch.device("cpu")
 
     # ---- public API: size-1 short-circuit + accounting ---------------------------------
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
@@ -95,13 +128,86 @@ class Communicator(ABC):
             return
         self._run("barrier", 0, self._barrier)
 
-    def _run(self, op: str, nbytes: int, primitive, *args):
-        """Call a backend primitive: count it, time it, and name the op on failure."""
+    # ---- point-to-point ---------------------------------------------------------------------
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """Send `t` to rank `dst` of this group (blocking: returns once `t` may be reused).
+
+        NOTE: a send may wait for its receive, so two ranks that send to each other first
+        deadlock; use `send_recv` for exchanges."""
+        self._check_peer("send", dst)
+        t = t.detach().contiguous()
+        self._run("send", _nbytes(t), self._send_checked, t, dst, peer=dst)
+
+    def recv(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, src: int, *, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """Receive a new (shape, dtype) tensor from rank `src` of this group, on `device`
+        (default: this backend's device)."""
+        self._check_peer("recv", src)
+        buf = torch.empty(tuple(shape), dtype=dtype, device=device if device is not None else self.device)
+        self._run("recv", _nbytes(buf), self._recv_checked, buf, src, peer=src)
+        return buf
+
+    def send_recv(
+        self,
+        t: torch.Tensor,
+        dst: int,
+        shape: tuple[int, ...] | torch.Size,
+        dtype: torch.dtype,
+        src: int,
+        *,
+        device: torch.device | None = None,
+    ) -> torch.Tensor:
+        """Send `t` to `dst` and receive a (shape, dtype) tensor from `src` (dst == src: a
+        paired exchange). Ordered by rank parity, even ranks sending first and odd ranks
+        receiving first, so two neighbours exchanging, or a ring shift of any size, cannot
+        deadlock. Counted as one send and one recv."""
+        if self.rank % 2 == 0:
+            self.send(t, dst)
+            return self.recv(shape, dtype, src, device=device)
+        out = self.recv(shape, dtype, src, device=device)
+        self.send(t, dst)
+        return out
+
+    def _check_peer(self, op: str, peer: int) -> None:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.size:
+            raise ValueError(f"{op}: peer rank {peer!r} is outside group {self.name!r} of size {self.size}")
+        if peer == self.rank:
+            raise ValueError(f"{op}: rank {peer} of group {self.name!r} cannot {op} {_PEER_WORD[op]} itself")
+
+    def _send_checked(self, t: torch.Tensor, dst: int) -> None:
+        if self.p2p_check:
+            mine = _header(t.shape, t.dtype, t.device)
+            self._send(mine, dst, _TAG_HEADER)
+            theirs = torch.empty_like(mine)
+            self._recv(theirs, dst, _TAG_ANSWER)
+            if not torch.equal(mine, theirs):
+                raise P2PMismatchError(self._mismatch(self.rank, dst, mine, theirs, "sender"))
+        self._send(t, dst, _TAG_DATA)
+
+    def _recv_checked(self, buf: torch.Tensor, src: int) -> None:
+        if self.p2p_check:
+            mine = _header(buf.shape, buf.dtype, buf.device)
+            theirs = torch.empty_like(mine)
+            self._recv(theirs, src, _TAG_HEADER)
+            self._send(mine, src, _TAG_ANSWER)
+            if not torch.equal(mine, theirs):
+                raise P2PMismatchError(self._mismatch(src, self.rank, theirs, mine, "receiver"))
+        self._recv(buf, src, _TAG_DATA)
+
+    def _mismatch(self, sender: int, receiver: int, sent: torch.Tensor, expected: torch.Tensor, side: str) -> str:
+        return (
+            f"point-to-point mismatch on group {self.name!r}: rank {sender} sends {_describe(sent)} "
+            f"to rank {receiver}, which expects {_describe(expected)} (raised on the {side}, rank {self.rank})"
+        )
+
+    def _run(self, op: str, nbytes: int, primitive, *args, peer: int | None = None):
+        """Call a backend primitive: count it, time it, and name the op (and peer) on failure."""
         t0 = time.perf_counter()
         try:
             result = primitive(*args)
         except (RuntimeError, OSError) as e:  # backends raise RuntimeError subclasses
-            raise CollectiveError(op, self, e) from e
+            raise CollectiveError(op, self, e, peer) from e
         self.stats.record(op, self.name, nbytes, time.perf_counter() - t0)
         return result
 
@@ -120,6 +226,14 @@ class Communicator(ABC):
 
     @abstractmethod
     def _barrier(self) -> None: ...
+
+    @abstractmethod
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        """Blocking send of a contiguous tensor to group rank `dst`, within the timeout."""
+
+    @abstractmethod
+    def _recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
+        """Blocking receive into a contiguous `buf` from group rank `src`, within the timeout."""
 
     @abstractmethod
     def split(self, groups: list[list[int]], name: str) -> Communicator:
@@ -158,6 +272,11 @@ class LocalCommunicator(Communicator):
     def _barrier(self) -> None:  # pragma: no cover
         pass
 
+    def _send(self, t, dst, tag) -> None:  # pragma: no cover - a size-1 group has no peer
+        raise AssertionError("unreachable")
+
+    _recv = _send
+
     def split(self, groups: list[list[int]], name: str) -> Communicator:
         if groups != [[0]]:
             raise ValueError(f"a single process can only split into [[0]], got {groups}")
@@ -166,3 +285,25 @@ class LocalCommunicator(Communicator):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+# The debug header: [dtype code, ndim, size of each dim, 0...] as int64.
+_HEADER_DIMS = 16
+_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)  # fmt: skip
+
+
+def _header(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if len(shape) > _HEADER_DIMS:
+        raise ValueError(f"p2p_check: a tensor of {len(shape)} dims has more than {_HEADER_DIMS}")
+    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    values = [code, len(shape), *shape] + [0] * (_HEADER_DIMS - len(shape))
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _describe(header: torch.Tensor) -> str:
+    code, ndim, *dims = header.tolist()
+    dtype = str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "another dtype"
+    return f"{dtype} {tuple(dims[:ndim])}"

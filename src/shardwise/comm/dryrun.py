@@ -3,7 +3,8 @@
 Collectives return tensors of the right shape (on the meta device they cost nothing)
 and are counted like real ones, so running a sharded model on the meta device through
 this communicator gives the exact collectives, and their bytes, of a real run, for any
-tp size, on one process. `shardwise info` and the planner use it.
+tp size, on one process. `shardwise info` and the planner use it. Point-to-point is
+counted too; a recv returns zeros. p2p_check stays off (there is no peer to answer).
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ class DryRunCommunicator(Communicator):
 
     def _barrier(self) -> None:
         pass
+
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        pass
+
+    def _recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
+        buf.zero_()  # no peer: zeros of the right shape (free on the meta device)
 
     def split(self, groups: list[list[int]], name: str) -> Communicator:
         mine = next(g for g in groups if self.rank in g)

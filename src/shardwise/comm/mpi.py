@@ -7,6 +7,7 @@ sums lose accuracy); other collectives move their raw bytes.
 
 MPI collectives have no timeout of their own, so each one is started non-blocking and
 polled against the deadline; a peer that died or never arrives raises, instead of hanging.
+Point-to-point is one Isend or Irecv, polled the same way.
 """
 
 from __future__ import annotations
@@ -35,14 +36,20 @@ _SPIN_POLLS = 256  # polls (about a microsecond each) before a waiting rank star
 _NAP_AFTER_S = 0.005  # a wait this long is not a collective's latency but a peer with other work
 _NAP_S = 0.0002  # then poll every 0.2 ms: an idle rank costs ~nothing, a late peer at most 0.2 ms
 _HALF = (torch.bfloat16, torch.float16)
+# Point-to-point requests that timed out, with their buffers: MPI may still write to (or read
+# from) the memory of a pending request, so it must outlive the failed op.
+_abandoned: list[tuple[object, np.ndarray]] = []
 _RAW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.bool: torch.uint8}
 
 
-def init_mpi(timeout_s: float = DEFAULT_TIMEOUT_S) -> MPICommunicator:
-    """The world communicator of a job started by mpiexec (MPI is initialised on import)."""
+def init_mpi(timeout_s: float = DEFAULT_TIMEOUT_S, *, p2p_check: bool = False) -> MPICommunicator:
+    """The world communicator of a job started by mpiexec (MPI is initialised on import).
+    p2p_check turns on Communicator.p2p_check (header-checked point-to-point) on every group."""
     from mpi4py import MPI
 
-    return MPICommunicator(MPI.COMM_WORLD, name="world", stats=CommStats(), timeout_s=timeout_s)
+    world = MPICommunicator(MPI.COMM_WORLD, name="world", stats=CommStats(), timeout_s=timeout_s)
+    world.p2p_check = p2p_check
+    return world
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -120,14 +127,29 @@ class MPICommunicator(Communicator):
     def _barrier(self) -> None:
         self._wait(self.comm.Ibarrier(), "barrier")
 
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self._wait_p2p(lambda a: self.comm.Isend(a, dest=dst, tag=tag), _np(t), "send")
+
+    def _recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
+        self._wait_p2p(lambda a: self.comm.Irecv(a, source=src, tag=tag), _np(buf), "recv")
+
+    def _wait_p2p(self, start, array: np.ndarray, op: str) -> None:
+        request = start(array)
+        try:
+            self._wait(request, op)
+        except RuntimeError:
+            _abandoned.append((request, array))
+            raise
+
     def split(self, groups: list[list[int]], name: str) -> Communicator:
         flat = sorted(r for g in groups for r in g)
         if flat != list(range(self.size)):
             raise ValueError(f"groups {groups} do not partition ranks 0..{self.size - 1}")
         color = next(i for i, g in enumerate(groups) if self.rank in g)
         key = groups[color].index(self.rank)
-        sub = self.comm.Split(color, key)
-        return MPICommunicator(sub, name=name, stats=self.stats, timeout_s=self.timeout_s)
+        sub = MPICommunicator(self.comm.Split(color, key), name=name, stats=self.stats, timeout_s=self.timeout_s)
+        sub.p2p_check = self.p2p_check
+        return sub
 
     def close(self) -> None:
         pass  # MPI is finalised by mpi4py at interpreter exit

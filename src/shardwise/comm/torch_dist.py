@@ -2,7 +2,9 @@
 
 This module is the only place in shardwise that calls torch.distributed collectives.
 Every process group is created with the job's timeout, so a collective whose peer has
-died or hangs raises instead of blocking forever.
+died or hangs raises instead of blocking forever. Point-to-point is one isend or irecv,
+waited on with that timeout; never batched (batch_isend_irecv hangs on gloo in known
+cases, pytorch #132644), so the caller orders sends and receives (Communicator.send_recv).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def init_torch_distributed(
     backend: str = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     init_method: str | None = None,
+    p2p_check: bool = False,
 ) -> TorchDistCommunicator:
     """Join (or create) the job's default process group and return the world communicator.
 
@@ -52,7 +55,9 @@ def init_torch_distributed(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    return TorchDistCommunicator(None, name="world", stats=CommStats(), backend=backend, timeout_s=timeout_s)
+    world = TorchDistCommunicator(None, name="world", stats=CommStats(), backend=backend, timeout_s=timeout_s)
+    world.p2p_check = p2p_check
+    return world
 
 
 class TorchDistCommunicator(Communicator):
@@ -94,13 +99,30 @@ class TorchDistCommunicator(Communicator):
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         out = t.contiguous().clone()
-        dist.broadcast(out, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        dist.broadcast(out, src=self._global(src), group=self.group)
         return out
 
     def _barrier(self) -> None:
         # A barrier as a tiny all-reduce: it honours the group timeout on every backend.
-        device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
-        dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+        dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self._wait(dist.isend(t, dst=self._global(dst), group=self.group, tag=tag), "send", dst)
+
+    def _recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
+        self._wait(dist.irecv(buf, src=self._global(src), group=self.group, tag=tag), "recv", src)
+
+    def _wait(self, work, op: str, peer: int) -> None:
+        # An explicit timeout: a bare wait() on a point-to-point op may block for good.
+        if not work.wait(timeout=timedelta(seconds=self.timeout_s)):
+            raise RuntimeError(f"{op} with rank {peer} did not complete within {self.timeout_s:g}s")
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     def split(self, groups: list[list[int]], name: str) -> Communicator:
         _check_partition(groups, self.size)
@@ -111,7 +133,9 @@ class TorchDistCommunicator(Communicator):
             pg = dist.new_group(members, timeout=timedelta(seconds=self.timeout_s), use_local_synchronization=False)
             if self.rank in ranks:
                 mine = pg
-        return TorchDistCommunicator(mine, name=name, stats=self.stats, backend=self.backend, timeout_s=self.timeout_s)
+        sub = TorchDistCommunicator(mine, name=name, stats=self.stats, backend=self.backend, timeout_s=self.timeout_s)
+        sub.p2p_check = self.p2p_check
+        return sub
 
     @property
     def process_group(self) -> dist.ProcessGroup:
