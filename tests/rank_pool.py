@@ -71,7 +71,7 @@ class _Job:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         authkey = secrets.token_bytes(32)
-        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        self._listener = Listener(("127.0.0.1", 0), backlog=64, authkey=authkey)  # every rank connects at once
         self._address, self._authkey = self._listener.address, authkey
         self._error: BaseException | None = None
         self._accepting = True
