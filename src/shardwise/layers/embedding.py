@@ -73,9 +73,7 @@ class VocabParallelEmbedding(nn.Module):
     def from_embedding(cls, emb: nn.Embedding, *, comm: Communicator) -> VocabParallelEmbedding:
         """This rank's vocabulary rows of an existing nn.Embedding."""
         layer = cls(emb.num_embeddings, emb.embedding_dim, comm=comm, device="meta", dtype=emb.weight.dtype)
-        if (
-            emb.weight.is_meta
-        ):  # NOTE: shapes only (a model built on meta): the layer's own meta parameters are the shard
+        if emb.weight.is_meta:  # NOTE: a model built on meta (models.meta): its meta parameters are the shard
             return layer
         layer.weight = nn.Parameter(layer.shard.copy_rows(emb.weight.detach()))
         return layer
@@ -141,9 +139,7 @@ class VocabParallelLMHead(nn.Module):
             device="meta",
             dtype=linear.weight.dtype,
         )
-        if (
-            linear.weight.is_meta
-        ):  # NOTE: shapes only (a model built on meta): the layer's own meta parameters are the shard
+        if linear.weight.is_meta:  # NOTE: a model built on meta (models.meta): its meta parameters are the shard
             return layer
         layer.weight = nn.Parameter(layer.shard.copy_rows(linear.weight.detach()))
         if linear.bias is not None:

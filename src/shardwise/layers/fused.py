@@ -70,11 +70,11 @@ class QKVParallelLinear(nn.Module):
         w = linear.weight.detach()
         b = linear.bias.detach() if linear.bias is not None else None
         q_rows, kv_rows = num_heads * head_dim, num_kv_heads * head_dim
-        if w.is_meta:  # NOTE: shapes only: _from_parts needs no values (and no meta ops, see models.meta)
-            w, b = [w] * 3, [b] * 3
-            return cls._from_parts(w, b, head_dim, num_heads, num_kv_heads, linear.in_features, comm)
-        parts_w = w.split([q_rows, kv_rows, kv_rows])
-        parts_b = b.split([q_rows, kv_rows, kv_rows]) if b is not None else (None, None, None)
+        if w.is_meta:  # shapes only: _from_parts needs no values, and a meta split would import dynamo
+            parts_w, parts_b = (w,) * 3, (b,) * 3
+        else:
+            parts_w = w.split([q_rows, kv_rows, kv_rows])
+            parts_b = b.split([q_rows, kv_rows, kv_rows]) if b is not None else (None, None, None)
         return cls._from_parts(parts_w, parts_b, head_dim, num_heads, num_kv_heads, linear.in_features, comm)
 
     @classmethod
@@ -106,9 +106,7 @@ class QKVParallelLinear(nn.Module):
             device="meta",
             dtype=parts_w[0].dtype,
         )
-        if parts_w[
-            0
-        ].is_meta:  # NOTE: shapes only (a model built on meta): the layer's own meta parameters are the shard
+        if parts_w[0].is_meta:  # NOTE: a model built on meta (models.meta): its meta parameters are the shard
             return layer
         rows = layer.local_rows()
         layer.weight = nn.Parameter(torch.cat([p[r] for p, r in zip(parts_w, rows, strict=True)]).clone())
@@ -226,7 +224,7 @@ class MergedColumnParallelLinear(nn.Module):
     def _from_parts(cls, w, b, in_features, comm) -> MergedColumnParallelLinear:
         sizes = [p.shape[0] for p in w]
         layer = cls(in_features, sizes, comm=comm, bias=b is not None, device="meta", dtype=w[0].dtype)
-        if w[0].is_meta:  # NOTE: shapes only (a model built on meta): the layer's own meta parameters are the shard
+        if w[0].is_meta:  # NOTE: a model built on meta (models.meta): its meta parameters are the shard
             return layer
         ranges = [shard_range(s, comm.size, comm.rank, what=f"output_sizes[{k}]") for k, s in enumerate(sizes)]
         layer.weight = nn.Parameter(torch.cat([p[s:e] for p, (s, e) in zip(w, ranges, strict=True)]).clone())

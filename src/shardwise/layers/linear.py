@@ -77,9 +77,7 @@ class ColumnParallelLinear(nn.Module):
             device="meta",
             dtype=linear.weight.dtype,
         )
-        if (
-            linear.weight.is_meta
-        ):  # NOTE: shapes only (a model built on meta): the layer's own meta parameters are the shard
+        if linear.weight.is_meta:  # NOTE: a model built on meta (models.meta): its meta parameters are the shard
             return layer
         start, end = shard_range(linear.out_features, comm.size, comm.rank, what="out_features")
         layer.weight = nn.Parameter(linear.weight.detach()[start:end].clone())
@@ -148,9 +146,7 @@ class RowParallelLinear(nn.Module):
             device="meta",
             dtype=linear.weight.dtype,
         )
-        if (
-            linear.weight.is_meta
-        ):  # NOTE: shapes only (a model built on meta): the layer's own meta parameters are the shard
+        if linear.weight.is_meta:  # NOTE: a model built on meta (models.meta): its meta parameters are the shard
             return layer
         start, end = shard_range(linear.in_features, comm.size, comm.rank, what="in_features")
         layer.weight = nn.Parameter(linear.weight.detach()[:, start:end].clone())
