@@ -90,6 +90,25 @@ class ParallelDims:
             [self.rank_of(tp=t, dp=d, pp=s) for s in range(self.pp)] for d in range(self.dp) for t in range(self.tp)
         ]
 
+    def embed_groups(self) -> list[list[int]]:
+        """The groups that sum a tied embedding's gradient: the first and the last stage's
+        ranks with the same tp and dp coordinates (each holds a copy); every middle-stage
+        rank alone. At pp == 1 each rank alone (its one copy is the tied weight itself)."""
+        if self.pp == 1:
+            return [[r] for r in range(self.world_size)]
+        pairs = [
+            [self.rank_of(tp=t, dp=d, pp=0), self.rank_of(tp=t, dp=d, pp=self.pp - 1)]
+            for d in range(self.dp)
+            for t in range(self.tp)
+        ]
+        middle = [
+            [self.rank_of(tp=t, dp=d, pp=s)]
+            for s in range(1, self.pp - 1)
+            for d in range(self.dp)
+            for t in range(self.tp)
+        ]
+        return pairs + middle
+
     def build(self, world: Communicator) -> Mesh:
         """Create the tp, dp and pp communicators. Collective: every rank must call it.
 
@@ -100,8 +119,12 @@ class ParallelDims:
         tp = world.split(self.tp_groups(), name="tp")
         dp = world.split(self.dp_groups(), name="dp")
         # pp == 1: this rank alone, without creating world_size one-rank groups
-        pp = LocalCommunicator("pp", world.stats) if self.pp == 1 else world.split(self.pp_groups(), name="pp")
-        return Mesh(dims=self, world=world, tp=tp, dp=dp, pp=pp)
+        if self.pp == 1:
+            pp = embed = LocalCommunicator("pp", world.stats)
+        else:
+            pp = world.split(self.pp_groups(), name="pp")
+            embed = world.split(self.embed_groups(), name="embed")
+        return Mesh(dims=self, world=world, tp=tp, dp=dp, pp=pp, embed=embed)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -118,6 +141,9 @@ class Mesh:
     tp: Communicator
     dp: Communicator
     pp: Communicator
+    embed: Communicator | None = None
+    """The first and last stage's ranks of this rank's (tp, dp) position, which sum a tied
+    embedding's gradient; a size-1 group on middle stages and at pp == 1."""
 
     @property
     def pp_rank(self) -> int:

@@ -34,7 +34,9 @@ from shardwise.hf.fill import DTYPES, LoadReport, assign, bytes_read, dtype_name
 from shardwise.hf.sources import read_shard, segments
 from shardwise.layers import ShardError, model_shard_specs
 from shardwise.models.config import ModelConfig
+from shardwise.models.decoder import DecoderLM
 from shardwise.models.meta import on_meta
+from shardwise.pipeline.stage import keep_stage
 from shardwise.sharding import parallelize
 from shardwise.sharding.plans import check_tp
 
@@ -95,14 +97,27 @@ def read_config(path: str | Path) -> tuple[Family, ModelConfig]:
 
 
 def load_pretrained(
-    path: str | Path, *, comm: Communicator, dtype: str | torch.dtype | None = None, progress: bool = False
+    path: str | Path,
+    *,
+    comm: Communicator,
+    dtype: str | torch.dtype | None = None,
+    progress: bool = False,
+    stage: tuple | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """Build, shard and fill a model from a Hugging Face directory; returns (model, report).
+
+    stage = (StageLayout, pp rank): only that pipeline stage's layers (and embedding or
+    head) are built and read (shardwise.pipeline.stage.keep_stage); the whole checkpoint
+    is still checked against the model.
 
     Architectures without shardwise model code go to the automatic plan (shardwise.hf.auto).
     """
     m = resolve_model(path, auto=True)
     if m.family is None:
+        if stage is not None:
+            raise ShardError(
+                f"{path}: pipeline stages need a model family shardwise has code for, not the automatic plan"
+            )
         return load_auto(path, comm=comm, dtype=dtype, progress=progress)
     family, cfg = m.family, m.config
     if dtype is not None:
@@ -125,6 +140,11 @@ def load_pretrained(
     plan = {name: segments(ckpt, name, table[name], spec.global_shape) for name, spec in specs.items()}
     ignore = family.ignore + (("lm_head.weight",) if cfg.tie_embeddings else ())
     refuse_unexpected(ckpt, plan, ignore, what=f"a {family.name} model with num_hidden_layers={cfg.num_layers}")
+    if stage is not None:
+        if m.family is None or family.model is not DecoderLM:
+            raise ShardError(f"pipeline stages need a decoder family; {family.name!r} is not one")
+        keep_stage(model, *stage)
+        specs = model_shard_specs(model)
 
     target = DTYPES[cfg.dtype]
     loaded: dict[str, torch.Tensor] = {}

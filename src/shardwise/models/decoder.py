@@ -61,29 +61,73 @@ class DecoderLM(nn.Module):
         positions: (B, T), default counts the real tokens from 0.
         caches: one KVCache per layer (see new_caches), or None to attend within ids only.
         Returns logits (B, T, vocab[/tp]), or (B, 1, ...) for the last position only."""
-        B, T = ids.shape
+        x, rope, mask = self.prelude(ids, attention_mask, positions, caches is not None, start)
+        x = self.run_layers(x, rope, mask, caches, start)
+        return self.head(x, last_only)
+
+    def prelude(
+        self,
+        ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cached: bool = False,
+        start: int = 0,
+        *,
+        hidden: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple | None, torch.Tensor | None]:
+        """The layers' input (B, T, hidden), the rotary (cos, sin) and the attention mask
+        every layer reads. The input is the embedded `ids`, or `hidden` when given (a
+        pipeline stage's input, received from the previous stage; ids then give only the shape)."""
+        B, T = ids.shape[:2]
         if positions is None:
             if attention_mask is None:
                 positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
             else:
                 positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
-        x = self.embed(ids)  # (B, T, hidden)
-        if self.cfg.embed_scale != 1.0:
-            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
-        rope = None
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(positions)
-        else:
+        x, rope = hidden, None
+        if hidden is None:
+            x = self.embed(ids)  # (B, T, hidden)
+            if self.cfg.embed_scale != 1.0:
+                x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(positions)
+        if self.cfg.positions != "learned":
             rope = rope_cos_sin(self._inv_freq(ids.device), positions, x.dtype)  # (B, 1, T, rot) each
-        k_len = start + T if caches is not None else T
+        k_len = start + T if cached else T
         mask = build_mask(
             attention_mask, T, k_len, causal=self.cfg.causal, window=self.cfg.sliding_window, device=ids.device
         )
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, mask, caches[i] if caches is not None else None, start)
+        return x, rope, mask
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        rope,
+        mask,
+        caches: list[KVCache] | None = None,
+        start: int = 0,
+        layers: range | None = None,
+    ) -> torch.Tensor:
+        """x (B, T, hidden) through the decoder layers `layers` (global indices; default
+        every layer this model holds), caches[i] being layer i's."""
+        for i in layers if layers is not None else self.layer_indices():
+            x = self.layers[i if isinstance(self.layers, nn.ModuleList) else str(i)](
+                x, rope, mask, caches[i] if caches is not None else None, start
+            )
+        return x
+
+    def head(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Final norm and LM head: (B, T, hidden) -> logits (B, T or 1, vocab[/tp])."""
         if last_only:
             x = x[:, -1:]  # (B, 1, hidden): only the next token's logits are needed
         return self.lm_head(self.norm(x))
+
+    def layer_indices(self) -> list[int]:
+        """Global indices of the decoder layers this model holds (all of them, unless a
+        pipeline stage kept only its own; see shardwise.pipeline.stage)."""
+        if isinstance(self.layers, nn.ModuleList):
+            return list(range(len(self.layers)))
+        return [int(k) for k in self.layers]
 
     def _inv_freq(self, device) -> torch.Tensor:
         """RoPE inverse frequencies, computed once per device (not a buffer: the model is
@@ -96,7 +140,8 @@ class DecoderLM(nn.Module):
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
         """One preallocated KVCache per layer, sized for this rank's KV heads."""
         caches = []
-        for layer in self.layers:
+        for i in self.layer_indices():
+            layer = self.layers[i if isinstance(self.layers, nn.ModuleList) else str(i)]
             _, kv_heads = KVCache.local_heads(layer.attn)
             w = layer.attn.qkv.weight
             caches.append(KVCache(batch, max_len, kv_heads, self.cfg.head_dim, dtype=w.dtype, device=w.device))

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["on_meta"]
+__all__ = ["on_meta", "materialize"]
 
 _INITIALISERS = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_") and callable(getattr(nn.init, n))]
 
@@ -38,3 +38,18 @@ def on_meta() -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
+
+
+def materialize(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
+    """`model.to_empty(device)` (uninitialised memory for every meta tensor), keeping tied
+    parameters tied: to_empty gives each module its own tensor, which would silently untie
+    an embedding and the LM head sharing one Parameter."""
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            shared.setdefault(id(p), []).append((module, name))
+    model.to_empty(device=device)
+    for (first, first_name), *rest in (uses for uses in shared.values() if len(uses) > 1):
+        for module, name in rest:
+            setattr(module, name, getattr(first, first_name))
+    return model

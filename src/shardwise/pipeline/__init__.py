@@ -1,7 +1,11 @@
-"""Pipeline parallelism, as data: schedules (per-rank action lists) and a simulator that checks them.
+"""Pipeline parallelism: schedules as data (per-rank action lists), a simulator that checks
+them, the stage split, and the runtime that executes a rank's list.
 
-Pure logic (stdlib only): nothing here imports torch or shardwise.comm. The runtime that
-executes these lists on a pp mesh is a later step of issue 13.
+What this package exports is pure logic (stdlib only: the planner imports it without
+torch). The torch parts are imported from their modules:
+
+    shardwise.pipeline.stage     StageLayout (layers per stage), keep_stage (cut a model to a stage)
+    shardwise.pipeline.runtime   PipelineRunner (run one rank's actions on its stage)
 """
 
 from shardwise.pipeline.actions import TRANSFERS, Action, Kind

@@ -121,13 +121,17 @@ class DataSection:
     global_batch_size: int = 16
     """Sequences per optimizer step, over all dp ranks; the same at any tp x dp layout."""
     micro_batch_size: int = 4
-    """Sequences per forward/backward on one dp rank. Gradient accumulation steps =
-    global_batch_size / (micro_batch_size * dp), which must be a whole number."""
+    """Sequences per forward/backward on one dp rank. Gradient accumulation steps (the
+    pipeline's micro-batches m) = global_batch_size / (micro_batch_size * dp), which must be
+    a whole number."""
+    microbatches: int | None = None
+    """Micro-batches per optimizer step on each dp rank (m), instead of micro_batch_size:
+    when set, micro_batch_size becomes global_batch_size / (dp * microbatches)."""
     seed: int = 0
     """Seed of the sample order (a new permutation of the samples every epoch)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "seq_len", "global_batch_size", "micro_batch_size")
+        _positive(self, "seq_len", "global_batch_size", "micro_batch_size", "microbatches")
         if (self.tokens is None) == (self.text is None):
             raise ConfigError("set exactly one of data.tokens and data.text")
 
@@ -184,12 +188,23 @@ class OptimSection:
 
 @dataclass(frozen=True)
 class ParallelSection:
-    """The tp x dp layout: tp ranks hold one copy of the model; dp copies take different batches."""
+    """The tp x pp x dp layout: tp ranks hold a slice of every layer of one pipeline stage,
+    pp stages hold one copy of the model, dp copies take different batches."""
 
     tp: int = 1
     """Tensor-parallel size."""
     dp: int = 1
-    """Data-parallel size. The job runs tp * dp ranks."""
+    """Data-parallel size. The job runs tp * pp * dp ranks."""
+    pp: int = 1
+    """Pipeline-parallel size: stages, each holding a contiguous run of the decoder layers."""
+    schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b"
+    """Pipeline schedule (pp > 1): "1f1b", "gpipe" (all forwards, then all backwards; holds
+    every micro-batch's activations) or "interleaved" (1F1B over virtual_stages chunks per rank)."""
+    virtual_stages: int = 1
+    """Model chunks per pp rank: 1, or >= 2 with schedule "interleaved"."""
+    pp_layers: list[int] | None = None
+    """Decoder layers per (virtual) stage, e.g. [5, 3]; None = balanced (earlier stages take
+    the leftover layers)."""
     backend: Literal["auto", "mpi", "gloo", "nccl"] = "auto"
     """Communication backend: "auto" = NCCL on CUDA, else MPI when installed, else gloo (as
     every shardwise command). "mpi" runs the ranks under mpiexec."""
@@ -203,13 +218,32 @@ class ParallelSection:
     """Collective timeout, seconds."""
 
     def __post_init__(self) -> None:
-        _positive(self, "tp", "dp", "bucket_mb", "timeout_s")
+        _positive(self, "tp", "dp", "pp", "virtual_stages", "bucket_mb", "timeout_s")
         if self.dp_sync not in ("auto", "ddp", "bucketed"):
             raise ConfigError(f"parallel.dp_sync must be auto, ddp or bucketed, got {self.dp_sync!r}")
+        if self.pp > 1 and self.dp_sync == "ddp":
+            raise ConfigError(
+                f"parallel.dp_sync='ddp' runs forward through DistributedDataParallel, which a pipeline "
+                f"stage does not (pp={self.pp}); use 'auto' or 'bucketed'"
+            )
+        if self.pp == 1 and (self.virtual_stages != 1 or self.schedule == "interleaved"):
+            raise ConfigError(
+                f"parallel.schedule={self.schedule!r} with virtual_stages={self.virtual_stages} needs pp > 1; "
+                "at pp=1 there is no pipeline"
+            )
+        if self.pp_layers is not None and len(self.pp_layers) != self.pp * self.virtual_stages:
+            raise ConfigError(
+                f"parallel.pp_layers={self.pp_layers} has {len(self.pp_layers)} entries; pp={self.pp} x "
+                f"virtual_stages={self.virtual_stages} needs {self.pp * self.virtual_stages}"
+            )
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.pp * self.dp
+
+    def layout(self) -> str:
+        """ "tp=2,pp=2,dp=1", the form `--layout` takes."""
+        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
 
 
 @dataclass(frozen=True)
@@ -257,11 +291,39 @@ class TrainConfig:
     run: RunSection = field(default_factory=RunSection)
 
     def __post_init__(self) -> None:
+        if self.data.microbatches is not None:
+            dp, m, g = self.parallel.dp, self.data.microbatches, self.data.global_batch_size
+            if g % (dp * m):
+                raise ConfigError(
+                    f"data.global_batch_size={g} does not split into dp={dp} x data.microbatches={m} "
+                    f"micro-batches; valid microbatches: {', '.join(str(k) for k in range(1, g // dp + 1) if g % (dp * k) == 0)}"
+                )
+            object.__setattr__(self, "data", dataclasses.replace(self.data, micro_batch_size=g // (dp * m)))
         self.data.grad_accum(self.parallel.dp)  # raises if the batch does not split
+        if self.parallel.pp > 1:
+            from shardwise.pipeline import ScheduleConfig, ScheduleError
+
+            par = self.parallel
+            try:
+                ScheduleConfig(par.schedule, par.pp, self.data.grad_accum(par.dp), par.virtual_stages)
+            except ScheduleError as e:
+                raise ConfigError(f"parallel.schedule: {e}") from None
+        if self.model.pretrained is None:
+            self.check_stages(self.model.num_layers)
         if self.model.pretrained is None and self.data.seq_len > self.model.max_positions:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_positions={self.model.max_positions}"
             )
+
+    def check_stages(self, num_layers: int):
+        """The StageLayout of [parallel] for a model of num_layers layers; ConfigError if it cannot be built."""
+        from shardwise.pipeline.stage import StageError, StageLayout
+
+        par = self.parallel
+        try:
+            return StageLayout.build(num_layers, par.pp, par.virtual_stages, par.pp_layers)
+        except StageError as e:
+            raise ConfigError(f"parallel: {e}") from None
 
     @classmethod
     def from_toml(cls, path: str | Path) -> TrainConfig:

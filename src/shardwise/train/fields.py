@@ -57,6 +57,11 @@ def check_type(value, hint, where: str):
             except ConfigError:
                 pass
         raise ConfigError(f"{where} must be {_describe(hint)}, got {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list of {_describe(item)}s, got {value!r}")
+        return [check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is Literal:
         if value not in typing.get_args(hint):
             raise ConfigError(f"{where} must be one of {', '.join(map(repr, typing.get_args(hint)))}, got {value!r}")

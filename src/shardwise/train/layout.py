@@ -13,6 +13,8 @@ communicator). From those:
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
@@ -21,7 +23,9 @@ from shardwise.comm.dryrun import DryRunCommunicator
 from shardwise.layers import ShardSpec, model_shard_specs
 from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
-from shardwise.models.meta import on_meta
+from shardwise.models.meta import materialize, on_meta
+from shardwise.models.modules import Norm
+from shardwise.pipeline.stage import StageLayout, keep_stage, stage_plan
 from shardwise.sharding import parallelize
 from shardwise.sharding.plan import Plan
 from shardwise.sharding.plans.decoder import decoder_plan
@@ -54,32 +58,55 @@ def plan_summary(cfg: ModelConfig) -> dict[str, str]:
     }
 
 
-def init_weights(model: nn.Module, std: float) -> None:
-    """Normal(0, std) for every linear and embedding weight, zero biases, norms at 1 (in place)."""
+def init_weights(model: nn.Module, std: float, seed: int = 0) -> None:
+    """Normal(0, std) for every linear and embedding weight, zero biases, norms at their
+    identity (in place, on unsharded modules).
+
+    Each weight draws from its own generator, seeded from (seed, its name), so a tensor's
+    initial values do not depend on which other tensors this rank builds: a pipeline
+    stage initialises only its own layers and gets the same weights as the whole model."""
+    seen: set[int] = set()  # a tied weight is drawn once, under its first name ("embed.weight")
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
+        for prefix, module in model.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) not in seen:
+                seen.add(id(module.weight))
+                g = torch.Generator().manual_seed(_name_seed(seed, f"{prefix}.weight"))
+                module.weight.copy_(torch.randn(module.weight.shape, generator=g) * std)
                 if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, Norm):
+                module.weight.fill_(1.0 - module.offset)
+                if module.bias is not None:
                     module.bias.zero_()
 
 
-def build_model(cfg: ModelConfig, tp: Communicator, *, init_std: float | None, seed: int = 0) -> nn.Module:
+def _name_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()) % (2**63 - 1)
+
+
+def build_model(
+    cfg: ModelConfig,
+    tp: Communicator,
+    *,
+    init_std: float | None,
+    seed: int = 0,
+    stage: tuple[StageLayout, int] | None = None,
+) -> nn.Module:
     """This rank's shard of a DecoderLM, in train mode.
 
-    init_std set: the whole model is initialised on CPU from `seed`, then sliced, so every
-    tp size starts from the same weights (NOTE: each rank briefly holds the whole model).
+    stage = (layout, pp rank): only that pipeline stage's part is built (keep_stage).
+    init_std set: the rank's part is built unsharded on CPU and initialised (init_weights:
+    the same values at every tp and pp), then sliced to its tp shard.
     init_std None: parameters stay on the meta device, for a checkpoint loader to fill.
     """
-    plan = train_plan(cfg)
-    if init_std is None:
-        with on_meta():
-            model = DecoderLM(cfg)
-    else:
-        torch.manual_seed(seed)
+    with on_meta():
         model = DecoderLM(cfg)
-        init_weights(model, init_std)
-    return parallelize(model, plan, comm=tp).train()
+    if stage is not None:
+        keep_stage(model, *stage)
+    if init_std is not None:
+        materialize(model, "cpu")
+        init_weights(model, init_std, seed)
+    return parallelize(model, stage_plan(train_plan(cfg), model), comm=tp).train()
 
 
 def rank_specs(cfg: ModelConfig, tp: int, rank: int) -> dict[str, ShardSpec]:

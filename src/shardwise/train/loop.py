@@ -17,10 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import torch
 from tqdm.auto import tqdm
 
 from shardwise.comm import Communicator, ParallelDims, agree
 from shardwise.log import get_logger
+from shardwise.models.meta import materialize
+from shardwise.pipeline import build_schedule
+from shardwise.pipeline.runtime import PipelineRunner
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import DataError, DPSampler, TokenFile, tokenize_text
 from shardwise.train.layout import all_rank_specs, build_model, full_state
@@ -82,7 +86,7 @@ def _vocab_size(cfg: TrainConfig) -> int:
 def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing | None = None) -> Trainer:
     """Mesh, data, model, optimizer, RNG; resumed from cfg.run.resume if set. Collective."""
     par = cfg.parallel
-    mesh = ParallelDims(world_size=world.size, tp=par.tp, dp=par.dp).build(world)
+    mesh = ParallelDims(world_size=world.size, tp=par.tp, dp=par.dp, pp=par.pp).build(world)
     tp, dp = mesh.tp, mesh.dp
     # Rank 0 tokenizes data.text (once); then every rank opens the token file, failing together.
     agree(world, lambda: token_file(cfg) if world.rank == 0 else None, catch=(DataError, OSError))
@@ -90,18 +94,23 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
     data = agree(world, lambda: TokenFile(tokens, cfg.data.seq_len), catch=(DataError,))
 
     resuming = cfg.run.resume is not None
+    model_cfg = model_config(cfg)
+    layout = cfg.check_stages(model_cfg.num_layers)
+    stage = (layout, mesh.pp_rank) if par.pp > 1 else None
     if cfg.model.pretrained is not None and not resuming:
         from shardwise.hf import load_pretrained
 
-        model, report = load_pretrained(cfg.model.pretrained, comm=tp)
+        model, report = load_pretrained(cfg.model.pretrained, comm=tp, stage=stage)
         model_cfg = report.config
-        model.lm_head.gather_output = False  # vocab-parallel logits for the loss
+        if model.lm_head is not None:
+            model.lm_head.gather_output = False  # vocab-parallel logits for the loss
         model.train()
     else:
-        model_cfg = model_config(cfg)
-        model = build_model(model_cfg, tp, init_std=None if resuming else cfg.model.init_std, seed=cfg.run.seed)
+        model = build_model(
+            model_cfg, tp, init_std=None if resuming else cfg.model.init_std, seed=cfg.run.seed, stage=stage
+        )
         if resuming:
-            model.to_empty(device="cpu")  # this rank's shards only; the checkpoint fills them
+            materialize(model, "cpu")  # this rank's shards only; the checkpoint fills them
     if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
         raise DataError(
             f"{tokens}: token ids up to {data.vocab_size} exceed the model's vocab_size={model_cfg.vocab_size}"
@@ -115,7 +124,11 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
         dp_rank=dp.rank,
         seed=cfg.data.seed,
     )
-    specs = all_rank_specs(model_cfg, tp.size)
+    params = dict(model.named_parameters())
+    specs = {n: per_rank for n, per_rank in all_rank_specs(model_cfg, tp.size).items() if n in params}
+    # At pp > 1 a tied embedding has a copy on the first and the last stage; the first owns it
+    # (counted once in the gradient norm, written once in a checkpoint).
+    copies = {"embed.weight"} if stage is not None and model_cfg.tie_embeddings and mesh.pp_rank != 0 else set()
     tr = Trainer(
         cfg=cfg,
         mesh=mesh,
@@ -124,10 +137,12 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
         specs=specs,
         optimizer=build_optimizer(model, cfg.optim),
         sync=None,  # type: ignore[arg-type]  - set below, after resuming
-        grad_norm=GradNorm(model, specs, tp),
+        grad_norm=GradNorm(model, specs, tp, pp=mesh.pp, skip=copies),
         data=data,
         sampler=sampler,
-        rng=RNGTracker(cfg.run.seed, tp_rank=tp.rank, dp_rank=dp.rank),
+        rng=RNGTracker(cfg.run.seed, tp_rank=tp.rank, dp_rank=dp.rank, pp_rank=mesh.pp_rank),
+        layout=layout,
+        copies=copies,
         extra={
             "tokenizer": cfg.model.tokenizer,
             "bos_token_id": cfg.model.bos_token_id,
@@ -138,7 +153,18 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
         if checkpointer is None:
             raise ValueError("run.resume is set but no checkpointer was given to train()/setup()")
         checkpointer.resume(tr, cfg.run.resume)
-    tr.sync = make_grad_sync(model, dp, mode=par.dp_sync, bucket_mb=par.bucket_mb)
+    # A pipeline stage's forward does not go through the module, so DDP cannot wrap it: bucketed.
+    mode = par.dp_sync if stage is None else "bucketed"
+    tr.sync = make_grad_sync(model, dp, mode=mode, bucket_mb=par.bucket_mb)
+    if stage is not None:
+        tr.pipeline = PipelineRunner(
+            model,
+            layout,
+            mesh.pp,
+            build_schedule(par.schedule, par.pp, sampler.grad_accum, par.virtual_stages)[mesh.pp_rank],
+            hidden_size=model_cfg.hidden_size,
+            autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.run.bf16),
+        )
     return tr
 
 
@@ -162,13 +188,14 @@ def train(
     tr = setup(world, cfg, checkpointer=checkpointer)
     run, lead = cfg.run, world.rank == 0
     log.info(
-        "training %s: %d layers, hidden %d, %s parameters per rank; tp=%d x dp=%d, %d micro-step(s) of %d x %d "
-        "tokens per rank per step; from step %d to %d",
+        "training %s: %d layers, hidden %d, %s parameters per rank; tp=%d x pp=%d x dp=%d, %d micro-step(s) of "
+        "%d x %d tokens per rank per step; from step %d to %d",
         tr.model_cfg.family,
         tr.model_cfg.num_layers,
         tr.model_cfg.hidden_size,
         f"{sum(p.numel() for p in tr.model.parameters()):,}",
         tr.mesh.tp.size,
+        tr.mesh.pp.size,
         tr.mesh.dp.size,
         tr.sampler.grad_accum,
         cfg.data.micro_batch_size,
@@ -176,6 +203,11 @@ def train(
         tr.step,
         run.steps,
     )
+    if tr.pipeline is not None:
+        log.info(
+            "pipeline: %s schedule, %d micro-batches; %s",
+            cfg.parallel.schedule, tr.sampler.grad_accum, tr.layout.describe(),
+        )  # fmt: skip
     bar = tqdm(total=run.steps, initial=tr.step, desc="train", unit="step", disable=not (lead and run.progress))
     result = TrainResult(history=tr.history, step=tr.step)
     start, saved_at = time.perf_counter(), None
@@ -209,7 +241,8 @@ def train(
 def _title(tr: Trainer) -> str:
     c = tr.model_cfg
     return (
-        f"{c.family}, {c.num_layers} layers x {c.hidden_size}, tp={tr.mesh.tp.size} x dp={tr.mesh.dp.size}, "
+        f"{c.family}, {c.num_layers} layers x {c.hidden_size}, "
+        f"tp={tr.mesh.tp.size} x pp={tr.mesh.pp.size} x dp={tr.mesh.dp.size}, "
         f"batch {tr.cfg.data.global_batch_size} x {tr.cfg.data.seq_len} tokens"
     )
 

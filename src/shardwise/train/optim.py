@@ -2,12 +2,12 @@
 
 The global norm is that of the unsharded gradient:
 
-    ||g||^2 = sum over tp ranks of (sum of squares of the rows this rank owns)
+    ||g||^2 = sum over pp stages and tp ranks of (sum of squares of the rows this rank owns)
 
 A row held by several ranks (a replicated norm weight, or a KV head replicated when
 tp > num_kv_heads) is counted once, by its owner (see shardwise.train.layout). The dp
-replicas hold identical, already averaged gradients, so one all-reduce over tp suffices,
-and every rank of the job gets the same norm and the same clipping factor.
+replicas hold identical, already averaged gradients, so an all-reduce over tp and one
+over pp suffice (a tied embedding's copy on the last stage is not counted), and every rank of the job gets the same norm and the same clipping factor.
 """
 
 from __future__ import annotations
@@ -48,20 +48,31 @@ def lr_at(step: int, cfg: OptimSection, total_steps: int) -> float:
 class GradNorm:
     """The global gradient norm of a tp-sharded model, and clipping by it."""
 
-    def __init__(self, model: nn.Module, specs: dict[str, list[ShardSpec]], tp: Communicator) -> None:
-        self.tp = tp
+    def __init__(
+        self,
+        model: nn.Module,
+        specs: dict[str, list[ShardSpec]],
+        tp: Communicator,
+        *,
+        pp: Communicator | None = None,
+        skip: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
+        """specs: the parameters this rank holds. pp: the pipeline group whose stages' sums
+        add up (None = one stage). skip: parameters held here as a copy another stage owns
+        (a tied embedding on the last stage): clipped, not counted."""
+        self.tp, self.pp = tp, pp
         params = dict(model.named_parameters())
-        # (param, None | bool mask over rows of the split dim, split dim)
-        self.items: list[tuple[nn.Parameter, torch.Tensor | None, int]] = []
+        # (param, None | bool mask over rows of the split dim, split dim, counted)
+        self.items: list[tuple[nn.Parameter, torch.Tensor | None, int, bool]] = []
         for name, per_rank in specs.items():
             spec = per_rank[tp.rank]
-            self.items.append((params[name], owned_mask(per_rank, tp.rank), spec.dim or 0))
+            self.items.append((params[name], owned_mask(per_rank, tp.rank), spec.dim or 0, name not in skip))
 
     def norm(self) -> torch.Tensor:
         """The unsharded gradient's L2 norm, as a 0-d fp32 tensor (collective over tp)."""
         total = torch.zeros((), dtype=torch.float64)
-        for p, mask, dim in self.items:
-            if p.grad is None:
+        for p, mask, dim, counted in self.items:
+            if p.grad is None or not counted:
                 continue
             sq = p.grad.detach().double().pow(2)
             if mask is not None:
@@ -72,7 +83,10 @@ class GradNorm:
                 else:
                     sq = sq * mask.any()
             total += sq.sum()
-        return self.tp.all_reduce(total.view(1)).sqrt().float()[0]
+        total = self.tp.all_reduce(total.view(1))
+        if self.pp is not None:
+            total = self.pp.all_reduce(total)  # every stage's layers (tied copies counted once)
+        return total.sqrt().float()[0]
 
     def clip_(self, max_norm: float | None) -> float:
         """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_
@@ -80,7 +94,7 @@ class GradNorm:
         norm = self.norm()
         if max_norm is not None:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for p, _, _ in self.items:
+            for p, *_ in self.items:
                 if p.grad is not None:
                     p.grad.detach().mul_(coef.to(p.grad.dtype))
         return float(norm)

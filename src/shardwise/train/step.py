@@ -19,6 +19,8 @@ from torch import nn
 from shardwise.comm import Mesh
 from shardwise.layers import ShardSpec, vocab_parallel_cross_entropy
 from shardwise.models.config import ModelConfig
+from shardwise.pipeline.runtime import PipelineRunner
+from shardwise.pipeline.stage import StageLayout
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import DPSampler, TokenFile
 from shardwise.train.optim import GradNorm, lr_at
@@ -65,24 +67,23 @@ class Trainer:
     """(step, loss) of every step taken, including those before a resume."""
     extra: dict = field(default_factory=dict)
     """Free-form run information carried in checkpoints (e.g. the tokenizer path)."""
+    layout: StageLayout | None = None
+    """Layers per pipeline stage (pp = 1: one stage holding every layer)."""
+    pipeline: PipelineRunner | None = None
+    """Runs this rank's schedule at pp > 1; None at pp = 1."""
+    copies: set[str] = field(default_factory=set)
+    """Parameters this rank holds as a copy owned by another stage (a tied embedding on the
+    last stage): not counted in the gradient norm, not written in checkpoints."""
 
 
 def train_step(tr: Trainer) -> StepStats:
-    cfg, tp, dp = tr.cfg, tr.mesh.tp, tr.mesh.dp
+    cfg, dp = tr.cfg, tr.mesh.dp
     start = time.perf_counter()
     lr = lr_at(tr.step, cfg.optim, cfg.optim.decay_steps or cfg.run.steps)
     for group in tr.optimizer.param_groups:
         group["lr"] = lr
-    micro = tr.sampler.micro_batches(tr.step)
-    total = torch.zeros(())
-    for m, indices in enumerate(micro):
-        x, y = tr.data.batch(indices)  # (B, L) inputs and targets
-        with tr.sync.micro_step(last=m == len(micro) - 1):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.run.bf16):
-                logits = tr.sync.module(x)  # (B, L, V_pad / tp), this rank's vocabulary columns
-            loss = vocab_parallel_cross_entropy(logits, y, comm=tp).mean() / len(micro)
-            loss.backward()
-        total += loss.detach()
+    micro = tr.sampler.micro_batches(tr.step)  # m lists of sample indices
+    total = _pipeline_micro_steps(tr, micro) if tr.pipeline is not None else _micro_steps(tr, micro)
     tr.sync.finish()
     mean_loss = dp.all_reduce(total.view(1))[0] / dp.size
     norm = tr.grad_norm.clip_(cfg.optim.grad_clip)
@@ -99,3 +100,38 @@ def train_step(tr: Trainer) -> StepStats:
     )
     tr.history.append((tr.step, stats.loss))
     return stats
+
+
+def _micro_steps(tr: Trainer, micro: list) -> torch.Tensor:
+    """pp = 1: forward and backward of each micro-batch through the dp wrapper (DDP syncs
+    during the last one's backward); the sum of their scaled losses."""
+    cfg, tp = tr.cfg, tr.mesh.tp
+    total = torch.zeros(())
+    for m, indices in enumerate(micro):
+        x, y = tr.data.batch(indices)  # (B, L) inputs and targets
+        with tr.sync.micro_step(last=m == len(micro) - 1):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.run.bf16):
+                logits = tr.sync.module(x)  # (B, L, V_pad / tp), this rank's vocabulary columns
+            loss = vocab_parallel_cross_entropy(logits, y, comm=tp).mean() / len(micro)
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _pipeline_micro_steps(tr: Trainer, micro: list) -> torch.Tensor:
+    """The schedule's forwards and backwards over the step's micro-batches; the tied
+    embedding's two copies summed; the loss (summed on the last stage) sent to every stage."""
+    tp, m = tr.mesh.tp, len(micro)
+    batches = [tr.data.batch(indices) for indices in micro]  # [(B, L) inputs, (B, L) targets] * m
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, comm=tp).mean() / m  # as at pp = 1
+
+    total = tr.pipeline.run(batches, loss_fn)
+    embed = tr.mesh.embed
+    if tr.model_cfg.tie_embeddings and embed is not None and embed.size > 1:
+        weight = tr.model.embed.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        embed.all_reduce_(weight.grad)  # first stage's (lookup) + last stage's (head) gradient
+    return tr.mesh.pp.all_reduce(total.view(1))[0]  # non-zero on the last stage only
