@@ -86,8 +86,8 @@ def _info(args) -> int:
         f"model: {c['family']}, {c['num_layers']} layers, hidden {c['hidden_size']}, heads {c['num_heads']}/"
         f"{c['num_kv_heads']} kv, vocab {c['vocab_size']}: {params:,} parameters"
     )
-    print(f"pipeline: pp={stages.pp}" + (f" x {stages.virtual_stages} virtual" if stages.virtual_stages > 1 else "")
-          + f", layers per stage {list(stages.layers)}; {stages.describe()}")  # fmt: skip
+    per = "stage" if stages.virtual_stages == 1 else f"virtual stage ({stages.virtual_stages} per rank)"
+    print(f"pipeline: pp={stages.pp}, layers per {per} {list(stages.layers)}; {stages.describe()}")
     print(f"tensors: {len(m.tensors)} (parameters and AdamW moments) in {len(m.files)} files, {data_bytes:,} bytes")
     if summary["last_loss"] is not None:
         print(f"last training loss: {summary['last_loss']:.4f}")
