@@ -78,7 +78,7 @@ def test_reshard_export_transformers_and_generate(trained):
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
     assert (stats["tp_from"], stats["tp_to"]) == (2, 4) and stats["peak_chunk_bytes"] < stats["total_tensor_bytes"]
-    assert CheckpointReader(dst).manifest.layout == {"tp": 4, "dp": 1}
+    assert CheckpointReader(dst).manifest.layout == {"tp": 4, "pp": 1, "dp": 1}
 
     out = run_cli("checkpoint", "export-hf", str(dst), str(hf))
     assert out.returncode == 0, out.stderr

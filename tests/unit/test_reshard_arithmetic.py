@@ -1,9 +1,12 @@
 """The reshard arithmetic as a property: for random tensor shapes, split dims and tp sizes,
 chunks written by one layout, read back through plan_reads/assemble for any rank of
 another layout, give exactly ShardSpec.take of the whole tensor. Plus the real model's
-specs at tp 1, 2, 4 (padded vocabulary, replicated KV heads) in every direction."""
+specs at tp 1, 2, 4 (padded vocabulary, replicated KV heads) in every direction, and the
+pipeline stages' share of the parameters at several splits."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise.checkpoint import CheckpointError, assemble, check_cover, plan_reads
+from shardwise.checkpoint.stages import held_names, stage_layout, stage_names
 from shardwise.layers import ShardSpec
 from shardwise.models.config import ModelConfig
-from shardwise.train.layout import all_rank_specs, local_segments, owned_intervals
+from shardwise.train.layout import all_rank_specs, local_segments, owned_intervals, rank_specs
 
 
 def _even_specs(shape: tuple[int, ...], dim: int, tp: int, replicas: int = 1) -> list[ShardSpec]:
@@ -111,3 +115,26 @@ def test_model_specs_reshard_between_tp_sizes(tp_from, tp_to):
             fetch = lambda i, s, n, d=spec.dim, data=data: data[i].narrow(d, s, n)  # noqa: E731
             got = assemble(spec, full.dtype, plan_reads(intervals, spec), fetch)
             assert torch.equal(got, spec.take(full)), name
+
+
+@pytest.mark.parametrize(
+    "pp,virtual,split,tied",
+    [(1, 1, None, False), (2, 1, None, True), (2, 1, [3, 1], False), (4, 1, None, True), (2, 2, None, True),
+     (3, 1, [1, 2, 1], True)],
+)  # fmt: skip
+def test_pipeline_stages_own_every_parameter_once(pp, virtual, split, tied):
+    """What a checkpoint's stages write: every parameter of the model by exactly one stage, each
+    stage only what it holds, the tied embedding by stage 0 though the last stage holds a copy."""
+    cfg = replace(CFG, num_layers=4, tie_embeddings=tied)
+    layout = stage_layout(cfg, pp, virtual, split)
+    owned = stage_names(cfg, layout)
+    flat = [n for names in owned for n in names]
+    assert sorted(flat) == sorted(rank_specs(cfg, 1, 0)) and len(flat) == len(set(flat))
+    for rank, names in enumerate(owned):
+        held = held_names(cfg, layout, rank)
+        assert set(names) <= set(held)
+        layers = {int(n.split(".")[1]) for n in held if n.startswith("layers.")}
+        assert layers == set(layout.layers_of(rank))
+    assert "embed.weight" in owned[0]
+    if pp > 1:
+        assert ("embed.weight" in held_names(cfg, layout, pp - 1)) == tied

@@ -1,4 +1,4 @@
-"""Sharded checkpoints: atomic save, load at any tp x dp size, offline reshard, Hugging Face export."""
+"""Sharded checkpoints: atomic save, load at any tp x pp x dp size, offline reshard, Hugging Face export."""
 
 from shardwise.checkpoint.files import SafetensorsWriter
 from shardwise.checkpoint.load import check_compatible, load_checkpoint

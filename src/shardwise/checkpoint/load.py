@@ -1,14 +1,17 @@
-"""Loading a checkpoint into a training job of any tp x dp size, resharding on the way in.
+"""Loading a checkpoint into a training job of any tp x pp x dp size, resharding on the way in.
 
 Each rank:
 1. parses the manifest and checks it against the job: architecture, format version,
    every expected tensor present and none unexpected, global shapes, chunk coverage;
 2. checks the files it will read: present, full size, SHA-256, keys;
-3. reads exactly the rows its ShardSpecs name, for the parameters and the AdamW moments.
+3. reads exactly the rows its ShardSpecs name, for the parameters and the AdamW moments
+   of its pipeline stage (a tied embedding's copy on the last stage reads the same stored
+   tensors as the first stage's, so the two copies start identical, moments included).
 
 All of it runs inside `agree`, so a bad checkpoint raises the same CheckpointError
 (naming the file or key) on every rank and no rank is left waiting. RNG states are
-restored when the layout (tp, dp) is unchanged, else re-seeded from (seed, step).
+restored when the layout (tp, pp, dp and the layer split) is unchanged, else re-seeded
+from (seed, step).
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from dataclasses import asdict
 
 import torch
 
-from shardwise.checkpoint.manifest import KINDS, CheckpointError, tensor_key
+from shardwise.checkpoint.manifest import KINDS, CheckpointError, Manifest, layout_text, tensor_key
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.reshard import check_cover
 from shardwise.comm import agree
 from shardwise.log import get_logger
-from shardwise.train import Trainer
+from shardwise.pipeline.stage import StageLayout
+from shardwise.train import Trainer, rank_specs
 
 __all__ = ["load_checkpoint", "check_compatible"]
 
@@ -30,7 +34,8 @@ log = get_logger("checkpoint")
 
 
 def check_compatible(reader: CheckpointReader, model_cfg, param_names: list[str]) -> None:
-    """Architecture, keys and chunk coverage; CheckpointError naming what differs."""
+    """Architecture, keys and chunk coverage; CheckpointError naming what differs.
+    param_names: every parameter of the whole model (all pipeline stages)."""
     m, where = reader.manifest, reader.dir / "manifest.json"
     diff = m.architecture_diff(asdict(model_cfg))
     if diff:
@@ -51,14 +56,25 @@ def check_compatible(reader: CheckpointReader, model_cfg, param_names: list[str]
         check_cover([(c.start, c.length) for c in entry.chunks], span, what=f"{where}: {tname}")
 
 
+def _job_layout(tr: Trainer) -> tuple[dict[str, int], dict]:
+    dims = tr.mesh.dims
+    layout = tr.layout or StageLayout.build(tr.model_cfg.num_layers, 1)
+    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp}, layout.to_dict()
+
+
+def same_layout(m: Manifest, tr: Trainer) -> bool:
+    """Saved by a job of this very layout (tp, pp, dp and the layer split): its RNG states fit."""
+    sizes, split = _job_layout(tr)
+    return m.layout == sizes and m.stage_layout().to_dict() == split
+
+
 def _read_local(tr: Trainer, source: str) -> tuple[CheckpointReader, dict, dict | None]:
     reader = CheckpointReader(source)
     m = reader.manifest
     tp, world = tr.mesh.tp, tr.mesh.world
-    check_compatible(reader, tr.model_cfg, list(tr.specs))
-    mine = {n: per_rank[tp.rank] for n, per_rank in tr.specs.items()}
-    same_layout = m.layout == {"tp": tr.mesh.dims.tp, "dp": tr.mesh.dims.dp} and m.rng is not None
-    rng_file = m.rng["files"].get(str(world.rank)) if same_layout else None
+    check_compatible(reader, tr.model_cfg, list(rank_specs(tr.model_cfg, 1, 0)))  # every stage's names
+    mine = {n: per_rank[tp.rank] for n, per_rank in tr.specs.items()}  # this stage's, a tied copy included
+    rng_file = m.rng["files"].get(str(world.rank)) if m.rng is not None and same_layout(m, tr) else None
     needed = {f for kind in KINDS for n, s in mine.items() for f in reader.files_for(tensor_key(kind, n), s)}
     reader.verify(needed | ({rng_file} if rng_file else set()))
     params = dict(tr.model.named_parameters())
@@ -87,10 +103,11 @@ def load_checkpoint(tr: Trainer, source: str) -> None:
                 }
     tr.step = m.step
     tr.history[:] = [tuple(x) for x in m.extra.get("history", [])]
+    saved = layout_text(m.layout, ", ")
     if rng is not None:
         tr.rng.load_state(rng)
     else:
         tr.rng.reseed(step=m.step)
-        log.info("layout changed (%s -> tp=%d, dp=%d): RNG streams re-seeded from (seed, step %d)",
-                 m.layout, tr.mesh.dims.tp, tr.mesh.dims.dp, m.step)  # fmt: skip
-    log.info("resumed from %s at step %d (saved at tp=%d, dp=%d)", reader.dir, m.step, m.layout["tp"], m.layout["dp"])
+        log.info("layout changed (%s -> %s): RNG streams re-seeded from (seed, step %d)",
+                 saved, layout_text(_job_layout(tr)[0], ", "), m.step)  # fmt: skip
+    log.info("resumed from %s at step %d (saved at %s)", reader.dir, m.step, saved)

@@ -12,6 +12,11 @@ global rows [start, start + length) along the split dim, stored under one key of
 file. The chunks of a tensor cover its rows exactly once, so loading at any tp size is a
 pure function of this metadata (shardwise.checkpoint.reshard). No pickle: JSON and
 safetensors only; RNG states are uint8 tensors.
+
+Parameters keep their global names at every pipeline size, so a checkpoint saved at pp > 1
+holds the same tensors as one saved at pp = 1 (each written by the stage that owns it);
+`layout` records tp, pp and dp, and `pipeline` the layer split (StageLayout.to_dict()).
+A manifest written before pipelines (no pp, no pipeline) reads as pp = 1.
 """
 
 from __future__ import annotations
@@ -21,8 +26,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shardwise.hf.checkpoint import CheckpointError
+from shardwise.pipeline.stage import StageError, StageLayout
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "Chunk", "TensorEntry", "Manifest", "CheckpointError", "tensor_key", "KINDS"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "Chunk",
+    "TensorEntry",
+    "Manifest",
+    "CheckpointError",
+    "tensor_key",
+    "KINDS",
+    "layout_text",
+]
 
 FORMAT = "shardwise-checkpoint"
 FORMAT_VERSION = 1
@@ -65,7 +81,7 @@ class Manifest:
     plan: dict[str, str]
     """The sharding plan (module pattern -> style) the chunks were cut by."""
     layout: dict[str, int]
-    """The tp and dp sizes of the job that wrote it."""
+    """The tp, pp and dp sizes of the job that wrote it ({"tp": 2, "pp": 2, "dp": 1})."""
     tensors: dict[str, TensorEntry]
     """tensor_key(kind, parameter name) -> entry."""
     files: dict[str, dict]
@@ -76,13 +92,21 @@ class Manifest:
     """{"seed": s, "files": {world rank: file}, "keys": [...]}, or None (re-seeded on load)."""
     extra: dict = field(default_factory=dict)
     """Run information: loss history, data settings, tokenizer, token ids, the training config."""
+    pipeline: dict | None = None
+    """The layer split it was saved with: {"pp", "virtual_stages", "layers": [per virtual stage]};
+    None = one stage (a manifest from before pipelines)."""
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
         d = asdict(self)
-        d = {"format": d.pop("format"), "format_version": d.pop("format_version"), **d}
-        return json.dumps(d, indent=1, sort_keys=False) + "\n"
+        out = {"format": d.pop("format"), "format_version": d.pop("format_version")}
+        pipeline = d.pop("pipeline")
+        for k, v in d.items():
+            out[k] = v
+            if k == "layout":
+                out["pipeline"] = pipeline  # beside the sizes it splits
+        return json.dumps(out, indent=1, sort_keys=False) + "\n"
 
     @classmethod
     def read(cls, path: Path) -> Manifest:
@@ -114,15 +138,25 @@ class Manifest:
                 step=int(raw["step"]),
                 model=dict(raw["model"]),
                 plan=dict(raw["plan"]),
-                layout={k: int(v) for k, v in raw["layout"].items()},
+                layout={"tp": 1, "pp": 1, "dp": 1} | {k: int(v) for k, v in raw["layout"].items()},
                 tensors=tensors,
                 files={k: dict(v) for k, v in raw["files"].items()},
                 optimizer=dict(raw.get("optimizer") or {}),
                 rng=raw.get("rng"),
                 extra=dict(raw.get("extra") or {}),
+                pipeline=_pipeline(raw.get("pipeline")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"{path}: corrupt manifest: missing or malformed field {e}") from None
+
+    def stage_layout(self) -> StageLayout:
+        """The layer split the checkpoint was saved with (one stage for a manifest from before pipelines)."""
+        num_layers = int(self.model.get("num_layers", 1))
+        p = self.pipeline or {"pp": 1, "virtual_stages": 1, "layers": None}
+        try:
+            return StageLayout.build(num_layers, p["pp"], p["virtual_stages"], p["layers"])
+        except StageError as e:
+            raise CheckpointError(f"manifest pipeline section does not fit the model: {e}") from None
 
     def architecture_diff(self, expected: dict) -> list[str]:
         """Fields where this checkpoint's model differs from `expected` (a ModelConfig dict)."""
@@ -132,6 +166,22 @@ class Manifest:
             for k in keys
             if _norm(self.model.get(k)) != _norm(expected.get(k))
         ]
+
+
+def layout_text(layout: dict[str, int], sep: str = " x ") -> str:
+    """ "tp=2 x pp=2 x dp=1"; pp is left out when 1 ("tp=2 x dp=1"), as a job without a pipeline reads."""
+    keys = ("tp", "pp", "dp") if layout.get("pp", 1) != 1 else ("tp", "dp")
+    return sep.join(f"{k}={layout.get(k, 1)}" for k in keys)
+
+
+def _pipeline(raw) -> dict | None:
+    if raw is None:
+        return None
+    return {
+        "pp": int(raw["pp"]),
+        "virtual_stages": int(raw["virtual_stages"]),
+        "layers": [int(n) for n in raw["layers"]],
+    }
 
 
 def _norm(value):

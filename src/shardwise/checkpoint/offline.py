@@ -1,14 +1,16 @@
-"""Offline resharding: rewrite a checkpoint for another tp size, one chunk at a time.
+"""Offline resharding: rewrite a checkpoint for another tp x pp x dp layout, one chunk at a time.
 
     reshard_checkpoint("runs/x/checkpoints", "runs/x/tp4", tp=4)
+    reshard_checkpoint("runs/x/checkpoints", "runs/x/pp2", tp=2, pp=2, pp_layers=[3, 1])
 
-For every target rank and every tensor (parameters and AdamW moments), the rows that
-rank will own are read from the source chunks (partial reads of the memory-mapped
-files) and streamed into the target file, whose header was written up front. At most one
-chunk is in memory at a time, never the whole model. The result is an ordinary committed
-checkpoint (manifest written last, directory renamed into place) laid out as tp ranks of
-one dp replica; a job of any size can still load it. RNG states are per rank and do not
-carry over (the loader re-seeds them from the seed and step).
+For every target rank of dp replica 0 (each tp rank of each pipeline stage) and every
+tensor its stage owns (parameters and AdamW moments), the rows that rank will own are
+read from the source chunks (partial reads of the memory-mapped files) and streamed
+into the target file, whose header was written up front. At most one chunk is in memory
+at a time, never the whole model. The result is an ordinary committed checkpoint
+(manifest written last, directory renamed into place), laid out as the job of that
+layout would have saved it; a job of any size can still load it. RNG states are per
+rank and do not carry over (the loader re-seeds them from the seed and step).
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from shardwise.checkpoint.files import SafetensorsWriter, dtype_from_name, fsync_dir, write_atomic
+from shardwise.checkpoint.load import check_compatible
 from shardwise.checkpoint.manifest import CheckpointError, Chunk, Manifest, TensorEntry
 from shardwise.checkpoint.reader import MANIFEST, CheckpointReader
 from shardwise.checkpoint.save import rank_file
+from shardwise.checkpoint.stages import stage_layout, stage_names
+from shardwise.comm import ParallelDims
 from shardwise.layers import ShardSpec
 from shardwise.models.config import ModelConfig
 from shardwise.sharding.plans import check_tp
@@ -44,6 +49,13 @@ class ReshardStats:
     """The largest single chunk held in memory while rewriting."""
     total_tensor_bytes: int
     """All tensor data of the checkpoint, for comparison."""
+    pp_from: int = 1
+    pp_to: int = 1
+    dp_to: int = 1
+    files: int = 0
+    """Tensor files written: tp * pp (the ranks of dp replica 0)."""
+    stages: str = ""
+    """The target split, StageLayout.describe()."""
 
 
 def model_config(manifest: Manifest) -> ModelConfig:
@@ -57,64 +69,106 @@ def _chunk_spec(spec: ShardSpec, start: int, length: int) -> ShardSpec:
     return spec if spec.dim is None else ShardSpec(spec.global_shape, spec.dim, ((start, length),))
 
 
-def reshard_checkpoint(src: str | Path, dst: str | Path, *, tp: int, progress: bool = False) -> ReshardStats:
-    """Write `src` (a checkpoint, or a directory with `latest`) as a tp-sized checkpoint at `dst`."""
+def _check_dp(dp: int) -> None:
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise CheckpointError(f"dp must be a positive int, got {dp!r}")
+
+
+def reshard_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    tp: int,
+    pp: int = 1,
+    dp: int = 1,
+    virtual_stages: int = 1,
+    pp_layers: list[int] | None = None,
+    progress: bool = False,
+) -> ReshardStats:
+    """Write `src` (a checkpoint, or a directory with `latest`) at `dst`, laid out for tp x pp x dp
+    (pp_layers: layers per virtual stage; None = balanced). Every check comes before any write."""
     reader = CheckpointReader(src)
-    reader.verify()  # sizes, SHA-256 and keys of every file, before anything is written
     m = reader.manifest
     cfg = model_config(m)
     check_tp(cfg, tp)
+    layout = stage_layout(cfg, pp, virtual_stages, pp_layers)
+    _check_dp(dp)
     dst = Path(dst)
     if dst.exists():
         raise CheckpointError(f"{dst} already exists; choose a new directory")
+    reader.verify()  # sizes, SHA-256 and keys of every file, before anything is written
+    owners = stage_names(cfg, layout)  # the parameters each stage writes
+    check_compatible(reader, cfg, [n for names in owners for n in names])
+    dims = ParallelDims(world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp)
     tmp = dst.with_name(f".tmp-{dst.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     specs = all_rank_specs(cfg, tp)
     tensors: dict[str, dict] = {}
     files, peak, written = {}, 0, 0
-    bar = tqdm(desc=f"reshard to tp={tp}", unit="chunk", disable=not progress)
-    for t in range(tp):
-        jobs = []  # (tensor name, file key, chunk spec, dtype)
-        for tname, entry in m.tensors.items():
-            per_rank = specs[tname.split("/", 1)[1]]
-            for start, length in owned_intervals(per_rank, t):
-                jobs.append((tname, f"{tname}@{start}", _chunk_spec(per_rank[t], start, length), entry.dtype))
-                tensors.setdefault(tname, {"entry": entry, "dim": per_rank[t].dim, "chunks": []})
-                tensors[tname]["chunks"].append(Chunk(rank_file(t), f"{tname}@{start}", start, length))
-        entries = [(key, dtype_from_name(dt), s.local_shape) for _, key, s, dt in jobs]
-        with SafetensorsWriter(tmp / rank_file(t), entries, metadata={"step": m.step, "rank": t}) as w:
-            for tname, key, spec, _ in jobs:
-                chunk = reader.read(tname, spec)  # only these rows are read from the source
-                peak = max(peak, chunk.numel() * chunk.element_size())
-                w.write(key, chunk)
-                del chunk
-                bar.update(1)
-        files[w.record.name] = {"bytes": w.record.bytes, "sha256": w.record.sha256}
-        written += w.record.bytes
+    bar = tqdm(desc=f"reshard to {dims.tp}x{dims.pp}x{dims.dp}", unit="chunk", disable=not progress)
+    for s, names in enumerate(owners):
+        owned = set(names)
+        mine = [(tname, e) for tname, e in m.tensors.items() if tname.split("/", 1)[1] in owned]
+        for t in range(tp):
+            file = rank_file(dims.rank_of(tp=t, pp=s, dp=0))
+            jobs = []  # (tensor name, file key, chunk spec, dtype)
+            for tname, entry in mine:
+                per_rank = specs[tname.split("/", 1)[1]]
+                for start, length in owned_intervals(per_rank, t):
+                    jobs.append((tname, f"{tname}@{start}", _chunk_spec(per_rank[t], start, length), entry.dtype))
+                    tensors.setdefault(tname, {"entry": entry, "dim": per_rank[t].dim, "chunks": []})
+                    tensors[tname]["chunks"].append(Chunk(file, f"{tname}@{start}", start, length))
+            entries = [(key, dtype_from_name(dt), sp.local_shape) for _, key, sp, dt in jobs]
+            meta = {"step": m.step, "rank": dims.rank_of(tp=t, pp=s, dp=0)}
+            with SafetensorsWriter(tmp / file, entries, metadata=meta) as w:
+                for tname, key, spec, _ in jobs:
+                    chunk = reader.read(tname, spec)  # only these rows are read from the source
+                    peak = max(peak, chunk.numel() * chunk.element_size())
+                    w.write(key, chunk)
+                    del chunk
+                    bar.update(1)
+            files[w.record.name] = {"bytes": w.record.bytes, "sha256": w.record.sha256}
+            written += w.record.bytes
     bar.close()
     for name, info in m.files.items():  # the tokenizer and other whole files carry over
         if not name.endswith(".safetensors"):
             shutil.copyfile(reader.dir / name, tmp / name)
             files[name] = dict(info)
     reader.close()
+    order = {k: i for i, k in enumerate(m.tensors)}  # the source's order
     out = replace(
         m,
-        layout={"tp": tp, "dp": 1},
+        layout={"tp": tp, "pp": pp, "dp": dp},
+        pipeline=layout.to_dict(),
         tensors={
             k: TensorEntry(v["entry"].global_shape, v["entry"].dtype, v["dim"], tuple(v["chunks"]))
-            for k, v in tensors.items()
+            for k, v in sorted(tensors.items(), key=lambda kv: order[kv[0]])
         },
         files=files,
         rng=None,
-        extra={**m.extra, "resharded_from": {"path": str(reader.dir), "tp": m.layout["tp"], "dp": m.layout["dp"]}},
+        extra={**m.extra, "resharded_from": {"path": str(reader.dir), **m.layout}},
     )
     write_atomic(tmp / MANIFEST, out.to_json().encode())
     fsync_dir(tmp)
     os.rename(tmp, dst)
     fsync_dir(dst.parent)
     total = sum(_numel(e.global_shape) * dtype_from_name(e.dtype).itemsize for e in m.tensors.values())
-    return ReshardStats(str(reader.dir), str(dst), m.layout["tp"], tp, len(m.tensors), written, peak, total)
+    return ReshardStats(
+        src=str(reader.dir),
+        dst=str(dst),
+        tp_from=m.layout["tp"],
+        tp_to=tp,
+        tensors=len(tensors),
+        bytes_written=written,
+        peak_chunk_bytes=peak,
+        total_tensor_bytes=total,
+        pp_from=m.layout["pp"],
+        pp_to=pp,
+        dp_to=dp,
+        files=tp * pp,
+        stages=layout.describe(),
+    )
 
 
 def _numel(shape) -> int:

@@ -13,9 +13,11 @@ A process killed at any moment leaves either the previous checkpoint selected by
 to) or the new one, complete. Every phase ends with `agree`, so an error on any rank
 (a full disk, an existing step) is raised on every rank.
 
-Who writes what: the ranks of dp replica 0 write the rows of each tensor they own (a row
-held by several tp ranks is written once, by the lowest); every rank writes its own RNG
-states.
+Who writes what: the ranks of dp replica 0 (one per tp rank of each pipeline stage) write
+the rows they own of each tensor their stage owns (a row held by several tp ranks is
+written once, by the lowest; the tied embedding's copy on the last stage is not written,
+stage 0 owns it); every rank writes its own RNG states. Each rank's sidecar lists the
+chunks it wrote, so rank 0, which holds only its own stage, builds the manifest from them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from shardwise.checkpoint.files import SafetensorsWriter, dtype_name, fsync_dir,
 from shardwise.checkpoint.manifest import KINDS, CheckpointError, Chunk, Manifest, TensorEntry, tensor_key
 from shardwise.checkpoint.reader import LATEST, MANIFEST
 from shardwise.comm import agree
+from shardwise.pipeline.stage import StageLayout
 from shardwise.train import Trainer, owned_intervals
 from shardwise.train.layout import local_segments, plan_summary
 
@@ -62,10 +65,13 @@ def _state_tensor(tr: Trainer, p: torch.nn.Parameter, kind: str) -> torch.Tensor
 
 
 def _chunk_plan(tr: Trainer, rank_tp: int) -> list[tuple[str, str, int, int, tuple[int, ...]]]:
-    """(tensor key, file key, global start, length, chunk shape) of every chunk tp rank `rank_tp` writes."""
+    """(tensor key, file key, global start, length, chunk shape) of every chunk tp rank `rank_tp`
+    of this stage writes: the rows it owns of the parameters the stage owns (tr.copies left out)."""
     out = []
     for kind in KINDS:
         for name, per_rank in tr.specs.items():
+            if name in tr.copies:
+                continue
             spec = per_rank[rank_tp]
             for start, length in owned_intervals(per_rank, rank_tp):
                 shape = list(spec.global_shape)
@@ -100,13 +106,30 @@ def _write_rank_file(tr: Trainer, tmp: Path) -> None:
             w.write(fkey, _local_rows(spec, _state_tensor(tr, params[name], kind), start, length))
         for k, v in rng.items():
             w.write(f"rng/{k}", v)
-    record = {"file": path.name, "bytes": w.record.bytes, "sha256": w.record.sha256, "rng_keys": sorted(rng)}
+    written = []  # what the manifest says of each chunk
+    for tkey, fkey, start, length, _ in chunks:
+        name = tkey.split("/", 1)[1]
+        spec = tr.specs[name][tp.rank]
+        shape, dtype = list(spec.global_shape), dtype_name(params[name].dtype)
+        written.append({"tensor": tkey, "key": fkey, "start": start, "length": length, "global_shape": shape,
+                        "dtype": dtype, "dim": spec.dim})  # fmt: skip
+    names = {id(p): n for n, p in tr.model.named_parameters()}
+    groups = [[names[id(p)] for p in g["params"] if names[id(p)] not in tr.copies] for g in tr.optimizer.param_groups]
+    record = {
+        "file": path.name,
+        "bytes": w.record.bytes,
+        "sha256": w.record.sha256,
+        "rng_keys": sorted(rng),
+        "chunks": written,
+        "groups": groups if dp.rank == 0 and tp.rank == 0 else None,  # one rank per stage names its parameters
+    }
     write_atomic(tmp / f"rank-{world.rank:05d}.json", json.dumps(record).encode())
 
 
 def _manifest(tr: Trainer, tmp: Path) -> Manifest:
+    """Rank 0 builds the manifest from every rank's sidecar (it holds only its own stage)."""
     world, dims = tr.mesh.world, tr.mesh.dims
-    files, rng_files = {}, {}
+    files, rng_files, records = {}, {}, []
     for r in range(world.size):
         side = tmp / f"rank-{r:05d}.json"
         if not side.is_file():
@@ -114,27 +137,25 @@ def _manifest(tr: Trainer, tmp: Path) -> Manifest:
         rec = json.loads(side.read_text())
         files[rec["file"]] = {"bytes": rec["bytes"], "sha256": rec["sha256"]}
         rng_files[str(r)] = rec["file"]
+        records.append(rec)
     tensors: dict[str, dict] = {}
-    params = dict(tr.model.named_parameters())
-    for t in range(dims.tp):  # dp replica 0 is world ranks 0 .. tp-1
-        for tkey, fkey, start, length, _ in _chunk_plan(tr, t):
-            name = tkey.split("/", 1)[1]
-            spec = tr.specs[name][t]
-            entry = tensors.setdefault(
-                tkey,
-                {
-                    "global_shape": spec.global_shape,
-                    "dtype": dtype_name(params[name].dtype),
-                    "dim": spec.dim,
-                    "chunks": [],
-                },
-            )
-            entry["chunks"].append(Chunk(rank_file(t), fkey, start, length))
+    for kind in KINDS:  # parameters, then each moment; stage by stage within each
+        for rec in records:
+            for c in rec["chunks"]:
+                if not c["tensor"].startswith(f"{kind}/"):
+                    continue
+                entry = tensors.setdefault(
+                    c["tensor"],
+                    {"global_shape": tuple(c["global_shape"]), "dtype": c["dtype"], "dim": c["dim"], "chunks": []},
+                )
+                entry["chunks"].append(Chunk(rec["file"], c["key"], c["start"], c["length"]))
     opt = tr.optimizer
-    names = {id(p): n for n, p in tr.model.named_parameters()}
     groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-        for g in opt.param_groups
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [n for rec in records if rec["groups"] is not None for n in rec["groups"][i]],
+        }
+        for i, g in enumerate(opt.param_groups)
     ]
     extra = {
         "history": tr.history,
@@ -160,7 +181,8 @@ def _manifest(tr: Trainer, tmp: Path) -> Manifest:
         step=tr.step,
         model=asdict(tr.model_cfg),
         plan=plan_summary(tr.model_cfg),
-        layout={"tp": dims.tp, "dp": dims.dp},
+        layout={"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
+        pipeline=(tr.layout or StageLayout.build(tr.model_cfg.num_layers, 1)).to_dict(),
         tensors={
             k: TensorEntry(tuple(v["global_shape"]), v["dtype"], v["dim"], tuple(v["chunks"]))
             for k, v in tensors.items()
