@@ -1,5 +1,6 @@
-"""Training config (TOML, validation naming fields and numbers), the token file, the
-dp-aware sampler (the same global batches at any dp), the RNG seeds and the LR schedule."""
+"""Training config (TOML, validation naming fields and numbers, the pipeline fields and
+the `--layout` form), the token file, the dp-aware sampler (the same global batches at any
+dp), the RNG seeds and the LR schedule."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from shardwise.train import (
     write_token_file,
 )
 from train_helpers import ROOT
+
+_PP = "[model]\nnum_layers = 4\n[parallel]\n"
+"""A config's [model] (4 layers) and the start of its [parallel]; the data section follows."""
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -58,11 +62,81 @@ def test_paths_are_relative_to_the_config_file(tmp_path):
         ('[data]\ntokens = "t"\n[parallel]\ndp_sync = "nccl"\n', "parallel.dp_sync must be one of"),
         ('[data]\ntokens = "t"\nseq_len = 600\n', "data.seq_len=600 exceeds model.max_positions=512"),
         ("[data\n", "invalid TOML"),
+        # the pipeline fields: one line naming the numbers and the valid choices
+        (_PP + "pp = 5\n", r"parallel: pp=5 is more than the model's 4 layers; valid pp sizes: 1, 2, 3, 4$"),
+        (_PP + "pp = 2\npp_layers = [3, 2]\n", r"pp_layers=\[3, 2\] adds up to 5 layers, but the model has 4$"),
+        (_PP + "pp = 2\npp_layers = [4]\n", r"pp_layers=\[4\] has 1 entries; pp=2 x virtual_stages=1 needs 2$"),
+        (
+            _PP + 'pp = 2\nschedule = "interleaved"\nvirtual_stages = 2\n[data]\ntokens = "t"\nmicrobatches = 1\n',
+            r"multiple of pp=2 .*; got 1; valid: 2, 4, 6, \.\.\.; or use '1f1b'",
+        ),
+        (
+            _PP + "pp = 2\nvirtual_stages = 2\n",
+            "schedule '1f1b' runs one model chunk per rank: virtual_stages must be 1",
+        ),
+        (_PP + 'schedule = "interleaved"\nvirtual_stages = 2\n', "virtual_stages=2 needs pp > 1; at pp=1 there is no"),
+        (_PP + 'pp = 2\ndp_sync = "ddp"\n', "dp_sync='ddp' runs forward through DistributedDataParallel"),
+        (
+            '[data]\ntokens = "t"\nglobal_batch_size = 12\nmicrobatches = 5\n',
+            "global_batch_size=12 does not split into dp=1 x data.microbatches=5 micro-batches; valid microbatches: "
+            "1, 2, 3, 4, 6, 12$",
+        ),
     ],
 )
 def test_bad_configs_name_the_field(tmp_path, text, message):
+    if text.startswith(_PP) and "[data]" not in text:
+        text += '[data]\ntokens = "t"\n'
     with pytest.raises(ConfigError, match=message):
         TrainConfig.from_toml(_write(tmp_path, text))
+
+
+def test_pipeline_fields_the_stages_and_micro_batches():
+    raw = {"data": {"tokens": "t", "global_batch_size": 8, "microbatches": 4}, "model": {"num_layers": 5}}
+    cfg = TrainConfig.from_dict({**raw, "parallel": {"pp": 2, "dp": 2}})
+    assert cfg.data.micro_batch_size == 1 and cfg.data.grad_accum(2) == 4  # m = microbatches, per dp rank
+    assert cfg.check_stages(5).layers == (3, 2) and cfg.parallel.world_size == 4
+    cfg = TrainConfig.from_dict({**raw, "parallel": {"pp": 2, "pp_layers": [1, 4], "tp": 2}})
+    assert cfg.check_stages(5).layers == (1, 4) and cfg.data.micro_batch_size == 2
+    with pytest.raises(ConfigError, match=r"pp=2 is more than the model's 1 layers; valid pp sizes: 1$"):
+        TrainConfig.from_dict({**raw, "parallel": {"pp": 2}}).check_stages(1)  # a pretrained model's count
+
+
+@pytest.mark.parametrize("text", ["tp=2,pp=2,dp=1", "pp=2", " dp=4 , tp=1 ", "tp=8,pp=1,dp=1"])
+def test_layout_strings_round_trip(text):
+    from shardwise.cli.train import parse_layout
+    from shardwise.train import ParallelSection
+
+    layout = parse_layout(text)
+    assert parse_layout(ParallelSection(**layout).layout()) == {"tp": 1, "pp": 1, "dp": 1, **layout}
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("tp=2,ep=2", "unknown key 'ep'; valid keys: tp, pp, dp; the form is tp=N,pp=N,dp=N"),
+        ("tp=0", "tp must be a positive integer, got '0'"),
+        ("tp=2,pp=-1", "pp must be a positive integer, got '-1'"),
+        ("tp=2,tp=2", "tp is given twice"),
+        ("tp2", "'tp2' is not key=value"),
+        ("", "'' is not key=value"),
+        ("tp=2,", "'' is not key=value"),
+    ],
+)
+def test_bad_layout_strings_are_refused_naming_the_form(text, message):
+    from shardwise.cli.train import parse_layout
+
+    with pytest.raises(ValueError, match=message) as e:
+        parse_layout(text)
+    assert str(e.value).startswith(f"--layout {text!r}: ") and str(e.value).endswith("e.g. tp=2,pp=2,dp=1")
+
+
+def test_pp_layers_flag():
+    from shardwise.cli.train import parse_pp_layers
+
+    assert parse_pp_layers("5,3") == [5, 3] and parse_pp_layers(" 1, 2 ,1") == [1, 2, 1]
+    for bad in ("5;3", "5,0", "5,", "a"):
+        with pytest.raises(ValueError, match=f"--pp-layers {bad!r}: give the decoder layers of each stage"):
+            parse_pp_layers(bad)
 
 
 def test_every_config_field_is_documented():
