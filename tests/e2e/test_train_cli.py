@@ -1,14 +1,13 @@
 """`shardwise train` and `shardwise checkpoint` end to end, in subprocesses, as a user runs
 them: train at tp=2 on the shipped corpus, reshard the checkpoint to tp=4, export it to a
 Hugging Face directory that transformers loads (same logits as the trained weights) and
-that `shardwise generate` runs; train in two pipeline stages (pp=2, and tp=2 x pp=2 from
-`--layout`), losses equal to one process's; and bad input, pipeline input included, fails
-with one line before any rank starts."""
+that `shardwise generate` runs; train in two pipeline stages from `--layout`, losses equal
+to one process's; and bad input, pipeline input included, fails with one line before any
+rank starts."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -176,44 +175,46 @@ def _one_process_losses(config: Path, steps: int, **parallel) -> list[float]:
     return [train_step(tr).loss for _ in range(steps)]
 
 
-def test_train_in_two_pipeline_stages(pp_tokens, tmp_path):
+def test_train_in_two_pipeline_stages_from_a_layout(pp_tokens, tmp_path):
+    """One real pipeline run (2 ranks, uneven split, p2p_check on): its JSON summary, its log
+    lines and what the command prints from that summary; losses equal one process's."""
+    from shardwise.cli import train as cli
+    from shardwise.train import TrainConfig, model_config
+
     config = _pp_toml(tmp_path, pp_tokens)
-    out = run_cli("train", "--config", config, "--no-progress")
+    args = ["--layout", "tp=1,pp=2,dp=1", "--pp-layers", "3,1", "--p2p-check"]
+    out = run_cli("train", "--config", config, *args, "--no-progress", "--json")
     assert out.returncode == 0, out.stderr
-    assert (
-        f"tp=1 x pp=2 x dp=1 (gloo), 1f1b schedule, m=4 micro-batches of 2, layers [2, 2], steps to {PP_STEPS}"
-        in out.stdout
-    )
+    summary = json.loads(out.stdout)
+    expect = {"tp": 1, "pp": 2, "dp": 1, "layout": "tp=1,pp=2,dp=1", "schedule": "1f1b", "virtual_stages": 1}
+    expect |= {"microbatches": 4, "micro_batch_size": 2, "pp_layers": [3, 1], "p2p_check": True, "backend": "gloo"}
+    assert {k: summary[k] for k in expect} == expect
+    assert summary["bubble"] == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
     assert "tp=1 x pp=2 x dp=1, 4 micro-step(s) of 2 x 32 tokens" in out.stderr
-    assert "pipeline: 1f1b schedule, 4 micro-batches; stage 0: layers 0-1 + embed; stage 1: layers 2-3 + norm" in (
+    assert "pipeline: 1f1b schedule, 4 micro-batches; stage 0: layers 0-2 + embed; stage 1: layers 3 + norm" in (
         out.stderr
     )
     assert f"step 3/{PP_STEPS}  loss " in out.stderr
-    assert "pipeline: tp=1,pp=2,dp=1, 1f1b schedule, m=4, layers [2, 2]; bubble at equal stage times 0.20" in (
-        out.stdout
-    )  # (p - 1) / (m + p - 1) = 1/5
+
     ckpt = tmp_path / "run" / "checkpoints" / f"step-{PP_STEPS:08d}"
-    assert f"checkpoint: {ckpt}" in out.stdout
+    assert summary["checkpoint"] == str(ckpt) and summary["steps_run"] == PP_STEPS
     losses = [loss for _, loss in CheckpointReader(ckpt).manifest.extra["history"]]
+    assert losses[0] == summary["first_loss"] and losses[-1] == summary["loss"] < summary["first_loss"]
     ref = _one_process_losses(config, PP_STEPS)
-    assert len(losses) == PP_STEPS and losses[-1] < losses[0]
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < LOSS_TOL, (losses, ref)
 
-
-def test_train_the_planners_layout_tp2_pp2_interleaved_with_p2p_check(pp_tokens, tmp_path):
-    config = _pp_toml(tmp_path, pp_tokens)
-    args = ["--layout", "tp=2,pp=2,dp=1", "--schedule", "interleaved", "--virtual-stages", "2"]
-    out = run_cli("train", "--config", config, *args, "--pp-layers", "1,1,1,1", "--p2p-check", "--json")
-    assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout)
-    expect = {"tp": 2, "pp": 2, "dp": 1, "layout": "tp=2,pp=2,dp=1", "schedule": "interleaved", "virtual_stages": 2}
-    expect |= {"microbatches": 4, "micro_batch_size": 2, "pp_layers": [1, 1, 1, 1], "p2p_check": True}
-    assert {k: summary[k] for k in expect} == expect
-    assert summary["bubble"] == pytest.approx(1 / 9, abs=1e-4)  # (p - 1) / (v m + p - 1)
-    assert summary["steps_run"] == PP_STEPS and summary["loss"] < summary["first_loss"]
-    ref = _one_process_losses(config, PP_STEPS)
-    assert math.isclose(summary["first_loss"], ref[0], abs_tol=LOSS_TOL), (summary["first_loss"], ref[0])
-    assert math.isclose(summary["loss"], ref[-1], abs_tol=LOSS_TOL), (summary["loss"], ref[-1])
+    cfg = TrainConfig.from_toml(config).replace(parallel={"pp_layers": [3, 1]})
+    first = cli.startup_line(cfg, model_config(cfg), pp_tokens, "gloo")
+    assert f"tp=1 x pp=2 x dp=1 (gloo), 1f1b schedule, m=4 micro-batches of 2, layers [3, 1], steps to {PP_STEPS}" in (
+        first
+    )
+    lines = cli.summary_lines(summary, cfg)
+    assert lines[0].startswith(f"trained steps 1..{PP_STEPS}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, ")
+    assert lines[1:] == [
+        "pipeline: tp=1,pp=2,dp=1, 1f1b schedule, m=4, layers [3, 1]; bubble at equal stage times 0.20",
+        f"checkpoint: {ckpt}",
+        f"loss curve: {tmp_path / 'run' / 'loss.png'}",
+    ]
 
 
 _TORCHRUN_2 = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}

@@ -20,7 +20,18 @@ from pathlib import Path
 from shardwise.cli.common import fail, job
 from shardwise.comm import Communicator
 
-__all__ = ["add_parser", "run", "run_training", "prepare", "train_backend", "parse_layout", "parse_pp_layers"]
+__all__ = [
+    "add_parser",
+    "run",
+    "run_training",
+    "prepare",
+    "train_backend",
+    "parse_layout",
+    "parse_pp_layers",
+    "pipeline_summary",
+    "startup_line",
+    "summary_lines",
+]
 
 LAYOUT_KEYS = ("tp", "pp", "dp")
 _LAYOUT_FORM = "the form is tp=N,pp=N,dp=N (any of the three, as `shardwise plan` prints), e.g. tp=2,pp=2,dp=1"
@@ -259,7 +270,31 @@ def run_training(cfg, *, timeout_s: float | None = None, p2p_check: bool = False
     return run_job(_train_rank, cfg.parallel.world_size, args=(cfg, p2p_check), backend=backend, timeout_s=timeout)
 
 
-def _startup_line(cfg, model_cfg, tokens, backend: str) -> str:
+def summary_lines(result: dict, cfg) -> list[str]:
+    """What the command prints at the end, from rank 0's summary (`run_training`'s dict)."""
+    lines = []
+    if result["steps_run"]:
+        lines.append(
+            f"trained steps {result['step'] - result['steps_run'] + 1}..{result['step']}: loss "
+            f"{result['first_loss']:.4f} -> {result['loss']:.4f}, {result['tokens_per_s']:,.0f} tokens/s, "
+            f"{result['ms_per_step']:.1f} ms/step"
+        )
+    else:
+        lines.append(f"nothing to do: already at step {result['step']} (run.steps={cfg.run.steps})")
+    if result["pp"] > 1:
+        lines.append(
+            f"pipeline: {result['layout']}, {result['schedule']} schedule, m={result['microbatches']}, layers "
+            f"{result['pp_layers']}; bubble at equal stage times {result['bubble']:.2f}"
+        )
+    if result["checkpoint"]:
+        lines.append(f"checkpoint: {result['checkpoint']}")
+    if result["plot"]:
+        lines.append(f"loss curve: {result['plot']}")
+    return lines
+
+
+def startup_line(cfg, model_cfg, tokens, backend: str) -> str:
+    """The command's first line: the model, the data and the layout (before any rank starts)."""
     par = cfg.parallel
     line = (
         f"train: {model_cfg.family} ({model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, "
@@ -286,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, DataError, ShardError, CheckpointError, OSError, ValueError) as e:
         return fail(str(e))
     if not args.json:
-        print(_startup_line(cfg, model_cfg, tokens, backend), flush=True)
+        print(startup_line(cfg, model_cfg, tokens, backend), flush=True)
     fn = _train_rank_p2p_check if args.p2p_check else _train_rank
     result = job(fn, cfg.parallel.world_size, cfg, backend=backend, timeout_s=cfg.parallel.timeout_s)
     if result is None:  # a non-zero rank under an external launcher
@@ -294,21 +329,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    if result["steps_run"]:
-        print(
-            f"trained steps {result['step'] - result['steps_run'] + 1}..{result['step']}: loss "
-            f"{result['first_loss']:.4f} -> {result['loss']:.4f}, {result['tokens_per_s']:,.0f} tokens/s, "
-            f"{result['ms_per_step']:.1f} ms/step"
-        )
-    else:
-        print(f"nothing to do: already at step {result['step']} (run.steps={cfg.run.steps})")
-    if result["pp"] > 1:
-        print(
-            f"pipeline: {result['layout']}, {result['schedule']} schedule, m={result['microbatches']}, layers "
-            f"{result['pp_layers']}; bubble at equal stage times {result['bubble']:.2f}"
-        )
-    if result["checkpoint"]:
-        print(f"checkpoint: {result['checkpoint']}")
-    if result["plot"]:
-        print(f"loss curve: {result['plot']}")
+    for line in summary_lines(result, cfg):
+        print(line)
     return 0
