@@ -239,8 +239,8 @@ _LAYOUT_FORM = "the form is tp=N,pp=N,dp=N (any of the three, as `shardwise plan
         (
             ["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "1"],
             {},
-            "parallel.schedule: interleaved 1F1B needs microbatches to be a multiple of pp=2 (they run in groups "
-            "of pp through each chunk); got 1; valid: 2, 4, 6, ...; or use '1f1b', which takes any",
+            "parallel.schedule='interleaved' needs the micro-batches per step (m=1) to be a multiple of pp=2; "
+            "valid data.microbatches for global_batch_size=8 at dp=1: 2, 4, 8; or use '1f1b', which takes any",
         ),
         (
             ["--virtual-stages", "2"],

@@ -68,7 +68,8 @@ def test_paths_are_relative_to_the_config_file(tmp_path):
         (_PP + "pp = 2\npp_layers = [4]\n", r"pp_layers=\[4\] has 1 entries; pp=2 x virtual_stages=1 needs 2$"),
         (
             _PP + 'pp = 2\nschedule = "interleaved"\nvirtual_stages = 2\n[data]\ntokens = "t"\nmicrobatches = 1\n',
-            r"multiple of pp=2 .*; got 1; valid: 2, 4, 6, \.\.\.; or use '1f1b'",
+            r"\(m=1\) to be a multiple of pp=2; valid data.microbatches for global_batch_size=\d+ at dp=1: [\d, ]+; "
+            r"or use '1f1b'",
         ),
         (
             _PP + "pp = 2\nvirtual_stages = 2\n",

@@ -11,7 +11,7 @@ from typing import Any
 
 from shardwise.comm import DEFAULT_TIMEOUT_S
 from shardwise.engine.text import DEFAULT_MODEL
-from shardwise.launch import LaunchError, RankFailedError, run_job
+from shardwise.launch import JobTimeoutError, LaunchError, RankFailedError, run_job
 from shardwise.log import setup_logging
 
 __all__ = ["add_model_args", "add_run_args", "resolve_model", "fail", "job", "CliError"]
@@ -84,6 +84,9 @@ def job(
     except RankFailedError as e:
         print(f"shardwise: error: rank {e.rank} failed: {e.summary}", file=sys.stderr)
         print(e.detail, file=sys.stderr)
+        raise CliError(1) from None
+    except JobTimeoutError as e:
+        print(f"shardwise: error: {e}", file=sys.stderr)
         raise CliError(1) from None
     except LaunchError as e:
         raise CliError(fail(str(e))) from None

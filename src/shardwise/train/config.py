@@ -303,10 +303,19 @@ class TrainConfig:
         if self.parallel.pp > 1:
             from shardwise.pipeline import ScheduleConfig, ScheduleError
 
-            par = self.parallel
+            par, m = self.parallel, self.data.grad_accum(self.parallel.dp)
             try:
-                ScheduleConfig(par.schedule, par.pp, self.data.grad_accum(par.dp), par.virtual_stages)
+                ScheduleConfig(par.schedule, par.pp, m, par.virtual_stages)
             except ScheduleError as e:
+                if par.schedule == "interleaved" and par.virtual_stages > 1 and m % par.pp:
+                    per_rank = self.data.global_batch_size // par.dp  # sequences per dp rank per step
+                    valid = [k for k in range(par.pp, per_rank + 1, par.pp) if per_rank % k == 0]
+                    raise ConfigError(
+                        f"parallel.schedule='interleaved' needs the micro-batches per step (m={m}) to be a multiple "
+                        f"of pp={par.pp}; valid data.microbatches for global_batch_size="
+                        f"{self.data.global_batch_size} at dp={par.dp}: {', '.join(map(str, valid)) or 'none'}; "
+                        "or use '1f1b', which takes any"
+                    ) from None
                 raise ConfigError(f"parallel.schedule: {e}") from None
         if self.model.pretrained is None:
             self.check_stages(self.model.num_layers)

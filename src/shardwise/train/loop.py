@@ -205,8 +205,9 @@ def train(
     )
     if tr.pipeline is not None:
         log.info(
-            "pipeline: %s schedule, %d micro-batches; %s",
-            cfg.parallel.schedule, tr.sampler.grad_accum, tr.layout.describe(),
+            "pipeline: %s schedule, %d micro-batch%s; %s",
+            cfg.parallel.schedule, tr.sampler.grad_accum, "" if tr.sampler.grad_accum == 1 else "es",
+            tr.layout.describe(),
         )  # fmt: skip
     bar = tqdm(total=run.steps, initial=tr.step, desc="train", unit="step", disable=not (lead and run.progress))
     result = TrainResult(history=tr.history, step=tr.step)
