@@ -214,7 +214,7 @@ def test_pipeline_training_on_mpi_matches_single_process(tokens, reference, tmp_
         "2x2x1 1f1b m=5 tied": _cfg(tokens, tmp_path, 2, 2, 1, 4, "1f1b", 5, tied=True),
         "2x2x1 interleaved m=4": _cfg(tokens, tmp_path, 2, 2, 1, 4, "interleaved", 4, v=2),
         "1x4x1 gpipe m=4": _cfg(tokens, tmp_path, 1, 4, 1, 4, "gpipe", 4),
-        "1x4x1 1f1b m=9 tied split": _cfg(tokens, tmp_path, 1, 4, 1, 5, "1f1b", 9, tied=True),
+        "1x4x1 1f1b m=9 tied, 5 layers [2, 1, 1, 1]": _cfg(tokens, tmp_path, 1, 4, 1, 5, "1f1b", 9, tied=True),
     }
     results = launch(train_many, 4, args=(list(variants.values()),), backend="mpi", timeout_s=120)
     assert all(r[0]["backend"] == "mpi" for r in results)
