@@ -14,8 +14,11 @@ from shardwise.comm.dims import Mesh, ParallelDims, tp_only
 from shardwise.comm.regions import (
     copy_to_region,
     gather_from_region,
+    gather_from_sequence,
     reduce_from_region,
+    reduce_scatter_to_sequence,
     scatter_to_region,
+    scatter_to_sequence,
 )
 
 __all__ = [
@@ -36,4 +39,7 @@ __all__ = [
     "gather_from_region",
     "reduce_from_region",
     "scatter_to_region",
+    "gather_from_sequence",
+    "reduce_scatter_to_sequence",
+    "scatter_to_sequence",
 ]

@@ -8,6 +8,14 @@ Where they sit in a tensor-parallel MLP  Y = GeLU(X A) B,  A = [A_1 .. A_p] by c
 B = [B_1; ..; B_p] by rows:
 
     X --copy_to_region--> X A_i --GeLU--> (X A_i) B_i --reduce_from_region--> Y
+
+Sequence parallelism (Korthikanti et al., 2022) keeps the tensors between the regions
+split along the sequence (dim 1 of (batch, seq, hidden)) instead of whole on every rank:
+each all-reduce becomes a reduce-scatter and an all-gather of the same volume,
+
+    X_i --gather_from_sequence--> X A_j --GeLU--> (X A_j) B_j --reduce_scatter_to_sequence--> Y_i
+
+so the norms and residual adds between regions run on T / p positions per rank.
 """
 
 from __future__ import annotations
@@ -25,7 +33,20 @@ __all__ = [
     "ReduceFromRegion",
     "GatherFromRegion",
     "ScatterToRegion",
+    "SEQ_DIM",
+    "gather_from_sequence",
+    "reduce_scatter_to_sequence",
+    "scatter_to_sequence",
+    "GatherFromSequence",
+    "ReduceScatterToSequence",
+    "ScatterToSequence",
+    "all_gather_sequence",
+    "reduce_scatter_sequence",
+    "check_sequence",
 ]
+
+SEQ_DIM = 1
+"""The sequence dim of every activation sequence parallelism splits: (batch, seq, ...)."""
 
 
 class CopyToRegion(torch.autograd.Function):
@@ -81,6 +102,50 @@ class ScatterToRegion(torch.autograd.Function):
         return ctx.comm.all_gather(grad.contiguous(), dim=-1), None
 
 
+class GatherFromSequence(torch.autograd.Function):
+    """Forward: all-gather the sequence shards (dim 1), T / p -> T positions. Backward:
+    reduce-scatter the gradient along dim 1 (every rank's consumer used the whole sequence,
+    so each holds a partial sum of the gradient of every position)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return all_gather_sequence(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return reduce_scatter_sequence(grad, ctx.comm), None
+
+
+class ReduceScatterToSequence(torch.autograd.Function):
+    """Forward: sum the partial results over the group and keep this rank's sequence chunk
+    (dim 1), T -> T / p positions. Backward: all-gather the gradient along dim 1."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return reduce_scatter_sequence(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather_sequence(grad, ctx.comm), None
+
+
+class ScatterToSequence(torch.autograd.Function):
+    """Forward: keep this rank's chunk of a replicated tensor's sequence (dim 1). Backward:
+    all-gather the gradient (each rank's chunk of it), so the producer sees the whole one."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        check_sequence(x.shape[SEQ_DIM], comm)
+        return x.chunk(comm.size, dim=SEQ_DIM)[comm.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather_sequence(grad, ctx.comm), None
+
+
 def _needs_grad(x: torch.Tensor) -> bool:
     # Without autograd (inference) the Functions' forwards are called directly: an
     # autograd.Function.apply costs several microseconds, four times per layer per token.
@@ -125,3 +190,46 @@ def _local_chunk(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
         raise ValueError(f"last dim {last} is not divisible by group {comm.name!r} of size {comm.size}")
     width = last // comm.size
     return x[..., comm.rank * width : (comm.rank + 1) * width].contiguous()
+
+
+def gather_from_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """(B, T / p, ...) -> (B, T, ...): all-gather forward, reduce-scatter backward."""
+    if comm.size == 1:
+        return x
+    return GatherFromSequence.apply(x, comm) if _needs_grad(x) else all_gather_sequence(x, comm)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """(B, T, ...) partial sums -> (B, T / p, ...) summed: reduce-scatter forward, all-gather backward."""
+    if comm.size == 1:
+        return x
+    return ReduceScatterToSequence.apply(x, comm) if _needs_grad(x) else reduce_scatter_sequence(x, comm)
+
+
+def scatter_to_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """(B, T, ...) replicated -> (B, T / p, ...) this rank's chunk: no collective forward, all-gather backward."""
+    return x if comm.size == 1 else ScatterToSequence.apply(x, comm)
+
+
+def check_sequence(length: int, comm: Communicator) -> None:
+    """Raise (one line, the numbers) unless `length` positions split evenly over the group."""
+    if length % comm.size:
+        raise ValueError(
+            f"sequence parallelism: sequence length {length} is not a multiple of group {comm.name!r} of "
+            f"size {comm.size}; use a length that is (e.g. {length - length % comm.size or comm.size})"
+        )
+
+
+def all_gather_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """The sequence shards of (B, T / p, ...) concatenated along dim 1 (no autograd)."""
+    if x.shape[0] == 1:  # NOTE: one row: gather along its leading dim, with no reordering copy
+        return comm.all_gather(x[0], dim=0).unsqueeze(0)
+    return comm.all_gather(x, dim=SEQ_DIM)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """(B, T, ...) summed over the group, this rank's chunk of dim 1 (no autograd)."""
+    check_sequence(x.shape[SEQ_DIM], comm)
+    if x.shape[0] == 1:
+        return comm.reduce_scatter(x[0], dim=0).unsqueeze(0)
+    return comm.reduce_scatter(x, dim=SEQ_DIM)

@@ -5,6 +5,7 @@ from shardwise.layers.fused import MergedColumnParallelLinear, QKVParallelLinear
 from shardwise.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardwise.layers.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from shardwise.layers.partition import HeadLayout, ShardError, divide, padded_size, shard_range, valid_tp_sizes
+from shardwise.layers.sequence import SequenceParallelLinear, sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec, model_shard_specs
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "VocabShard",
     "VocabParallelCrossEntropy",
     "vocab_parallel_cross_entropy",
+    "SequenceParallelLinear",
+    "sequence_parallel_linear",
     "HeadLayout",
     "ShardSpec",
     "model_shard_specs",

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region, gather_from_region, reduce_from_region
+from shardwise.comm.regions import reduce_scatter_to_sequence
 from shardwise.layers.partition import padded_size
+from shardwise.layers.sequence import sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelLMHead", "VocabShard"]
@@ -48,7 +50,12 @@ class VocabShard:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by vocabulary rows; forward all-reduces the partial lookups."""
+    """Embedding table split by vocabulary rows; forward all-reduces the partial lookups.
+
+    sequence_parallel = True: the partial lookups are reduce-scattered along the sequence
+    instead, returning this rank's (B, T/p, D) shard."""
+
+    sequence_parallel: bool = False
 
     def __init__(
         self,
@@ -88,6 +95,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < s.start) | (ids >= s.end)  # (...,) ids another rank holds
         local_ids = (ids - s.start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0)  # (..., D)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.comm)  # (B, T/p, D): reduce-scatter fwd, all-gather bwd
         return reduce_from_region(out, self.comm, inplace=True)  # all-reduce fwd (in place), identity bwd
 
     def extra_repr(self) -> str:
@@ -103,7 +112,12 @@ class VocabParallelLMHead(nn.Module):
     forward returns this rank's (..., V_pad/p) logits with padded columns at -inf, ready
     for vocab_parallel_cross_entropy; with gather_output=True it returns the full
     (..., vocab_size) logits instead.
+
+    sequence_parallel = True: the input is this rank's sequence shard (B, T/p, D), all-gathered
+    by sequence_parallel_linear; the logits cover the whole sequence.
     """
+
+    sequence_parallel: bool = False
 
     def __init__(
         self,
@@ -167,8 +181,11 @@ class VocabParallelLMHead(nn.Module):
         return specs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_region(x, self.comm)  # (..., D)   identity fwd, all-reduce bwd
-        logits = F.linear(x, self.weight, self.bias)  # (..., V_pad/p)
+        if self.sequence_parallel:
+            logits = sequence_parallel_linear(x, self.weight, self.bias, self.comm)  # (B, T/p, D) -> (B, T, V_pad/p)
+        else:
+            x = copy_to_region(x, self.comm)  # (..., D)   identity fwd, all-reduce bwd
+            logits = F.linear(x, self.weight, self.bias)  # (..., V_pad/p)
         n_real = self.shard.real_end - self.shard.start
         if n_real < self.shard.local:  # NOTE: only ranks holding padded rows pay for the mask
             pad = torch.arange(self.shard.local, device=logits.device) >= n_real

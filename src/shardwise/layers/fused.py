@@ -21,6 +21,7 @@ from torch import nn
 from shardwise.comm import Communicator, copy_to_region
 from shardwise.layers.linear import _init_
 from shardwise.layers.partition import HeadLayout, ShardError, divide, shard_range
+from shardwise.layers.sequence import sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec
 
 __all__ = ["QKVParallelLinear", "MergedColumnParallelLinear", "SumReplicaGrads"]
@@ -33,7 +34,12 @@ class QKVParallelLinear(nn.Module):
     as [q | k | v]. When tp > num_kv_heads, each KV head is replicated on
     tp / num_kv_heads ranks (see HeadLayout); in training, the replicas' weight
     gradients are summed so that every replica takes the same optimizer step.
+
+    sequence_parallel = True: the input is this rank's sequence shard (B, T/p, hidden),
+    all-gathered in forward by sequence_parallel_linear.
     """
+
+    sequence_parallel: bool = False
 
     def __init__(
         self,
@@ -135,6 +141,8 @@ class QKVParallelLinear(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return self._sequence_parallel_forward(x)
         x = copy_to_region(x, self.comm)  # (..., hidden)   identity fwd, all-reduce bwd
         if self.layout.kv_replicas == 1 or not (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)  # (..., q + 2kv)
@@ -146,6 +154,17 @@ class QKVParallelLinear(nn.Module):
         w_kv = SumReplicaGrads.apply(w_kv, self.comm, self.layout)
         b_kv = SumReplicaGrads.apply(b_kv, self.comm, self.layout) if b_kv is not None else None
         return torch.cat([F.linear(x, w_q, b_q), F.linear(x, w_kv, b_kv)], dim=-1)
+
+    def _sequence_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T/p, hidden) -> (B, T, q + 2kv): one all-gather; replicated KV rows summed in backward."""
+        w, b = self.weight, self.bias
+        if self.layout.kv_replicas > 1 and torch.is_grad_enabled() and w.requires_grad:
+            w_q, w_kv = w.split([self.q_size, 2 * self.kv_size])
+            w = torch.cat([w_q, SumReplicaGrads.apply(w_kv, self.comm, self.layout)])
+            if b is not None:
+                b_q, b_kv = b.split([self.q_size, 2 * self.kv_size])
+                b = torch.cat([b_q, SumReplicaGrads.apply(b_kv, self.comm, self.layout)])
+        return sequence_parallel_linear(x, w, b, self.comm)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, head_dim={self.head_dim}, {self.layout}, bias={self.bias is not None}"
@@ -175,7 +194,12 @@ class MergedColumnParallelLinear(nn.Module):
 
     Output on each rank: [Y_1,i | Y_2,i | ...] with Y_k,i = X A_k,i, so `chunk(len(sizes))`
     recovers the parts when they are equal in size, sharded or not.
+
+    sequence_parallel = True: the input is this rank's sequence shard (B, T/p, in),
+    all-gathered in forward by sequence_parallel_linear.
     """
+
+    sequence_parallel: bool = False
 
     def __init__(
         self,
@@ -245,6 +269,8 @@ class MergedColumnParallelLinear(nn.Module):
         return specs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return sequence_parallel_linear(x, self.weight, self.bias, self.comm)  # (B, T/p, in) -> (B, T, sum/p)
         x = copy_to_region(x, self.comm)  # (..., in)   identity fwd, all-reduce bwd
         return F.linear(x, self.weight, self.bias)  # (..., sum(out)/p)
 

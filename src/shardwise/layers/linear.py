@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region, gather_from_region, reduce_from_region
+from shardwise.comm.regions import reduce_scatter_to_sequence
 from shardwise.layers.partition import divide, shard_range
+from shardwise.layers.sequence import sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -42,6 +44,9 @@ class ColumnParallelLinear(nn.Module):
     The input must be replicated across the group. Forward is purely local; backward
     all-reduces dL/dX (copy_to_region). With gather_output=True the output is
     all-gathered to the full width (for a final layer whose consumer needs all of it).
+
+    sequence_parallel=True: the input is this rank's sequence shard (B, T/p, in), all-gathered
+    in forward (reduce-scattered in backward) by sequence_parallel_linear.
     """
 
     def __init__(
@@ -52,6 +57,7 @@ class ColumnParallelLinear(nn.Module):
         comm: Communicator,
         bias: bool = True,
         gather_output: bool = False,
+        sequence_parallel: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -59,6 +65,7 @@ class ColumnParallelLinear(nn.Module):
         self.comm = comm
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         local_out = divide(out_features, comm.size, what="out_features")
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))  # (out/p, in)
         self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
@@ -66,7 +73,9 @@ class ColumnParallelLinear(nn.Module):
             _init_(self.weight, self.bias, in_features)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, comm: Communicator, gather_output: bool = False) -> ColumnParallelLinear:
+    def from_linear(
+        cls, linear: nn.Linear, *, comm: Communicator, gather_output: bool = False, sequence_parallel: bool = False
+    ) -> ColumnParallelLinear:
         """This rank's column slice of an existing nn.Linear (its rows of `weight`)."""
         layer = cls(
             linear.in_features,
@@ -74,6 +83,7 @@ class ColumnParallelLinear(nn.Module):
             comm=comm,
             bias=linear.bias is not None,
             gather_output=gather_output,
+            sequence_parallel=sequence_parallel,
             device="meta",
             dtype=linear.weight.dtype,
         )
@@ -94,8 +104,11 @@ class ColumnParallelLinear(nn.Module):
         return specs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_region(x, self.comm)  # (..., in)        identity fwd, all-reduce bwd
-        y = F.linear(x, self.weight, self.bias)  # (..., out/p)
+        if self.sequence_parallel:
+            y = sequence_parallel_linear(x, self.weight, self.bias, self.comm)  # (B, T/p, in) -> (B, T, out/p)
+        else:
+            x = copy_to_region(x, self.comm)  # (..., in)        identity fwd, all-reduce bwd
+            y = F.linear(x, self.weight, self.bias)  # (..., out/p)
         if self.gather_output:
             y = gather_from_region(y, self.comm)  # (..., out)
         return y
@@ -104,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features} "
             f"(local {self.weight.shape[0]}), tp={self.comm.size}, bias={self.bias is not None}, "
-            f"gather_output={self.gather_output}"
+            f"gather_output={self.gather_output}" + (", sequence_parallel=True" if self.sequence_parallel else "")
         )
 
 
@@ -123,12 +136,14 @@ class RowParallelLinear(nn.Module):
         *,
         comm: Communicator,
         bias: bool = True,
+        sequence_parallel: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.comm = comm
         self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = sequence_parallel
         local_in = divide(in_features, comm.size, what="in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))  # (out, in/p)
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
@@ -136,13 +151,16 @@ class RowParallelLinear(nn.Module):
             _init_(self.weight, self.bias, in_features)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, comm: Communicator) -> RowParallelLinear:
+    def from_linear(
+        cls, linear: nn.Linear, *, comm: Communicator, sequence_parallel: bool = False
+    ) -> RowParallelLinear:
         """This rank's row slice of an existing nn.Linear (its columns of `weight`)."""
         layer = cls(
             linear.in_features,
             linear.out_features,
             comm=comm,
             bias=linear.bias is not None,
+            sequence_parallel=sequence_parallel,
             device="meta",
             dtype=linear.weight.dtype,
         )
@@ -163,7 +181,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)  # (..., in/p) -> (..., out), a partial sum
-        y = reduce_from_region(y, self.comm, inplace=True)  # all-reduce fwd (in place), identity bwd
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.comm)  # (B, T/p, out): reduce-scatter fwd, all-gather bwd
+        else:
+            y = reduce_from_region(y, self.comm, inplace=True)  # all-reduce fwd (in place), identity bwd
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -172,4 +193,5 @@ class RowParallelLinear(nn.Module):
         return (
             f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
             f"tp={self.comm.size}, bias={self.bias is not None}"
+            + (", sequence_parallel=True" if self.sequence_parallel else "")
         )

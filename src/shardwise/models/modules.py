@@ -165,10 +165,12 @@ class Attention(nn.Module):
         start: int = 0,
     ) -> torch.Tensor:
         """x: (B, T, hidden); with a cache, x holds positions [start, start + T) and the
-        mask covers every cached key: (B or 1, 1, T, start + T)."""
-        B, T, _ = x.shape
+        mask covers every cached key: (B or 1, 1, T, start + T). (Under sequence parallelism
+        x holds T / tp positions and qkv gathers the rest: T is read from qkv's output.)"""
         hd = self.head_dim
-        heads = self.qkv(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nq + 2*nkv, T, hd)
+        h = self.qkv(x)  # (B, T, (nq + 2*nkv) * hd)
+        B, T = h.shape[:2]
+        heads = h.view(B, T, -1, hd).transpose(1, 2)  # (B, nq + 2*nkv, T, hd)
         nq = self.o.weight.shape[1] // hd  # local query heads, from o's input width
         nkv = (heads.shape[1] - nq) // 2  # local KV heads
         if self.q_norm is not None:
@@ -183,8 +185,14 @@ class Attention(nn.Module):
             q, k = qk.split([nq, nkv], dim=1)  # (B, nq, T, hd), (B, nkv, T, hd)
         if cache is not None:
             k, v = cache.update(start, k, v)  # (B, nkv, start + T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nq != nkv)  # (B, nq, T, hd)
+        y = self.core(q, k, v, mask)  # (B, nq, T, hd)
         return self.o(y.transpose(1, 2).reshape(B, T, nq * hd))  # (B, T, hidden)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hd), masked) v: the attention core, which selective activation
+        recomputation recomputes in backward (shardwise.train.recompute).
+        q: (B, nq, T, hd); k, v: (B, nkv, S, hd); returns (B, nq, T, hd)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class MLP(nn.Module):

@@ -16,6 +16,8 @@ The lists come from pipeline/schedules.py, whose transfer placement cannot deadl
 blocking point-to-point (pipeline/transfers.py); no isend/irecv is used. Stage boundary
 tensors are (micro_batch, seq, hidden) in the parameters' dtype; each micro-batch has
 the same shape, so the receiver knows what to expect (comm `p2p_check` verifies it).
+Under sequence parallelism (seq_shards = tp) each tp rank sends and receives only its
+(micro_batch, seq / tp, hidden) shard, to the rank of the same tp coordinate.
 
 A received input is a leaf with requires_grad; a stage's output is freed after its
 backward, so a rank holds at most the activations of the micro-batches in flight
@@ -76,11 +78,14 @@ class PipelineRunner:
         hidden_size: int,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         measure_memory: bool = False,
+        seq_shards: int = 1,
     ) -> None:
         if pp.size != layout.pp:
             raise ValueError(f"the pp communicator has {pp.size} ranks, the layout {layout.pp} stages")
         self.model, self.layout, self.pp, self.actions = model, layout, pp, actions
         self.hidden_size, self.autocast, self.measure_memory = hidden_size, autocast, measure_memory
+        self.seq_shards = seq_shards
+        """Sequence parallelism's tp size: a boundary tensor holds T / seq_shards positions."""
         self.ranges = layout.ranges()
         self.last = layout.stages - 1
         self.dtype = next(model.parameters()).dtype
@@ -116,7 +121,7 @@ class PipelineRunner:
 
     def _shape(self, mb: int) -> tuple[int, int, int]:
         B, T = self.batches[mb][0].shape
-        return (B, T, self.hidden_size)
+        return (B, T // self.seq_shards, self.hidden_size)  # sequence parallel: this tp rank's positions
 
     # ---- compute ---------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:

@@ -3,6 +3,7 @@
 from shardwise.sharding.apply import parallelize
 from shardwise.sharding.like import shard_grads_like, shard_like
 from shardwise.sharding.plan import Plan, matches, resolve_plan
+from shardwise.sharding.sequence import enable_sequence_parallel, partial_grad_names, sum_partial_grads
 from shardwise.sharding.styles import (
     QKV,
     STYLE_NAMES,
@@ -10,6 +11,8 @@ from shardwise.sharding.styles import (
     MergedColwise,
     Replicate,
     Rowwise,
+    SequenceScatter,
+    SequenceSharded,
     Style,
     Vocab,
     as_style,
@@ -29,6 +32,11 @@ __all__ = [
     "Replicate",
     "QKV",
     "MergedColwise",
+    "SequenceSharded",
+    "SequenceScatter",
+    "partial_grad_names",
+    "sum_partial_grads",
+    "enable_sequence_parallel",
     "STYLE_NAMES",
     "as_style",
 ]

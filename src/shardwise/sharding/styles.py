@@ -3,6 +3,14 @@
 Each style checks a module against a tp size without touching any communicator
 (`check`), then swaps it for its tensor-parallel twin (`apply`). Styles are small
 frozen dataclasses, so a plan is plain data that the planner can read too.
+
+Sequence parallelism is part of the plan too: the split layers take sequence_parallel=True
+(their input or output is a sequence shard, see shardwise.comm.regions), the modules
+between them that run on the shard are marked "sequence" (norms), and a replicated
+module whose output must be split along the sequence is SequenceScatter (learned
+position embeddings). `partial_grads` names the parameters whose gradient each rank then
+computes from its own positions only, which training sums over tp
+(shardwise.sharding.sequence).
 """
 
 from __future__ import annotations
@@ -11,9 +19,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 from shardwise.comm import Communicator
+from shardwise.comm.regions import scatter_to_sequence
 from shardwise.layers import (
     ColumnParallelLinear,
     HeadLayout,
@@ -26,7 +36,19 @@ from shardwise.layers import (
     valid_tp_sizes,
 )
 
-__all__ = ["Style", "Colwise", "Rowwise", "Vocab", "Replicate", "QKV", "MergedColwise", "STYLE_NAMES", "as_style"]
+__all__ = [
+    "Style",
+    "Colwise",
+    "Rowwise",
+    "Vocab",
+    "Replicate",
+    "QKV",
+    "MergedColwise",
+    "SequenceSharded",
+    "SequenceScatter",
+    "STYLE_NAMES",
+    "as_style",
+]
 
 
 def _require(path: str, module: nn.Module, kinds: tuple[type, ...], style: Style) -> None:
@@ -56,8 +78,18 @@ class Style(ABC):
     def apply(self, module: nn.Module, comm: Communicator) -> nn.Module:
         """This rank's tensor-parallel replacement for `module`."""
 
+    def partial_grads(self, module: nn.Module) -> list[str]:
+        """Names of `module`'s parameters (after apply) whose gradient is a partial sum over
+        tp, each rank having used them on its sequence shard only."""
+        return []
+
     def __str__(self) -> str:
         return self.name
+
+
+def _sequence(layer: nn.Module, on: bool) -> nn.Module:
+    layer.sequence_parallel = on
+    return layer
 
 
 @dataclass(frozen=True)
@@ -67,13 +99,17 @@ class Colwise(Style):
     name: ClassVar[str] = "colwise"
     gather_output: bool = False
     head_dim: int | None = None
+    sequence_parallel: bool = False
+    """The input is a sequence shard, all-gathered in forward."""
 
     def check(self, path, module, tp):
         _require(path, module, (nn.Linear,), self)
         _split(path, "out_features", module.out_features, tp, self.head_dim or 1, "head_dim")
 
     def apply(self, module, comm):
-        return ColumnParallelLinear.from_linear(module, comm=comm, gather_output=self.gather_output)
+        return ColumnParallelLinear.from_linear(
+            module, comm=comm, gather_output=self.gather_output, sequence_parallel=self.sequence_parallel
+        )
 
 
 @dataclass(frozen=True)
@@ -82,13 +118,18 @@ class Rowwise(Style):
 
     name: ClassVar[str] = "rowwise"
     head_dim: int | None = None
+    sequence_parallel: bool = False
+    """The output is reduce-scattered to a sequence shard (and the bias added on it)."""
 
     def check(self, path, module, tp):
         _require(path, module, (nn.Linear,), self)
         _split(path, "in_features", module.in_features, tp, self.head_dim or 1, "head_dim")
 
     def apply(self, module, comm):
-        return RowParallelLinear.from_linear(module, comm=comm)
+        return RowParallelLinear.from_linear(module, comm=comm, sequence_parallel=self.sequence_parallel)
+
+    def partial_grads(self, module):
+        return ["bias"] if self.sequence_parallel and module.bias is not None else []
 
 
 @dataclass(frozen=True)
@@ -98,14 +139,19 @@ class Vocab(Style):
     name: ClassVar[str] = "vocab"
     gather_output: bool = True
     """For an LM head: return full logits (True) or vocab-parallel ones for the loss (False)."""
+    sequence_parallel: bool = False
+    """An embedding's output is reduce-scattered to a sequence shard; an LM head's input is a
+    sequence shard, all-gathered in forward."""
 
     def check(self, path, module, tp):
         _require(path, module, (nn.Embedding, nn.Linear), self)
 
     def apply(self, module, comm):
         if isinstance(module, nn.Embedding):
-            return VocabParallelEmbedding.from_embedding(module, comm=comm)
-        return VocabParallelLMHead.from_linear(module, comm=comm, gather_output=self.gather_output)
+            layer = VocabParallelEmbedding.from_embedding(module, comm=comm)
+        else:
+            layer = VocabParallelLMHead.from_linear(module, comm=comm, gather_output=self.gather_output)
+        return _sequence(layer, self.sequence_parallel)
 
 
 @dataclass(frozen=True)
@@ -128,6 +174,8 @@ class QKV(Style):
     name: ClassVar[str] = "qkv"
     num_heads: int = 0
     num_kv_heads: int = 0
+    sequence_parallel: bool = False
+    """The input is a sequence shard, all-gathered in forward."""
 
     def check(self, path, module, tp):
         _require(path, module, (nn.Linear,), self)
@@ -143,9 +191,10 @@ class QKV(Style):
             raise ShardError(f"{path}: {e}") from None
 
     def apply(self, module, comm):
-        return QKVParallelLinear.from_linear(
+        layer = QKVParallelLinear.from_linear(
             module, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, comm=comm
         )
+        return _sequence(layer, self.sequence_parallel)
 
 
 @dataclass(frozen=True)
@@ -154,6 +203,8 @@ class MergedColwise(Style):
 
     name: ClassVar[str] = "merged_colwise"
     parts: int = 2
+    sequence_parallel: bool = False
+    """The input is a sequence shard, all-gathered in forward."""
 
     def check(self, path, module, tp):
         _require(path, module, (nn.Linear,), self)
@@ -163,10 +214,57 @@ class MergedColwise(Style):
 
     def apply(self, module, comm):
         sizes = [module.out_features // self.parts] * self.parts
-        return MergedColumnParallelLinear.from_linear(module, sizes, comm=comm)
+        return _sequence(MergedColumnParallelLinear.from_linear(module, sizes, comm=comm), self.sequence_parallel)
 
 
-STYLE_NAMES: dict[str, Style] = {s.name: s for s in (Colwise(), Rowwise(), Vocab(), Replicate(), MergedColwise())}
+@dataclass(frozen=True)
+class SequenceSharded(Style):
+    """A replicated module that runs on this rank's sequence shard (a norm between the split
+    layers under sequence parallelism): kept whole, and every parameter's gradient is a
+    partial sum over tp."""
+
+    name: ClassVar[str] = "sequence"
+
+    def check(self, path, module, tp):
+        pass
+
+    def apply(self, module, comm):
+        return module
+
+    def partial_grads(self, module):
+        return [n for n, _ in module.named_parameters()]
+
+
+@dataclass(frozen=True)
+class SequenceScatter(Style):
+    """A replicated module whose (B, T, ...) output is cut to this rank's sequence shard
+    (scatter_to_sequence), e.g. learned position embeddings added to a sequence-parallel
+    token embedding. Its gradient is whole: the backward all-gathers the output's."""
+
+    name: ClassVar[str] = "sequence_scatter"
+
+    def check(self, path, module, tp):
+        pass
+
+    def apply(self, module, comm):
+        module.register_forward_hook(_ScatterOutput(comm))
+        return module
+
+
+class _ScatterOutput:
+    """A forward hook: the module's output, this rank's chunk of its sequence."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def __call__(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        return scatter_to_sequence(output, self.comm)
+
+
+STYLE_NAMES: dict[str, Style] = {
+    s.name: s
+    for s in (Colwise(), Rowwise(), Vocab(), Replicate(), MergedColwise(), SequenceSharded(), SequenceScatter())
+}
 
 
 def as_style(value: Style | str) -> Style:

@@ -3,8 +3,8 @@
     [model]     the architecture (or a Hugging Face directory to start from) and its tokenizer
     [data]      the token file or text, sequence length, global and micro batch sizes
     [optim]     AdamW, learning-rate schedule, gradient clipping
-    [parallel]  tp x dp layout, backend, how dp gradients are averaged
-    [run]       steps, seed, bf16, logging, checkpoints, resuming
+    [parallel]  tp x pp x dp layout, sequence parallelism, backend, how dp gradients are averaged
+    [run]       steps, seed, bf16, activation recomputation, logging, checkpoints, resuming
 
 Paths in a TOML file are relative to that file. Every error names the field and the
 numbers involved. See configs/*.toml and docs/training.md for examples.
@@ -214,6 +214,12 @@ class ParallelSection:
     Communicator (any backend; the one MPI uses); "auto" = ddp on gloo/nccl, else bucketed."""
     bucket_mb: float = 25.0
     """Bucket size of the bucketed all-reduce, MiB."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (Korthikanti et al., 2022): between the tp-split matmuls, each tp
+    rank holds and computes data.seq_len / tp positions (norms, residual adds, the stage
+    boundary at pp > 1) instead of all of them; each all-reduce becomes a reduce-scatter and
+    an all-gather of the same volume. Same results; less activation memory. data.seq_len
+    must be a multiple of tp. No effect at tp = 1."""
     timeout_s: float = 120.0
     """Collective timeout, seconds."""
 
@@ -273,11 +279,17 @@ class RunSection:
     pointer, or "latest" (= out_dir/checkpoints). Any tp x dp layout can resume it."""
     plot: bool = True
     """Write the loss curve to out_dir/loss.png at the end (needs matplotlib)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: "selective" recomputes each attention core (scores, softmax,
+    weighted sum) in backward, "full" each whole decoder layer, keeping only its input.
+    Same results; less activation memory for more compute (see docs/training.md)."""
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "log_every", "keep_last")
         if self.save_every < 0:
             raise ConfigError(f"run.save_every must be >= 0, got {self.save_every}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ConfigError(f"run.recompute must be none, selective or full, got {self.recompute!r}")
 
 
 @dataclass(frozen=True)
@@ -317,6 +329,14 @@ class TrainConfig:
                         "or use '1f1b', which takes any"
                     ) from None
                 raise ConfigError(f"parallel.schedule: {e}") from None
+        par, seq = self.parallel, self.data.seq_len
+        if par.sequence_parallel and seq % par.tp:
+            lower, upper = seq - seq % par.tp, seq + par.tp - seq % par.tp
+            near = f"{lower} or {upper}" if lower else f"{upper}"
+            raise ConfigError(
+                f"parallel.sequence_parallel splits each sequence over tp={par.tp} ranks, but data.seq_len={seq} is "
+                f"not a multiple of {par.tp}; use data.seq_len={near}, or sequence_parallel = false"
+            )
         if self.model.pretrained is None:
             self.check_stages(self.model.num_layers)
         if self.model.pretrained is None and self.data.seq_len > self.model.max_positions:

@@ -44,11 +44,14 @@ __all__ = [
 ]
 
 
-def train_plan(cfg: ModelConfig) -> Plan:
-    """decoder_plan with vocab-parallel logits, for vocab_parallel_cross_entropy."""
+def train_plan(cfg: ModelConfig, *, sequence_parallel: bool = False) -> Plan:
+    """decoder_plan with vocab-parallel logits, for vocab_parallel_cross_entropy.
+
+    Sequence parallelism changes the collectives, not the parameters: both plans shard
+    every parameter alike (the specs, checkpoints and plan_summary below are the same)."""
     if cfg.family == "bert" or not cfg.causal:
         raise NotImplementedError(f"training supports decoder families; {cfg.family!r} is an encoder")
-    return decoder_plan(cfg, gather_logits=False)
+    return decoder_plan(cfg, gather_logits=False, sequence_parallel=sequence_parallel)
 
 
 def plan_summary(cfg: ModelConfig) -> dict[str, str]:
@@ -91,6 +94,7 @@ def build_model(
     init_std: float | None,
     seed: int = 0,
     stage: tuple[StageLayout, int] | None = None,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """This rank's shard of a DecoderLM, in train mode.
 
@@ -98,6 +102,7 @@ def build_model(
     init_std set: the rank's part is built unsharded on CPU and initialised (init_weights:
     the same values at every tp and pp), then sliced to its tp shard.
     init_std None: parameters stay on the meta device, for a checkpoint loader to fill.
+    sequence_parallel: shard by train_plan(cfg, sequence_parallel=True).
     """
     with on_meta():
         model = DecoderLM(cfg)
@@ -106,7 +111,8 @@ def build_model(
     if init_std is not None:
         materialize(model, "cpu")
         init_weights(model, init_std, seed)
-    return parallelize(model, stage_plan(train_plan(cfg), model), comm=tp).train()
+    plan = stage_plan(train_plan(cfg, sequence_parallel=sequence_parallel), model)
+    return parallelize(model, plan, comm=tp).train()
 
 
 def rank_specs(cfg: ModelConfig, tp: int, rank: int) -> dict[str, ShardSpec]:

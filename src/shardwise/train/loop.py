@@ -25,10 +25,13 @@ from shardwise.log import get_logger
 from shardwise.models.meta import materialize
 from shardwise.pipeline import build_schedule
 from shardwise.pipeline.runtime import PipelineRunner
+from shardwise.pipeline.stage import stage_plan
+from shardwise.sharding import enable_sequence_parallel, partial_grad_names
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import DataError, DPSampler, TokenFile, tokenize_text
-from shardwise.train.layout import all_rank_specs, build_model, full_state
+from shardwise.train.layout import all_rank_specs, build_model, full_state, train_plan
 from shardwise.train.optim import GradNorm, build_optimizer
+from shardwise.train.recompute import apply_recompute
 from shardwise.train.rng import RNGTracker
 from shardwise.train.step import StepStats, Trainer, train_step
 from shardwise.train.sync import make_grad_sync
@@ -97,6 +100,7 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
     model_cfg = model_config(cfg)
     layout = cfg.check_stages(model_cfg.num_layers)
     stage = (layout, mesh.pp_rank) if par.pp > 1 else None
+    sp = par.sequence_parallel and tp.size > 1
     if cfg.model.pretrained is not None and not resuming:
         from shardwise.hf import load_pretrained
 
@@ -104,13 +108,21 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
         model_cfg = report.config
         if model.lm_head is not None:
             model.lm_head.gather_output = False  # vocab-parallel logits for the loss
+        if sp:
+            enable_sequence_parallel(model, stage_plan(train_plan(model_cfg, sequence_parallel=True), model), comm=tp)
         model.train()
     else:
         model = build_model(
-            model_cfg, tp, init_std=None if resuming else cfg.model.init_std, seed=cfg.run.seed, stage=stage
+            model_cfg,
+            tp,
+            init_std=None if resuming else cfg.model.init_std,
+            seed=cfg.run.seed,
+            stage=stage,
+            sequence_parallel=sp,
         )
         if resuming:
             materialize(model, "cpu")  # this rank's shards only; the checkpoint fills them
+    apply_recompute(model, cfg.run.recompute)
     if data.vocab_size is not None and data.vocab_size > model_cfg.vocab_size:
         raise DataError(
             f"{tokens}: token ids up to {data.vocab_size} exceed the model's vocab_size={model_cfg.vocab_size}"
@@ -143,6 +155,7 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
         rng=RNGTracker(cfg.run.seed, tp_rank=tp.rank, dp_rank=dp.rank, pp_rank=mesh.pp_rank),
         layout=layout,
         copies=copies,
+        partial_grads=partial_grad_names(model, stage_plan(train_plan(model_cfg, sequence_parallel=sp), model)),
         extra={
             "tokenizer": cfg.model.tokenizer,
             "bos_token_id": cfg.model.bos_token_id,
@@ -164,6 +177,7 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
             build_schedule(par.schedule, par.pp, sampler.grad_accum, par.virtual_stages)[mesh.pp_rank],
             hidden_size=model_cfg.hidden_size,
             autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.run.bf16),
+            seq_shards=tp.size if sp else 1,
         )
     return tr
 
@@ -203,6 +217,14 @@ def train(
         tr.step,
         run.steps,
     )
+    if cfg.parallel.sequence_parallel or run.recompute != "none":
+        log.info(
+            "activations: sequence parallelism %s, recompute %s",
+            f"on ({cfg.data.seq_len // tr.mesh.tp.size} of {cfg.data.seq_len} positions per tp rank)"
+            if cfg.parallel.sequence_parallel and tr.mesh.tp.size > 1
+            else "off" + (" (tp=1)" if cfg.parallel.sequence_parallel else ""),
+            run.recompute,
+        )
     if tr.pipeline is not None:
         log.info(
             "pipeline: %s schedule, %d micro-batch%s; %s",

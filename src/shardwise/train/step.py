@@ -21,6 +21,7 @@ from shardwise.layers import ShardSpec, vocab_parallel_cross_entropy
 from shardwise.models.config import ModelConfig
 from shardwise.pipeline.runtime import PipelineRunner
 from shardwise.pipeline.stage import StageLayout
+from shardwise.sharding import sum_partial_grads
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import DPSampler, TokenFile
 from shardwise.train.optim import GradNorm, lr_at
@@ -74,6 +75,9 @@ class Trainer:
     copies: set[str] = field(default_factory=set)
     """Parameters this rank holds as a copy owned by another stage (a tied embedding on the
     last stage): not counted in the gradient norm, not written in checkpoints."""
+    partial_grads: list[str] = field(default_factory=list)
+    """Parameters used on this tp rank's sequence shard only (sequence parallelism: the
+    norms), whose gradients are summed over tp after backward."""
 
 
 def train_step(tr: Trainer) -> StepStats:
@@ -85,6 +89,7 @@ def train_step(tr: Trainer) -> StepStats:
     micro = tr.sampler.micro_batches(tr.step)  # m lists of sample indices
     total = _pipeline_micro_steps(tr, micro) if tr.pipeline is not None else _micro_steps(tr, micro)
     tr.sync.finish()
+    sum_partial_grads(tr.model, tr.partial_grads, comm=tr.mesh.tp)  # sequence parallelism's norms
     mean_loss = dp.all_reduce(total.view(1))[0] / dp.size
     norm = tr.grad_norm.clip_(cfg.optim.grad_clip)
     tr.optimizer.step()

@@ -2,42 +2,71 @@
 
 The first matrix of each pair is split by columns and the second by rows, so each of
 attention and MLP costs one all-reduce forward and one backward.
+
+sequence_parallel=True (Korthikanti et al., 2022): each of those all-reduces becomes a
+reduce-scatter and an all-gather along the sequence; the norms, the residual stream and
+the embedding's output hold T / tp positions per rank (training only: every sequence
+length must be a multiple of tp).
 """
 
 from __future__ import annotations
 
+from shardwise.layers.partition import ShardError
 from shardwise.models.config import ModelConfig
 from shardwise.sharding.plan import Plan
-from shardwise.sharding.styles import QKV, Vocab
+from shardwise.sharding.styles import QKV, Colwise, MergedColwise, Rowwise, Vocab
 
 __all__ = ["attention_plan", "mlp_plan", "layer_plan", "decoder_plan"]
 
 
-def attention_plan(cfg: ModelConfig, prefix: str = "") -> Plan:
+def attention_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: bool = False) -> Plan:
     """An Attention (models/modules.py): the fused qkv by whole heads, o by rows."""
-    return {f"{prefix}qkv": QKV(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads), f"{prefix}o": "rowwise"}
+    sp = sequence_parallel
+    qkv = QKV(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, sequence_parallel=sp)
+    return {f"{prefix}qkv": qkv, f"{prefix}o": Rowwise(sequence_parallel=sp) if sp else "rowwise"}
 
 
-def mlp_plan(cfg: ModelConfig, prefix: str = "") -> Plan:
+def mlp_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: bool = False) -> Plan:
     """An MLP (models/modules.py): up by columns (gate and up each, when gated), down by rows."""
-    return {f"{prefix}up": "merged_colwise" if cfg.gated_mlp else "colwise", f"{prefix}down": "rowwise"}
+    if not sequence_parallel:
+        return {f"{prefix}up": "merged_colwise" if cfg.gated_mlp else "colwise", f"{prefix}down": "rowwise"}
+    up = MergedColwise(sequence_parallel=True) if cfg.gated_mlp else Colwise(sequence_parallel=True)
+    return {f"{prefix}up": up, f"{prefix}down": Rowwise(sequence_parallel=True)}
 
 
-def layer_plan(cfg: ModelConfig, prefix: str = "") -> Plan:
+def layer_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: bool = False) -> Plan:
     """One layer (DecoderLayer or BertLayer): attention by heads, MLP by its intermediate dim.
 
-    Its norms stay replicated."""
-    return attention_plan(cfg, f"{prefix}attn.") | mlp_plan(cfg, f"{prefix}mlp.")
+    Its norms stay replicated; with sequence_parallel they run on the sequence shard
+    ("sequence": their gradients are summed over tp)."""
+    sp = sequence_parallel
+    plan = attention_plan(cfg, f"{prefix}attn.", sequence_parallel=sp) | mlp_plan(
+        cfg, f"{prefix}mlp.", sequence_parallel=sp
+    )
+    if sp:
+        plan |= {f"{prefix}attn_norm": "sequence", f"{prefix}mlp_norm": "sequence"}
+    return plan
 
 
-def decoder_plan(cfg: ModelConfig, *, gather_logits: bool = True) -> Plan:
+def decoder_plan(cfg: ModelConfig, *, gather_logits: bool = True, sequence_parallel: bool = False) -> Plan:
     """Embedding and head by vocabulary; every layer as layer_plan.
 
     Norms, q/k norms and learned position embeddings stay replicated. gather_logits=False
     keeps the logits vocab-parallel, for vocab_parallel_cross_entropy.
+
+    sequence_parallel=True: the embedding ends in a reduce-scatter, learned positions are
+    cut to the shard, every norm runs on the shard and the head all-gathers its input (see
+    the module docstring). For training: a decode step's single position cannot be split.
     """
-    return {
-        "embed": "vocab",
-        **layer_plan(cfg, "layers.*."),
-        "lm_head": Vocab(gather_output=gather_logits),
+    if not sequence_parallel:
+        return {"embed": "vocab", **layer_plan(cfg, "layers.*."), "lm_head": Vocab(gather_output=gather_logits)}
+    if cfg.family == "bert" or not cfg.causal:
+        raise ShardError(f"sequence parallelism is for decoder models; {cfg.family!r} is an encoder")
+    plan = {"embed": Vocab(sequence_parallel=True)}
+    if cfg.positions == "learned":
+        plan["pos_embed"] = "sequence_scatter"
+    return plan | {
+        **layer_plan(cfg, "layers.*.", sequence_parallel=True),
+        "norm": "sequence",
+        "lm_head": Vocab(gather_output=gather_logits, sequence_parallel=True),
     }
