@@ -3,6 +3,7 @@
     shardwise train --config configs/austen-tp2.toml
     shardwise train --config configs/austen-tp2.toml --tp 4 --resume latest --steps 400
     shardwise train --config configs/tiny-pp2.toml --layout tp=2,pp=2,dp=1 --schedule gpipe --microbatches 8
+    shardwise train --config configs/austen-tp2.toml --sequence-parallel --recompute selective
 
 The config is read and checked, the tp size and the layer split checked against the
 model, the layout against an external launcher's ranks, and a text corpus tokenized, all
@@ -62,6 +63,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="check each stage-to-stage message's shape and dtype (a mismatch fails naming both stages)",
     )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="set parallel.sequence_parallel: norms and residuals on seq_len/tp positions per tp rank (less memory)",
+    )
+    p.add_argument(
+        "--recompute",
+        choices=["none", "selective", "full"],
+        default=None,
+        help="override run.recompute: recompute each attention core (selective) or each layer (full) in backward",
+    )
     p.add_argument("--steps", type=int, default=None, help="override run.steps")
     p.add_argument("--out", type=Path, default=None, help="override run.out_dir")
     p.add_argument("--resume", default=None, help='override run.resume: a checkpoint directory or "latest"')
@@ -94,6 +106,8 @@ def _train_rank(world: Communicator, cfg, p2p_check: bool = False) -> dict:
         "dp": cfg.parallel.dp,
         "backend": world.backend,
         "dp_sync": cfg.parallel.dp_sync if cfg.parallel.pp == 1 else "bucketed",
+        "sequence_parallel": cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
+        "recompute": cfg.run.recompute,
         **pipeline_summary(cfg),
         "p2p_check": p2p_check,
     }
@@ -188,6 +202,8 @@ def load_config(args: argparse.Namespace):
             raise ConfigError(str(e)) from None
     if args.timeout is not None:
         parallel["timeout_s"] = args.timeout
+    if args.sequence_parallel:
+        parallel["sequence_parallel"] = True
     data = {"microbatches": args.microbatches} if args.microbatches is not None else {}
     run = {}
     if args.steps is not None:
@@ -198,6 +214,8 @@ def load_config(args: argparse.Namespace):
         run["resume"] = args.resume if args.resume == "latest" else str(Path(args.resume).resolve())
     if args.no_progress:
         run["progress"] = False
+    if args.recompute is not None:
+        run["recompute"] = args.recompute
     raw = cfg.to_dict()  # overrides applied as data, then the combination validated once
     for section, values in (("parallel", parallel), ("data", data), ("run", run)):
         raw[section].update(values)
@@ -256,7 +274,8 @@ def run_training(cfg, *, timeout_s: float | None = None, p2p_check: bool = False
     (`prepare`), then train on tp * pp * dp ranks started here (or joined: torchrun, mpiexec).
 
     Returns rank 0's summary: step, loss, first_loss, steps_run, tokens_per_s,
-    ms_per_step, checkpoint, plot, tp, dp, backend, dp_sync, and the pipeline's pp,
+    ms_per_step, checkpoint, plot, tp, dp, backend, dp_sync, sequence_parallel (in effect:
+    False at tp = 1), recompute, and the pipeline's pp,
     layout, schedule, virtual_stages, microbatches, micro_batch_size, pp_layers, bubble
     (see pipeline_summary), p2p_check (None on an external launcher's other ranks).
     timeout_s (default parallel.timeout_s) bounds each collective and point-to-point
@@ -307,6 +326,10 @@ def startup_line(cfg, model_cfg, tokens, backend: str) -> str:
             f", {par.schedule} schedule{chunks}, m={pipe['microbatches']} micro-batches of "
             f"{pipe['micro_batch_size']}, layers {pipe['pp_layers']}"
         )
+    if par.sequence_parallel and par.tp > 1:
+        line += f", sequence parallel ({cfg.data.seq_len // par.tp} of {cfg.data.seq_len} positions per tp rank)"
+    if cfg.run.recompute != "none":
+        line += f", recompute {cfg.run.recompute}"
     return line + f", steps to {cfg.run.steps}, out {cfg.run.out_dir}"
 
 
