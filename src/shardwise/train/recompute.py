@@ -35,14 +35,22 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 
 
 class Recomputed:
-    """`fn` under torch.utils.checkpoint (non-reentrant) when autograd records, else `fn` itself."""
+    """`fn` under torch.utils.checkpoint (non-reentrant) when autograd records, else `fn` itself.
 
-    def __init__(self, fn: Callable, what: str) -> None:
-        self.fn, self.what = fn, what
+    cast_inputs: under autocast, cast the floating-point tensor arguments to the autocast
+    dtype before the checkpoint, as the attention kernel would cast them itself (the same
+    values and gradients). The checkpoint then holds the 16-bit copies the kernel would
+    have saved, not the fp32 rotated q and k (RoPE runs in the residual stream's fp32)."""
+
+    def __init__(self, fn: Callable, what: str, *, cast_inputs: bool = False) -> None:
+        self.fn, self.what, self.cast_inputs = fn, what, cast_inputs
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.fn(*args, **kwargs)
+        if self.cast_inputs and args and torch.is_autocast_enabled(args[0].device.type):
+            dtype = torch.get_autocast_dtype(args[0].device.type)
+            args = tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
         return checkpoint(self.fn, *args, use_reentrant=False, **kwargs)
 
     def __repr__(self) -> str:
@@ -66,7 +74,8 @@ def apply_recompute(model: nn.Module, mode: str) -> list[str]:
         ):
             raise ValueError(f"{path} is already recomputed; build the model again to change the recompute mode")
         if isinstance(module, kind):
-            setattr(module, attr, Recomputed(getattr(module, attr), f"{path}.{attr}"))
+            fn = Recomputed(getattr(module, attr), f"{path}.{attr}", cast_inputs=mode == "selective")
+            setattr(module, attr, fn)
             done.append(path)
     if not done:
         raise ValueError(f"recompute={mode!r}: the model has no {kind.__name__} to recompute")

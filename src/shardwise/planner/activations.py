@@ -1,0 +1,104 @@
+"""Activation memory a decoder layer keeps for backward, per rank: Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models", section 4) adapted to
+shardwise's layer.
+
+The paper counts, for a GPT layer in 16-bit with dropout, s*b*h*(34 + 5*a*s/h) bytes:
+attention 11*s*b*h + 5*a*s^2*b, MLP 19*s*b*h, the two LayerNorms 4*s*b*h. Tensor
+parallelism divides all but 10*s*b*h (norm inputs, the inputs of the first matmul of
+each block, the dropout masks), sequence parallelism divides those too, selective
+recomputation drops the 5*a*s^2*b of the attention core, full recomputation keeps only
+the layer's 2*s*b*h input.
+
+shardwise's layer (models/modules.py, run by torch on CPU) differs, term by term:
+
+- no dropout (no masks, no dropout outputs);
+- a gated MLP: [gate | up] (2*I), act(gate) (I) and act(gate) * up (I) instead of 4h+4h+4h;
+- grouped-query attention: the fused [q | k | v] output is (a + 2*kv)*d wide and the
+  rotated q, k (a + kv)*d, instead of 3h and 2h;
+- a fused attention kernel (scaled_dot_product_attention): no s x s scores or softmax
+  kept; it keeps its output (laid out so that it is also o's input, one tensor), a
+  log-sum-exp per head and position (fp32), and a float copy of the boolean mask (s x s,
+  the same for every row and head, so not divided by tp); selective recomputation drops
+  the last two (o still keeps its input) and keeps the core's inputs q, k, v, which the
+  projection and RoPE produced anyway;
+- RMSNorm computed in fp32 keeps its input and its normalized input (LayerNorm: its
+  input and two statistics), in the residual stream's dtype (fp32: the weights are fp32
+  and autocast leaves adds and norms in fp32), plus a per-position statistic;
+- dtypes: matmul inputs and outputs in the activation dtype (2 bytes under bf16
+  autocast, else 4), the residual stream and norms in `stream_bytes`;
+- a column-parallel layer under sequence parallelism keeps its input's sequence shard
+  (and all-gathers it again in backward, as Megatron-LM does), so the inputs of qkv and
+  of the MLP are divided by tp with the norms.
+
+`layer_activation_terms` lists the terms; benchmarks/bench_activations.py measures each
+mode with saved-tensor hooks and prints both beside `paper_layer_bytes`.
+"""
+
+from __future__ import annotations
+
+from shardwise.layers.partition import HeadLayout
+from shardwise.models.config import ModelConfig
+
+__all__ = ["RECOMPUTE", "layer_activation_terms", "layer_activation_bytes", "paper_layer_bytes"]
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def layer_activation_terms(
+    cfg: ModelConfig,
+    *,
+    tp: int,
+    micro_batch: int,
+    seq: int,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    act_bytes: int = 4,
+    stream_bytes: int = 4,
+) -> dict[str, float]:
+    """Bytes one rank keeps for backward of one decoder layer and one micro-batch of
+    micro_batch x seq tokens, by term (see the module docstring)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute {recompute!r} is unknown; choose one of {', '.join(RECOMPUTE)}")
+    sb, h, d, e, f = seq * micro_batch, cfg.hidden_size, cfg.head_dim, act_bytes, stream_bytes
+    shard = tp if sequence_parallel else 1  # what runs on the sequence shard
+    if recompute == "full":
+        return {"layer input": sb * h * f / shard}
+    heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)
+    a, kv, inter = heads.local_heads, heads.local_kv_heads, cfg.intermediate_size / tp
+    norm = sb * (2 * h * f + 4) if cfg.norm == "rms" else sb * (h * f + 8)  # input (+ normalized), statistics
+    terms = {
+        "attention norm": norm / shard,
+        "qkv input": sb * h * e / shard,
+        "qkv output": sb * (a + 2 * kv) * d * e,
+        "rotated q, k": sb * (a + kv) * d * e if cfg.positions == "rope" else 0.0,
+        "attention output (o input)": sb * a * d * e,
+        "log-sum-exp": sb * a * 4,
+        "mask copy": seq * seq * e,
+        "mlp norm": norm / shard,
+        "mlp input": sb * h * e / shard,
+        "mlp": sb * inter * e * (4 if cfg.gated_mlp else 2),  # [gate | up], act, product / up output, act
+    }
+    if cfg.qk_norm:
+        terms["q, k norms"] = sb * (a + kv) * d * (f + e)
+    if recompute == "selective":  # the core's inputs (q, k, v) and o's input stay; statistics and mask go
+        terms["log-sum-exp"] = terms["mask copy"] = 0.0
+    return terms
+
+
+def layer_activation_bytes(cfg: ModelConfig, **kwargs) -> float:
+    """The sum of layer_activation_terms(cfg, **kwargs)."""
+    return sum(layer_activation_terms(cfg, **kwargs).values())
+
+
+def paper_layer_bytes(
+    cfg: ModelConfig, *, tp: int, micro_batch: int, seq: int, sequence_parallel: bool = False, recompute: str = "none"
+) -> float:
+    """The paper's per-layer bytes (16-bit, with dropout), Table 2: for comparison only."""
+    s, b, h, a, t = seq, micro_batch, cfg.hidden_size, cfg.num_heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    scores = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sequence_parallel:
+        return sbh * (34 + scores) / t
+    return sbh * (10 + (24 + scores) / t)
