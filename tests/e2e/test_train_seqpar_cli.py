@@ -8,8 +8,8 @@ import json
 
 from cases.pipeline import train_case
 from processes import run_cli
-from shardwise.comm import LocalCommunicator
 from shardwise.checkpoint import CheckpointReader
+from shardwise.comm import LocalCommunicator
 from shardwise.train import TrainConfig
 from train_helpers import TINY_MODEL, write_tiny_tokens
 

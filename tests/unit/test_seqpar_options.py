@@ -142,11 +142,15 @@ def test_recompute_gives_the_same_gradients_and_saves_less():
     for mode in ("selective", "full"):
         model = copy.deepcopy(base)
         paths = apply_recompute(model, mode)
-        assert paths == ([f"layers.{i}" for i in range(3)] if mode == "full" else [f"layers.{i}.attn" for i in range(3)])
+        assert paths == (
+            [f"layers.{i}" for i in range(3)] if mode == "full" else [f"layers.{i}.attn" for i in range(3)]
+        )
         loss, grads, saved[mode] = _grads_and_saved(model, ids, target)
         assert torch.equal(loss, loss0), mode
         for name, g in grads.items():
-            torch.testing.assert_close(g, grads0[name], rtol=0, atol=1e-7, msg=lambda m, n=name: f"{mode} {n}: {m}")
+            torch.testing.assert_close(
+                g, grads0[name], rtol=0, atol=1e-7, msg=lambda m, n=name, k=mode: f"{k} {n}: {m}"
+            )
         assert model.state_dict().keys() == base.state_dict().keys()
         with pytest.raises(ValueError, match=r"layers\.0(\.attn)? is already recomputed"):
             apply_recompute(model, "full")
