@@ -72,6 +72,17 @@ MODES = {  # name: (tp, sequence_parallel, recompute)
     "tp=2+sp+selective": (2, True, "selective"),
     "tp=2+sp+full": (2, True, "full"),
 }
+MEMORY_ROWS = (
+    "tp=1",
+    "tp=2",
+    "tp=2+sp",
+    "tp=2+sp+selective",
+    "tp=1 full",
+    "tp=2+sp+full",
+    "tp=1 selective",
+    "tp=2 selective",
+)
+"""The paper's five (tp=1; tp=2; tp=2 + sp; tp=2 + sp + selective; full recompute), then the rest."""
 TOLERANCE = 0.15
 
 
@@ -264,7 +275,7 @@ def analyse(tp1: dict, tp2: dict) -> dict:
         base_formula = layer_activation_bytes(cfg, tp=1, micro_batch=MICRO, seq=SEQ, act_bytes=e)
         base_paper = paper_layer_bytes(cfg, tp=1, micro_batch=MICRO, seq=SEQ)
         rows = []
-        for name in ("tp=1", "tp=2", "tp=2+sp", "tp=2+sp+selective", "tp=1 full", "tp=2+sp+full", "tp=1 selective"):
+        for name in MEMORY_ROWS:
             tp, sp, rc = MODES[name]
             kw = dict(tp=tp, micro_batch=MICRO, seq=SEQ, sequence_parallel=sp, recompute=rc)
             formula = layer_activation_bytes(cfg, act_bytes=e, **kw)
