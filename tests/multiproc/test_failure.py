@@ -1,6 +1,8 @@
 """Failure semantics: a rank that raises or dies takes the whole job down with its own
 error, within the collective timeout, and leaves no process behind; a collective whose
-peer never arrives times out instead of hanging."""
+peer never arrives times out instead of hanging, and the error names the rank that did
+not arrive (stopped, or stuck in Python), the operation and how long the others waited;
+a checkpoint saved before such a hang verifies and resumes."""
 
 from __future__ import annotations
 
@@ -14,9 +16,17 @@ import time
 import pytest
 import torch
 
-from cases.failure import one_rank_never_arrives, raise_on_rank
-from processes import wait_gone
+from cases.failure import one_rank_never_arrives, raise_on_rank, train_then_hang
+from processes import process_tag, wait_gone
+from shardwise.checkpoint import Checkpointer, CheckpointReader
+from shardwise.comm import LocalCommunicator
 from shardwise.launch import JobTimeoutError, RankFailedError, launch
+from shardwise.train import train
+from train_helpers import tiny_config, write_tiny_tokens
+
+GRACE_S = 5.0
+"""After the timeout, how long a hung job may take to end: the launcher's 1 s grace, killing
+the ranks, and slack for a loaded machine."""
 
 
 @pytest.mark.parametrize("world_size,bad_rank", [pytest.param(2, 1, marks=pytest.mark.smoke), (4, 2), (4, 0)])
@@ -33,16 +43,70 @@ def test_raising_rank_takes_job_down_with_its_error(world_size, bad_rank):
     assert wait_gone(pids=err.pids) == [], "orphan rank processes remain"
 
 
-def test_collective_times_out_instead_of_hanging():
+def test_collective_times_out_instead_of_hanging_and_names_the_rank_that_never_arrived():
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
         launch(one_rank_never_arrives, 2, timeout_s=2)
     elapsed = time.monotonic() - start
-    assert info.value.rank == 0
-    assert "CollectiveError: all_reduce on group 'world' (rank 0 of 2, gloo, timeout 2s) failed" in str(info.value)
-    assert "Timed out" in str(info.value)
+    err = info.value
+    assert (err.rank, err.stuck) == (1, (1,)), "the rank that never arrived, not the one that timed out"
+    assert err.summary.startswith("stuck: never arrived at all_reduce/world #1 (rank 0 waited 2.0 s for it); ")
+    assert "running outside communication for " in err.summary and "before its first operation" in err.summary
+    assert err.detail.startswith("what rank 0 saw:\n")
+    assert "CollectiveError: all_reduce on group 'world' (rank 0 of 2, gloo, timeout 2s) failed" in err.detail
+    assert "Timed out" in err.detail
     assert elapsed < 2 + 10, f"took {elapsed:.1f}s, collective timeout was 2s"
-    assert wait_gone(pids=info.value.pids) == []
+    assert wait_gone(pids=err.pids) == []
+
+
+def _mpi_available() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+
+        from shardwise.launch.mpi import find_mpiexec
+
+        find_mpiexec()
+    except (ImportError, RuntimeError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "backend,how",
+    [("gloo", "stop"), pytest.param("mpi", "sleep", marks=pytest.mark.skipif(not _mpi_available(), reason="no MPI"))],
+)
+def test_a_stuck_training_rank_is_named_and_its_checkpoint_resumes(tmp_path, monkeypatch, backend, how):
+    """tp=2 x dp=2: rank 3 stops (or sleeps) right after the step-2 checkpoint; rank 2 waits for
+    it in a tp all-reduce, rank 1 in the dp gradient all-reduce (DDP's on gloo, bucketed on
+    MPI), rank 0 for rank 2. The error names rank 3; the checkpoint verifies and resumes."""
+    tokens = write_tiny_tokens(tmp_path / "tokens.safetensors")
+    cfg = tiny_config(tokens, tmp_path / "run", tp=2, dp=2, steps=6, run={"save_every": 2})
+    tag = process_tag()
+    for key, value in tag.items():
+        monkeypatch.setenv(key, value)  # mpiexec and its ranks inherit it
+    marker = tmp_path / "hung"
+    timeout = 3.0
+    with pytest.raises(RankFailedError) as info:
+        launch(train_then_hang, 4, args=(cfg, 3, how, str(marker)), backend=backend, timeout_s=timeout)
+    hung_at, pid = marker.read_text().split()
+    waited = time.time() - float(hung_at)
+    err = info.value
+    assert (err.rank, err.stuck) == (3, (3,))
+    assert err.summary.startswith("stuck: never arrived at all_reduce/"), err.summary
+    assert "all_reduce/tp #" in err.summary and "(rank 2 waited 3.0 s for it)" in err.summary
+    assert "all_reduce/dp #" in err.summary, "rank 1 waits for it in the dp gradient all-reduce"
+    state = f"stopped (process {pid}, state T; " if how == "stop" else "running outside communication for "
+    assert state in err.summary, err.summary
+    assert waited < timeout + GRACE_S, f"the job ended {waited:.1f} s after rank 3 hung; the timeout was {timeout} s"
+    assert wait_gone(pids=err.pids, tag=tag) == [], "orphan rank processes remain"
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    CheckpointReader(checkpoint).verify()
+    resumed = cfg.replace(
+        parallel={"tp": 1, "dp": 1}, run={"resume": str(checkpoint), "steps": 3, "out_dir": str(tmp_path / "resumed")}
+    )
+    result = train(LocalCommunicator(), resumed, Checkpointer())
+    assert [step for step, _ in result.history] == [1, 2, 3] and result.step == 3
 
 
 def _rank_killed(comm) -> None:

@@ -10,17 +10,26 @@ timeout, the same accounting (`send/pp`, `recv/pp`: calls, payload bytes, second
 the same CollectiveError, naming the peer. Ranks are local to the group (in a pp group,
 rank s is stage s). With `p2p_check` on, each message is preceded by a (shape, dtype)
 header and the receiver's answer, so a mismatch raises P2PMismatchError on both sides.
+
+With a progress board attached (`attach_board`, done by the launchers), every operation is
+also noted there (shardwise.comm.progress), and an operation that times out reads the
+other ranks' records and names the rank(s) it waited for (CollectiveError.hang).
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 
 from shardwise.comm.accounting import CommStats
+
+if TYPE_CHECKING:
+    from shardwise.comm.hang import Hang
+    from shardwise.comm.progress import Board
 
 __all__ = [
     "Communicator",
@@ -32,8 +41,10 @@ __all__ = [
 ]
 
 ReduceOp = Literal["sum", "max"]
+T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 60.0
 
+_TIMED_OUT = 0.9  # an operation that failed after this fraction of the timeout timed out
 # Point-to-point message tags: the payload, the debug header, and the receiver's answer to it.
 _TAG_DATA, _TAG_HEADER, _TAG_ANSWER = 0, 1, 2
 _PEER_WORD = {"send": "to", "recv": "from"}
@@ -43,16 +54,22 @@ class CollectiveError(RuntimeError):
     """A collective failed: a peer died, or did not arrive within the timeout.
 
     Usually a consequence of another rank's failure; the launcher reports the root
-    cause (a rank that raised something else, or died) in preference to these.
+    cause (a rank that raised something else, or died) in preference to these. When it
+    timed out and the progress board names the rank(s) it waited for, `hang` says which
+    (shardwise.comm.hang.Hang; ranks in it are world ranks) and the message ends with it.
     """
 
-    def __init__(self, op: str, comm: Communicator, cause: BaseException, peer: int | None = None) -> None:
+    def __init__(
+        self, op: str, comm: Communicator, cause: BaseException, peer: int | None = None, hang: Hang | None = None
+    ) -> None:
         to = f" {_PEER_WORD.get(op, 'with')} rank {peer}" if peer is not None else ""
+        cause_text = " ".join(str(cause).split())  # one line: gloo's messages carry newlines
+        tail = f" -- {hang.sentence()}" if hang is not None else ""
         super().__init__(
             f"{op}{to} on group {comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, "
-            f"timeout {comm.timeout_s:g}s) failed: {cause}"
+            f"timeout {comm.timeout_s:g}s) failed: {cause_text}{tail}"
         )
-        self.op, self.group, self.peer = op, comm.name, peer
+        self.op, self.group, self.peer, self.hang = op, comm.name, peer, hang
 
 
 class P2PMismatchError(ValueError):
@@ -73,16 +90,47 @@ class Communicator(ABC):
     stats: CommStats
     backend: str
     timeout_s: float
+    members: tuple[int, ...] = ()
+    """The world ranks of this group's members, in group rank order (set by the backends)."""
     p2p_check: bool = False
     """Debug mode: send a (shape, dtype) header before each point-to-point message, and the
     receiver answers with its own, so a mismatch raises P2PMismatchError on both ranks
     instead of hanging or corrupting. Two extra small messages per send: set it on every
     rank of the group, or on none. Splits inherit it."""
 
+    _board: Board | None = None
+    _chan: str = ""
+    _p2p_chans: dict[tuple[str, int], str]
+
     @property
     def device(self) -> torch.device:
         """Where this backend's tensors live (CUDA for NCCL, else CPU): recv's default."""
         return torch.device("cpu")
+
+    # ---- the progress board -------------------------------------------------------------------
+    def attach_board(self, board: Board | None) -> None:
+        """Note every operation of this communicator (and of its later splits) on `board`."""
+        from shardwise.comm.progress import channel
+
+        self._board = board
+        self._chan = channel(self.name, self.members)
+        self._p2p_chans = {}
+
+    def _derive(self, sub: Communicator, members: tuple[int, ...]) -> Communicator:
+        """What a split inherits: p2p_check, the board; and its members' world ranks."""
+        sub.members = members
+        sub.p2p_check = self.p2p_check
+        sub.attach_board(self._board)
+        return sub
+
+    def _p2p_channel(self, op: str, peer: int) -> str:
+        key = (op, peer)
+        chan = self._p2p_chans.get(key)
+        if chan is None:  # one channel per direction, shared by the sender's send and the receiver's recv
+            me, other = self.members[self.rank], self.members[peer]
+            src, dst = (me, other) if op == "send" else (other, me)
+            chan = self._p2p_chans[key] = f"{self._chan}:{src}>{dst}"
+        return chan
 
     # ---- public API: size-1 short-circuit + accounting ---------------------------------
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
@@ -127,6 +175,14 @@ class Communicator(ABC):
         if self.size == 1:
             return
         self._run("barrier", 0, self._barrier)
+
+    def external(self, op: str, fn: Callable[[], T], nbytes: int = 0) -> T:
+        """fn(), a collective on this group that another library issues (DistributedDataParallel's
+        own), run as one of ours: counted as `op`, noted on the progress board, and a failure
+        raised as CollectiveError. Every member must call it at the same point."""
+        if self.size == 1:
+            return fn()
+        return self._run(op, nbytes, fn)
 
     # ---- point-to-point ---------------------------------------------------------------------
     def send(self, t: torch.Tensor, dst: int) -> None:
@@ -202,14 +258,43 @@ class Communicator(ABC):
         )
 
     def _run(self, op: str, nbytes: int, primitive, *args, peer: int | None = None):
-        """Call a backend primitive: count it, time it, and name the op (and peer) on failure."""
-        t0 = time.perf_counter()
+        """Call a backend primitive: count it, time it, note it on the board, and name the op
+        (and peer, and after a timeout the rank(s) it waited for) on failure."""
+        board = self._board
+        if board is not None:  # NOTE: the hot path: a dict update and two attribute stores
+            chan = self._chan if peer is None else self._p2p_channel(op, peer)
+            counts = board.counts
+            seq = counts.get(chan, 0) + 1
+            if board.fault is not None:
+                board.fault.check(op, self.name, seq)
+            counts[chan] = seq
+            t0 = time.perf_counter()
+            board.current = (chan, op, self.name, seq, t0, peer, self.members)
+        else:
+            t0 = time.perf_counter()
         try:
             result = primitive(*args)
         except (RuntimeError, OSError) as e:  # backends raise RuntimeError subclasses
-            raise CollectiveError(op, self, e, peer) from e
-        self.stats.record(op, self.name, nbytes, time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
+            raise CollectiveError(op, self, e, peer, hang=self._diagnose(waited)) from e
+        t1 = time.perf_counter()
+        if board is not None:
+            board.idle_since = t1  # after the op's start: done (a failed op stays in progress)
+        self.stats.record(op, self.name, nbytes, t1 - t0)
         return result
+
+    def _diagnose(self, waited_s: float) -> Hang | None:
+        """After an operation failed: the ranks it waited for, if it timed out (a failure well
+        before the timeout is a peer's death or error, reported by that peer)."""
+        if self._board is None or waited_s < _TIMED_OUT * self.timeout_s:
+            return None
+        from shardwise.comm.hang import diagnose
+
+        try:
+            self._board.publish()  # where this rank failed, for peers that diagnose too
+            return diagnose(self._board.read_all(), now=time.time(), origin=self._board.rank)
+        except Exception:  # noqa: BLE001 - a diagnosis must never hide the error itself
+            return None
 
     # ---- backend primitives ---------------------------------------------------------------
     @abstractmethod

@@ -71,6 +71,7 @@ class TorchDistCommunicator(Communicator):
         self.timeout_s = timeout_s
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self.members = tuple(range(self.size)) if group is None else tuple(dist.get_process_group_ranks(group))
 
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         out = t.contiguous().clone()
@@ -134,8 +135,7 @@ class TorchDistCommunicator(Communicator):
             if self.rank in ranks:
                 mine = pg
         sub = TorchDistCommunicator(mine, name=name, stats=self.stats, backend=self.backend, timeout_s=self.timeout_s)
-        sub.p2p_check = self.p2p_check
-        return sub
+        return self._derive(sub, sub.members)
 
     @property
     def process_group(self) -> dist.ProcessGroup:

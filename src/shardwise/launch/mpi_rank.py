@@ -33,8 +33,8 @@ def _load_main(path: str) -> None:
 def main() -> None:
     from mpi4py import MPI
 
-    from shardwise.comm.accounting import CommStats
-    from shardwise.comm.mpi import MPICommunicator
+    from shardwise.comm.mpi import init_mpi
+    from shardwise.launch import board as boards
     from shardwise.launch.failfast import error_report, ok_report, send_report
 
     host, port = os.environ["SHARDWISE_LAUNCH_ADDR"].rsplit(":", 1)
@@ -53,8 +53,11 @@ def main() -> None:
 
         torch.set_num_threads(threads)
         tqdm.set_lock(threading.RLock())
-        world = MPICommunicator(MPI.COMM_WORLD, name="world", stats=CommStats(), timeout_s=timeout_s)
+        world = init_mpi(timeout_s)
+        board = boards.attach(world)  # the directory our launcher made (SHARDWISE_BOARD)
         result = fn(world, *args)
+        if board is not None:
+            board.finish()
         send_report(conn, ok_report(result))
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
         try:

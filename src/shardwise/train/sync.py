@@ -3,8 +3,10 @@
 Two ways, chosen by ParallelSection.dp_sync:
 
 - DDPSync: PyTorch DistributedDataParallel on the dp process group (torch.distributed
-  backends). Its all-reduces overlap with backward; micro-steps before the last run
-  under `no_sync()`, so gradient accumulation costs one round of all-reduces per step.
+  backends). Micro-steps before the last run under `no_sync()`, so gradient accumulation
+  costs one round of all-reduces per step. Its bucket all-reduces go through the dp
+  Communicator (a comm hook): counted as all_reduce/dp, bounded by its timeout, and on the
+  progress board, so a hang in one names the rank that never arrived.
 - BucketedSync: after the last micro-step, gradients are packed into flat buckets of
   about bucket_mb each and every bucket is all-reduced through the Communicator. It
   works on any Communicator (MPI included), with one collective per bucket.
@@ -54,10 +56,37 @@ class DDPSync(GradSync):
             raise ValueError(f"DistributedDataParallel needs a torch.distributed group; dp uses {dp.backend!r}")
         # NOTE: parameters are already identical on every dp rank (same seed or same checkpoint);
         # DDP's initial broadcast from dp rank 0 keeps them so.
-        self.module = DistributedDataParallel(model, process_group=dp.process_group, bucket_cap_mb=bucket_mb)
+        self.module = dp.external(
+            "broadcast", lambda: DistributedDataParallel(model, process_group=dp.process_group, bucket_cap_mb=bucket_mb)
+        )
+        self.module.register_comm_hook(dp, _all_reduce_hook)
+        self.dp, self._synced, self._rebuilt = dp, False, False
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        if self._synced and not self._rebuilt:
+            # DDP re-buckets the gradients in the order of the first synced backward, and broadcasts
+            # that order from dp rank 0 at the next forward: issued here, through the communicator.
+            self._rebuilt = True
+            rebuild = getattr(self.module.reducer, "_rebuild_buckets", None)
+            if rebuild is not None:
+                self.dp.external("broadcast", rebuild)
         return contextlib.nullcontext() if last else self.module.no_sync()
+
+    def finish(self) -> None:
+        self._synced = True
+
+
+def _all_reduce_hook(dp: Communicator, bucket):  # NOTE: DDP rejects string annotations of these two
+    """DDP's comm hook: the bucket's dp mean, all-reduced in place through the Communicator.
+
+    NOTE: synchronous, where DDP's own hook returns at once and lets the all-reduce overlap
+    the rest of backward; on CPU ranks with one thread each there is no core to overlap on
+    (measured: docs/parallelism.md, "When a rank hangs")."""
+    grads = bucket.buffer()  # (bucket numel,) flat gradients
+    dp.all_reduce_(grads).div_(dp.size)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(grads)
+    return done
 
 
 class BucketedSync(GradSync):
