@@ -8,6 +8,10 @@
 2. Two ranks (tp=2) on gloo and on MPI: `--ops` in-place all-reduces of 256 floats (1 KiB,
    the size of one decode-step all-reduce of a hidden-256 model), with the board and with
    it detached, alternated `--repeats` times; the median microseconds per all-reduce.
+3. dp=2 training on gloo (DistributedDataParallel, a 27M-parameter decoder, 8 layers x 512,
+   two micro-batches of 2 x 128 tokens per step): ms per step with shardwise's comm hook
+   (which notes each bucket's all-reduce with the dp Communicator) and with DDP's own,
+   alternated `--repeats` times, 25 MB buckets; the median of each.
 
 Prints one JSON object.
 """
@@ -70,6 +74,51 @@ def _all_reduces(world, ops: int, repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in runs.items()}
 
 
+MODEL = dict(
+    vocab_size=2048,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    max_positions=128,
+)
+
+
+def _ddp_step_ms(world, tokens: str, out: str, own_hook: bool, steps: int) -> float:
+    """Rank function: median ms per dp=2 training step (the first is warm-up)."""
+    from shardwise.train import TrainConfig, setup, train_step
+
+    if own_hook:  # DDP's default all-reduce: leave the comm hook unregistered
+        torch.nn.parallel.DistributedDataParallel.register_comm_hook = lambda self, state, hook: None
+    cfg = TrainConfig.from_dict(
+        {
+            "model": MODEL,
+            "data": {"tokens": tokens, "seq_len": 128, "global_batch_size": 8, "micro_batch_size": 2},
+            "optim": {"lr": 1e-3, "schedule": "constant"},
+            "parallel": {"dp": 2, "dp_sync": "ddp", "timeout_s": 600},
+            "run": {"steps": steps, "progress": False, "plot": False, "out_dir": out, "log_every": 1000},
+        }
+    )
+    tr = setup(world, cfg)
+    return 1e3 * statistics.median([train_step(tr).seconds for _ in range(steps)][1:])
+
+
+def ddp_hook_ms(repeats: int) -> dict[str, float]:
+    from shardwise.train import write_token_file
+
+    runs: dict[str, list[float]] = {"shardwise_hook_ms": [], "ddp_own_hook_ms": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokens = str(write_token_file(f"{tmp}/tokens.safetensors", torch.randint(0, 2048, (100_000,)), vocab_size=2048))
+        for i in range(repeats):
+            for own in (False, True) if i % 2 else (True, False):
+                ms = max(launch(_ddp_step_ms, 2, args=(tokens, tmp, own, 5), timeout_s=600))
+                runs["ddp_own_hook_ms" if own else "shardwise_hook_ms"].append(ms)
+    out = {k: round(statistics.median(v), 1) for k, v in runs.items()}
+    out["added_percent"] = round(100 * (out["shardwise_hook_ms"] / out["ddp_own_hook_ms"] - 1), 1)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", type=int, default=5000)
@@ -84,6 +133,7 @@ def main() -> None:
             "no_board_us": round(off, 2),
             "added_percent": round(100 * (on - off) / off, 1),
         }
+    result["ddp_dp2_step"] = ddp_hook_ms(args.repeats)
     print(json.dumps(result))
 
 

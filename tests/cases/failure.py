@@ -32,25 +32,26 @@ def one_rank_never_arrives(comm) -> None:
 
 
 class HangAfterSave(Checkpointer):
-    """Saves as usual; then world rank `rank` writes the time to `marker` and stops itself
-    (SIGSTOP, `how="stop"`) or sleeps in Python (`how="sleep"`): the others go on into the
-    next step's collectives without it."""
+    """Saves as usual; then each world rank in `hangs` writes the time and its pid to
+    `markers`/<rank> and stops itself (SIGSTOP, "stop") or sleeps in Python ("sleep"): the
+    others go on into the next step's collectives without it."""
 
-    def __init__(self, rank: int, how: str, marker: str) -> None:
+    def __init__(self, hangs: dict[int, str], markers: str) -> None:
         super().__init__()
-        self.rank, self.how, self.marker = rank, how, marker
+        self.hangs, self.markers = hangs, Path(markers)
 
     def save(self, tr) -> Path:
         path = super().save(tr)
-        if tr.mesh.world.rank == self.rank:
-            Path(self.marker).write_text(f"{time.time()}\n{os.getpid()}")
-            if self.how == "stop":
+        how = self.hangs.get(tr.mesh.world.rank)
+        if how is not None:
+            (self.markers / str(tr.mesh.world.rank)).write_text(f"{time.time()}\n{os.getpid()}")
+            if how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(3600)
         return path
 
 
-def train_then_hang(world, cfg, rank: int, how: str, marker: str):
+def train_then_hang(world, cfg, hangs: dict[int, str], markers: str):
     from shardwise.train import train
 
-    return train(world, cfg, HangAfterSave(rank, how, marker))
+    return train(world, cfg, HangAfterSave(hangs, markers))

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Communicator",
     "LocalCommunicator",
+    "Pending",
     "CollectiveError",
     "P2PMismatchError",
     "ReduceOp",
@@ -183,6 +184,13 @@ class Communicator(ABC):
         if self.size == 1:
             return fn()
         return self._run(op, nbytes, fn)
+
+    def pending(self, op: str, nbytes: int) -> Pending:
+        """Note an operation on this group that another library runs asynchronously (one of
+        DDP's bucket all-reduces, overlapping backward): on the progress board from now until
+        `Pending.finish()`, counted once `Pending.record()`. Every member must issue it in the
+        same order as its other operations on this group."""
+        return Pending(self, op, nbytes)
 
     # ---- point-to-point ---------------------------------------------------------------------
     def send(self, t: torch.Tensor, dst: int) -> None:
@@ -338,6 +346,37 @@ class Communicator(ABC):
         return (
             f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size}, backend={self.backend!r})"
         )
+
+
+class Pending:
+    """An asynchronous operation noted on a communicator's board (Communicator.pending)."""
+
+    def __init__(self, comm: Communicator, op: str, nbytes: int) -> None:
+        self.comm, self.op, self.nbytes = comm, op, nbytes
+        self.start = time.perf_counter()
+        self.end: float | None = None
+        self._key = None
+        board = comm._board
+        if board is not None:
+            chan = comm._chan
+            seq = board.counts[chan] = board.counts.get(chan, 0) + 1
+            self._key = (chan, seq)
+            board.pending[self._key] = (chan, op, comm.name, seq, self.start, None, comm.members)
+
+    def finish(self) -> None:
+        """It completed (any thread may call this: the board's entry goes, the time is kept)."""
+        self.end = time.perf_counter()
+        if self._key is not None:
+            self.comm._board.pending.pop(self._key, None)
+
+    def record(self) -> None:
+        """Count it in the communicator's stats (on the thread that issued it, as every count is)."""
+        if self.end is not None:
+            self.comm.stats.record(self.op, self.comm.name, self.nbytes, self.end - self.start)
+
+    def failed(self, cause: BaseException) -> CollectiveError:
+        """The CollectiveError for its failure (`cause`): after a timeout, naming the rank(s) it waited for."""
+        return CollectiveError(self.op, self.comm, cause, hang=self.comm._diagnose(time.perf_counter() - self.start))
 
 
 class LocalCommunicator(Communicator):

@@ -168,7 +168,8 @@ def diagnose(
     culprits = []
     for r in (r for r in order if not (r in waits and blocked(r))):
         kind, state = health.get(r, ("unknown", _NO_RECORD))
-        if records.get(r, {}).get("op") and kind not in ("stopped", "frozen", "gone"):
+        rec = records.get(r, {})
+        if (rec.get("op") or rec.get("pending")) and kind not in ("stopped", "frozen", "gone"):
             continue  # waits in an operation every peer has reached: not what holds the others
         if kind == "ok":
             kind, state = "outside", _outside(records[r], now)
@@ -208,19 +209,26 @@ def _health(rec: dict[str, Any], now: float, host: str, state_of) -> tuple[str, 
     return "ok", ""
 
 
+def _waiting_in(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """The operation a rank waits in: the one it is in; else its oldest asynchronous one in
+    flight (DDP's bucket all-reduces, which backward's end waits for); else under NCCL, whose
+    operations return once queued, the last one it queued."""
+    if rec.get("state") == "done":
+        return None
+    pending = rec.get("pending") or [None]
+    return rec.get("op") or pending[0] or (rec.get("last") if rec.get("backend") == "nccl" else None)
+
+
 def _wait_of(rec: dict[str, Any], now: float) -> Wait | None:
-    """The operation a rank waits in: the one it is in, or under an asynchronous backend
-    (NCCL: an operation returns once queued) the last one it queued."""
-    entry = rec.get("op") or (rec.get("last") if rec.get("backend") == "nccl" else None)
-    if entry is None or rec.get("state") == "done":
+    entry = _waiting_in(rec)
+    if entry is None:
         return None
     return Wait(rec["rank"], entry["op"], entry["group"], entry["seq"], now - entry["start"])
 
 
 def _blockers(records: dict[int, dict[str, Any]], rank: int, health) -> list[tuple[int, bool]]:
     """The peers `rank` waits for: (peer, whether it arrived)."""
-    rec = records[rank]
-    entry = rec.get("op") or rec.get("last")
+    entry = _waiting_in(records[rank])
     peers = [entry["peer"]] if entry.get("peer") is not None else [m for m in entry["members"] if m != rank]
     out = []
     for m in peers:

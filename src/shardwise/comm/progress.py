@@ -20,7 +20,8 @@ Where records are published (a Sink; shardwise.launch.board chooses):
   take it down: the agent, not a rank, hosts it).
 
 SHARDWISE_DEBUG_HANG="RANK:OP/GROUP#N:stop|sleep" makes rank RANK stop itself (SIGSTOP) or
-sleep for an hour just before entering its N-th OP on GROUP: fault injection for tests.
+sleep for an hour just before its first OP on GROUP from the group's N-th operation on:
+fault injection for tests.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class StoreSink:
 
 @dataclass(frozen=True)
 class Fault:
-    """Stop (SIGSTOP) or sleep on `rank` just before its `seq`-th `op` on `group` (tests only)."""
+    """Stop (SIGSTOP) or sleep on `rank` just before its first `op` on `group` numbered `seq`
+    or later (the group's operations of every kind are numbered together; tests only)."""
 
     rank: int
     op: str
@@ -130,7 +132,7 @@ class Fault:
         return cls(int(m[1]), m[2], m[3], int(m[4]), m[5])
 
     def check(self, op: str, group: str, seq: int) -> None:
-        if (op, group, seq) == (self.op, self.group, self.seq):
+        if (op, group) == (self.op, self.group) and seq >= self.seq:
             if self.how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
@@ -152,8 +154,8 @@ class Board:
     """This process's progress record, published by a heartbeat thread (see the module doc)."""
 
     __slots__ = (
-        "rank", "world_size", "sink", "backend", "pid", "host", "counts", "current", "idle_since", "state",
-        "fault", "_wall", "_stop", "_thread",
+        "rank", "world_size", "sink", "backend", "pid", "host", "counts", "current", "idle_since", "pending",
+        "state", "fault", "_wall", "_stop", "_thread",
     )  # fmt: skip
 
     def __init__(self, rank: int, world_size: int, sink: Sink | None, *, backend: str = "") -> None:
@@ -166,6 +168,8 @@ class Board:
         the operation in progress, or, once idle_since is later than its start, the last one."""
         self.idle_since = time.perf_counter()
         """When the last operation ended (perf_counter)."""
+        self.pending: dict[tuple[str, int], tuple] = {}
+        """Asynchronous operations in flight (Communicator.pending), entries as `current`."""
         self.state = "running"  # or "done"
         self._wall = time.time() - time.perf_counter()  # perf_counter -> time.time()
         fault = os.environ.get(FAULT_ENV)
@@ -189,12 +193,10 @@ class Board:
             "counts": dict(self.counts),
             "op": None,
             "last": None,
+            "pending": sorted((self._entry(e) for e in list(self.pending.values())), key=lambda e: e["start"]),
         }
         if cur is not None:
-            chan, op, group, seq, t0, peer, members = cur
-            entry = {"op": op, "group": group, "chan": chan, "seq": seq, "start": t0 + self._wall}
-            entry["members"] = list(members)
-            entry["peer"] = members[peer] if peer is not None else None
+            entry = self._entry(cur)
             if busy:
                 rec["op"] = entry
             else:
@@ -203,6 +205,18 @@ class Board:
         else:
             rec["idle_since"] = idle_since + self._wall
         return rec
+
+    def _entry(self, op_tuple: tuple) -> dict[str, Any]:
+        chan, op, group, seq, t0, peer, members = op_tuple
+        return {
+            "op": op,
+            "group": group,
+            "chan": chan,
+            "seq": seq,
+            "start": t0 + self._wall,
+            "members": list(members),
+            "peer": members[peer] if peer is not None else None,
+        }
 
     def publish(self) -> None:
         if self.sink is not None:

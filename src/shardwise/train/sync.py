@@ -3,10 +3,13 @@
 Two ways, chosen by ParallelSection.dp_sync:
 
 - DDPSync: PyTorch DistributedDataParallel on the dp process group (torch.distributed
-  backends). Micro-steps before the last run under `no_sync()`, so gradient accumulation
-  costs one round of all-reduces per step. Its bucket all-reduces go through the dp
-  Communicator (a comm hook): counted as all_reduce/dp, bounded by its timeout, and on the
-  progress board, so a hang in one names the rank that never arrived.
+  backends). Its all-reduces overlap with backward; micro-steps before the last run
+  under `no_sync()`, so gradient accumulation costs one round of all-reduces per step.
+  A comm hook notes each bucket's all-reduce with the dp Communicator (Communicator.pending):
+  counted as all_reduce/dp, on the progress board while in flight, and a failure raised as
+  its CollectiveError, naming after a timeout the rank that never arrived. DDP's own
+  broadcasts (at construction, and of its bucket order after the first backward) run
+  through the Communicator too (Communicator.external).
 - BucketedSync: after the last micro-step, gradients are packed into flat buckets of
   about bucket_mb each and every bucket is all-reduced through the Communicator. It
   works on any Communicator (MPI included), with one collective per bucket.
@@ -21,7 +24,8 @@ import contextlib
 import torch
 from torch import nn
 
-from shardwise.comm import Communicator
+from shardwise.comm import CollectiveError, Communicator
+from shardwise.comm.communicator import Pending
 
 __all__ = ["GradSync", "NoSync", "DDPSync", "BucketedSync", "make_grad_sync"]
 
@@ -59,10 +63,12 @@ class DDPSync(GradSync):
         self.module = dp.external(
             "broadcast", lambda: DistributedDataParallel(model, process_group=dp.process_group, bucket_cap_mb=bucket_mb)
         )
-        self.module.register_comm_hook(dp, _all_reduce_hook)
         self.dp, self._synced, self._rebuilt = dp, False, False
+        self._in_flight: list[Pending] = []
+        self.module.register_comm_hook(self, _all_reduce_hook)
 
-    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def micro_step(self, last: bool):
         if self._synced and not self._rebuilt:
             # DDP re-buckets the gradients in the order of the first synced backward, and broadcasts
             # that order from dp rank 0 at the next forward: issued here, through the communicator.
@@ -70,23 +76,39 @@ class DDPSync(GradSync):
             rebuild = getattr(self.module.reducer, "_rebuild_buckets", None)
             if rebuild is not None:
                 self.dp.external("broadcast", rebuild)
-        return contextlib.nullcontext() if last else self.module.no_sync()
+        try:
+            with contextlib.nullcontext() if last else self.module.no_sync():
+                yield
+        except RuntimeError as e:
+            # a bucket's all-reduce failed: DDP re-raises its error as a plain RuntimeError
+            failed = next((p for p in self._in_flight if p.end is None), None)
+            if failed is None or isinstance(e, CollectiveError):
+                raise
+            raise failed.failed(e) from e
 
     def finish(self) -> None:
         self._synced = True
+        for pending in self._in_flight:  # done by now: backward waits for every bucket
+            pending.record()
+        self._in_flight.clear()
 
 
-def _all_reduce_hook(dp: Communicator, bucket):  # NOTE: DDP rejects string annotations of these two
-    """DDP's comm hook: the bucket's dp mean, all-reduced in place through the Communicator.
+def _all_reduce_hook(sync: DDPSync, bucket):  # NOTE: DDP rejects string annotations of these two
+    """DDP's comm hook: as DDP's own (the bucket's dp mean, all-reduced asynchronously, so that
+    it overlaps the rest of backward), noted with the dp Communicator while in flight."""
+    import torch.distributed as dist
 
-    NOTE: synchronous, where DDP's own hook returns at once and lets the all-reduce overlap
-    the rest of backward; on CPU ranks with one thread each there is no core to overlap on
-    (measured: docs/parallelism.md, "When a rank hangs")."""
-    grads = bucket.buffer()  # (bucket numel,) flat gradients
-    dp.all_reduce_(grads).div_(dp.size)
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(grads)
-    return done
+    grads = bucket.buffer().div_(sync.dp.size)  # (bucket numel,) flat gradients
+    pending = sync.dp.pending("all_reduce", grads.numel() * grads.element_size())
+    sync._in_flight.append(pending)
+    work = dist.all_reduce(grads, group=sync.dp.process_group, async_op=True)
+
+    def done(fut: torch.futures.Future) -> torch.Tensor:
+        reduced = fut.value()[0]  # raises if the all-reduce failed: it stays in flight on the board
+        pending.finish()
+        return reduced
+
+    return work.get_future().then(done)
 
 
 class BucketedSync(GradSync):
