@@ -223,6 +223,43 @@ def test_a_timed_out_operation_names_the_peer_from_the_board(tmp_path):
     )
 
 
+def test_an_asynchronous_operation_is_on_the_board_while_in_flight_and_counted_once_recorded(tmp_path):
+    comm, board = _pair(tmp_path)
+    in_flight: torch.futures.Future = torch.futures.Future()
+    comm._all_reduce_async = lambda t: in_flight  # a backend's all-reduce, not done yet
+    grads = torch.zeros(1024)
+    reduced, pending = comm.all_reduce_async_(grads)  # as DDP's comm hook does for a bucket
+    rec = board.record()
+    assert rec["counts"] == {TP01: 1} and [e["seq"] for e in rec["pending"]] == [1]
+    assert not reduced.done() and "all_reduce/tp" not in comm.stats.snapshot()
+    in_flight.set_result(grads)
+    assert reduced.wait() is grads and board.record()["pending"] == []
+    pending.record()
+    assert comm.stats.snapshot()["all_reduce/tp"] == {"calls": 1, "bytes": 4096}
+
+
+def test_a_failed_asynchronous_operation_stays_in_flight_and_raises_its_collective_error(tmp_path):
+    comm, board = _pair(tmp_path)
+    in_flight: torch.futures.Future = torch.futures.Future()
+    comm._all_reduce_async = lambda t: in_flight
+    reduced, pending = comm.all_reduce_async_(torch.zeros(4))
+    in_flight.set_exception(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        reduced.wait()
+    assert len(board.record()["pending"]) == 1
+    error = pending.failed(RuntimeError("Connection closed by peer"))
+    assert isinstance(error, CollectiveError) and error.hang is None  # well before the 60 s timeout
+
+
+def test_a_rank_waiting_for_an_asynchronous_all_reduce_waits_in_it():
+    # gloo DDP: rank 1 waits at the end of backward for its bucket all-reduce with rank 3
+    rank1 = _rec(1, {DP13: 5})
+    rank1["pending"] = [_op("all_reduce", "dp", DP13, 5, (1, 3), waited=2.0)]
+    rank3 = _rec(3, {DP13: 4}, last=_op("all_reduce", "dp", DP13, 4, (1, 3), waited=9.0))
+    hang = _diagnose([rank1, rank3], origin=1)
+    assert hang.ranks == (3,) and hang.summary.startswith("stuck: never arrived at all_reduce/dp #5 (rank 1 waited")
+
+
 def test_fault_injection_is_parsed_and_refuses_a_bad_spec():
     assert Fault.parse("3:all_reduce/dp#12:stop") == Fault(3, "all_reduce", "dp", 12, "stop")
     with pytest.raises(ValueError, match=r"expected RANK:OP/GROUP#N:stop\|sleep, e.g. 1:all_reduce/tp#5:stop"):

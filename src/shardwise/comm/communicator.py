@@ -185,12 +185,36 @@ class Communicator(ABC):
             return fn()
         return self._run(op, nbytes, fn)
 
-    def pending(self, op: str, nbytes: int) -> Pending:
-        """Note an operation on this group that another library runs asynchronously (one of
-        DDP's bucket all-reduces, overlapping backward): on the progress board from now until
-        `Pending.finish()`, counted once `Pending.record()`. Every member must issue it in the
-        same order as its other operations on this group."""
-        return Pending(self, op, nbytes)
+    def all_reduce_async_(self, t: torch.Tensor) -> tuple[torch.futures.Future, Pending]:
+        """Start an in-place sum of a contiguous `t` over the group and return at once (for
+        DDP's comm hook, so the all-reduce overlaps backward): a Future of `t` reduced, and the
+        operation's Pending, on the progress board until it completes and counted once
+        `Pending.record()` is called on this thread. A failure fails the Future; raise
+        `Pending.failed(error)` for it. Backends without asynchronous collectives reduce now."""
+        pending = Pending(self, "all_reduce", _nbytes(t))
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            try:
+                value = fut.value()
+            except Exception as e:  # the backend's own error: it stays in flight on the board
+                pending.error = e
+                raise
+            pending.finish()
+            return value[0] if isinstance(value, list) else value
+
+        return self._all_reduce_async(t).then(done), pending
+
+    def _all_reduce_async(self, t: torch.Tensor) -> torch.futures.Future:
+        """A Future of the reduced `t` (or of [t], as torch.distributed's)."""
+        fut: torch.futures.Future = torch.futures.Future()
+        if self.size == 1:
+            fut.set_result(t)
+            return fut
+        try:
+            fut.set_result(self._all_reduce_inplace(t, "sum"))
+        except (RuntimeError, OSError) as e:
+            fut.set_exception(e)
+        return fut
 
     # ---- point-to-point ---------------------------------------------------------------------
     def send(self, t: torch.Tensor, dst: int) -> None:
@@ -349,12 +373,14 @@ class Communicator(ABC):
 
 
 class Pending:
-    """An asynchronous operation noted on a communicator's board (Communicator.pending)."""
+    """An asynchronous operation noted on a communicator's board (Communicator.all_reduce_async_)."""
 
     def __init__(self, comm: Communicator, op: str, nbytes: int) -> None:
         self.comm, self.op, self.nbytes = comm, op, nbytes
         self.start = time.perf_counter()
         self.end: float | None = None
+        self.error: BaseException | None = None
+        """The backend's error, if it failed."""
         self._key = None
         board = comm._board
         if board is not None:

@@ -19,7 +19,6 @@ import os
 import shutil
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -33,13 +32,18 @@ __all__ = ["attach", "release", "new_dir", "remove_dir", "diagnose_dir"]
 _PATH_BYTES = 1024
 
 
-def new_dir() -> str:
-    """A fresh board directory for a job whose ranks we start."""
-    return tempfile.mkdtemp(prefix="shardwise-board-")
+def new_dir() -> str | None:
+    """A fresh board directory for a job whose ranks we start (None if none can be made: the
+    job runs without one)."""
+    try:
+        return tempfile.mkdtemp(prefix="shardwise-board-")
+    except OSError:
+        return None
 
 
-def remove_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def remove_dir(path: str | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def attach(world: Communicator, *, directory: str | None = None, launcher: str | None = None) -> Board | None:
@@ -49,15 +53,18 @@ def attach(world: Communicator, *, directory: str | None = None, launcher: str |
     Collective under an external mpiexec without SHARDWISE_BOARD."""
     if world.size == 1 or os.environ.get(BOARD_ENV) == "off":
         return None
-    path = directory or os.environ.get(BOARD_ENV)
+    path, owned = directory or os.environ.get(BOARD_ENV), False
+    if not path and launcher == "mpiexec":
+        path, owned = _named_by_rank0(world), True  # collective: before anything that may fail on one rank
     sink: Sink | None = None
-    if path:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        sink = DirSink(path)
-    elif launcher == "torchrun":
-        sink = _torchrun_store()
-    elif launcher == "mpiexec":
-        sink = DirSink(_named_by_rank0(world), owned=True)
+    try:
+        if path:
+            Path(path).mkdir(parents=True, exist_ok=True)  # on each host, for a temporary directory
+            sink = DirSink(path, owned=owned)
+        elif launcher == "torchrun":
+            sink = _torchrun_store()
+    except (OSError, RuntimeError):  # no board is no reason to fail the job
+        return None
     if sink is None:
         return None
     board = Board(world.rank, world.size, sink, backend=world.backend)
@@ -73,26 +80,28 @@ def release(board: Board | None) -> None:
 
 def _torchrun_store() -> Sink | None:
     """A client of torchrun's agent store, under a key prefix of this run and restart."""
-    import torch.distributed as dist
+    from shardwise.comm.torch_dist import store_client
 
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         return None
-    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+    store = store_client(addr, int(port))
     run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return StoreSink(store, f"shardwise/board/{run}")
 
 
-def _named_by_rank0(world: Communicator) -> str:
+def _named_by_rank0(world: Communicator) -> str | None:
     """A directory rank 0 creates, its path broadcast to every rank (each creates it on its host)."""
     buf = torch.zeros(_PATH_BYTES, dtype=torch.uint8, device=world.device)
     if world.rank == 0:
-        raw = new_dir().encode()[:_PATH_BYTES]
+        raw = (new_dir() or "").encode()[:_PATH_BYTES]
         buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     buf = world._broadcast(buf, 0)  # NOTE: the raw primitive: not counted, and no board yet
-    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode() or None
 
 
-def diagnose_dir(path: str, world_size: int) -> Hang | None:
+def diagnose_dir(path: str | None, world_size: int) -> Hang | None:
     """The launcher's diagnosis from a board directory on this host (every rank's record)."""
+    if path is None:
+        return None
     return diagnose(read_records(DirSink(path), world_size), now=time.time())

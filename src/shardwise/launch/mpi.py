@@ -62,7 +62,7 @@ def launch_mpi(
         "SHARDWISE_LAUNCH_ADDR": f"{host}:{port}",
         "SHARDWISE_LAUNCH_KEY": key.hex(),
         "OMP_NUM_THREADS": str(threads_per_rank),
-        BOARD_ENV: board_dir,
+        **({BOARD_ENV: board_dir} if board_dir else {}),
     }
     # -disable-auto-cleanup: when a rank dies, mpiexec leaves the others running, so that they
     # can be told (_notify) and fail with an error of their own (a server answers 503 and ends

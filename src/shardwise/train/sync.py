@@ -5,7 +5,7 @@ Two ways, chosen by ParallelSection.dp_sync:
 - DDPSync: PyTorch DistributedDataParallel on the dp process group (torch.distributed
   backends). Its all-reduces overlap with backward; micro-steps before the last run
   under `no_sync()`, so gradient accumulation costs one round of all-reduces per step.
-  A comm hook notes each bucket's all-reduce with the dp Communicator (Communicator.pending):
+  A comm hook runs each bucket's all-reduce through the dp Communicator (all_reduce_async_):
   counted as all_reduce/dp, on the progress board while in flight, and a failure raised as
   its CollectiveError, naming after a timeout the rank that never arrived. DDP's own
   broadcasts (at construction, and of its bucket order after the first backward) run
@@ -84,7 +84,7 @@ class DDPSync(GradSync):
             failed = next((p for p in self._in_flight if p.end is None), None)
             if failed is None or isinstance(e, CollectiveError):
                 raise
-            raise failed.failed(e) from e
+            raise failed.failed(failed.error or e) from e
 
     def finish(self) -> None:
         self._synced = True
@@ -95,20 +95,11 @@ class DDPSync(GradSync):
 
 def _all_reduce_hook(sync: DDPSync, bucket):  # NOTE: DDP rejects string annotations of these two
     """DDP's comm hook: as DDP's own (the bucket's dp mean, all-reduced asynchronously, so that
-    it overlaps the rest of backward), noted with the dp Communicator while in flight."""
-    import torch.distributed as dist
-
+    it overlaps the rest of backward), through the dp Communicator."""
     grads = bucket.buffer().div_(sync.dp.size)  # (bucket numel,) flat gradients
-    pending = sync.dp.pending("all_reduce", grads.numel() * grads.element_size())
+    reduced, pending = sync.dp.all_reduce_async_(grads)
     sync._in_flight.append(pending)
-    work = dist.all_reduce(grads, group=sync.dp.process_group, async_op=True)
-
-    def done(fut: torch.futures.Future) -> torch.Tensor:
-        reduced = fut.value()[0]  # raises if the all-reduce failed: it stays in flight on the board
-        pending.finish()
-        return reduced
-
-    return work.get_future().then(done)
+    return reduced
 
 
 class BucketedSync(GradSync):
