@@ -39,14 +39,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _watch_lifeline(conn: Connection) -> None:
+def _watch_lifeline(conn: Connection, board_dir: str | None) -> None:
     with contextlib.suppress(EOFError, OSError):
         conn.recv()  # the parent never sends: this returns only by EOF
+    boards.remove_dir(board_dir)  # the parent may have died (SIGKILL) without removing it
     os._exit(3)
 
 
 def _worker(rank, world_size, port, backend, timeout_s, threads, board_dir, fn, args, result_conn, lifeline) -> None:
-    threading.Thread(target=_watch_lifeline, args=(lifeline,), daemon=True).start()
+    threading.Thread(target=_watch_lifeline, args=(lifeline, board_dir), daemon=True).start()
     # NOTE: a rank may be SIGKILLed when another fails, so it must hold no cross-process
     # semaphore (they would leak); tqdm's default lock is one, a thread lock suffices.
     from tqdm import tqdm

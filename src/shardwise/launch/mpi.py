@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S
-from shardwise.comm.progress import BOARD_ENV
 from shardwise.launch import board as boards
 from shardwise.launch.failfast import Failure, JobTimeoutError, Outcomes, RankFailedError, job_deadline, recv_report
 
@@ -62,7 +61,6 @@ def launch_mpi(
         "SHARDWISE_LAUNCH_ADDR": f"{host}:{port}",
         "SHARDWISE_LAUNCH_KEY": key.hex(),
         "OMP_NUM_THREADS": str(threads_per_rank),
-        **({BOARD_ENV: board_dir} if board_dir else {}),
     }
     # -disable-auto-cleanup: when a rank dies, mpiexec leaves the others running, so that they
     # can be told (_notify) and fail with an error of their own (a server answers 503 and ends
@@ -80,7 +78,7 @@ def launch_mpi(
     try:
         main = sys.modules.get("__main__")
         main_file = getattr(main, "__file__", None) if fn.__module__ == "__main__" else None
-        prep = pickle.dumps((list(sys.path), main_file))
+        prep = pickle.dumps((list(sys.path), main_file, board_dir))
         job = pickle.dumps((fn, args, timeout_s, threads_per_rank))
         while len(conns) < world_size:  # every rank says hello with its rank, and gets the job
             if proc.poll() is not None:
