@@ -32,6 +32,17 @@ from shardwise.launch.failfast import Outcomes, error_report, job_deadline, ok_r
 __all__ = ["launch_local", "free_port"]
 
 
+PRELOAD: list[str] = []
+"""More modules for the forkserver to import once, before it forks ranks (with those named
+in SHARDWISE_PRELOAD, comma-separated). E.g. "torch._dynamo": building an optimizer imports
+it, about a second of CPU in every training rank. Only the first launch of a process
+counts: its forkserver serves every later one."""
+
+
+def _extra_preload() -> list[str]:
+    return PRELOAD + [m for m in os.environ.get("SHARDWISE_PRELOAD", "").split(",") if m.strip()]
+
+
 def free_port() -> int:
     """A TCP port on loopback that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -96,7 +107,7 @@ def launch_local(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "shardwise.launch.local"])
+    ctx.set_forkserver_preload(["torch", "shardwise.launch.local", *_extra_preload()])
     port = free_port()
     board_dir = boards.new_dir()
     procs, lifelines = [], []
