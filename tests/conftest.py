@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from rank_pool import RankPool
-
 from shardwise.launch import local
 
 # Ranks forked in this process (the pools, launch() in tests) skip the imports that building
