@@ -12,6 +12,11 @@ from pathlib import Path
 import pytest
 
 from rank_pool import RankPool
+from shardwise.launch import local
+
+# Ranks forked in this process (the pools, launch() in tests) skip the imports that building
+# an optimizer and allocating meta-built models trigger (~1.5 s of CPU per training rank).
+local.PRELOAD += ["torch._dynamo", "torch.fx.experimental.symbolic_shapes"]
 
 _SLOW_DIRS = ("multiproc", "e2e")
 

@@ -4,6 +4,7 @@ each world size runs all its checks in one job."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -118,24 +119,28 @@ def test_mpi_raising_rank_takes_the_job_down():
 
 
 @pytest.mark.parametrize(
-    "case,message",
+    "case,message,missed",
     [
         (
             one_rank_never_arrives,
             "CollectiveError: all_reduce on group 'world' (rank 0 of 2, mpi, timeout 2s) failed: MPI all_reduce timed out",
+            "all_reduce/world #1",
         ),
         (
             peer_never_sends,
             "CollectiveError: recv from rank 1 on group 'pp' (rank 0 of 2, mpi, timeout 2s) failed: MPI recv timed out",
+            "recv/pp #1",
         ),
     ],
     ids=["collective", "recv"],
 )
-def test_mpi_op_times_out_instead_of_hanging(case, message):
+def test_mpi_op_times_out_instead_of_hanging(case, message, missed):
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
         launch(case, 2, backend="mpi", timeout_s=2)
-    assert info.value.rank == 0
+    assert info.value.rank == 1, "the rank that never arrived, not the one that timed out"
+    waited = rf"stuck: never arrived at {re.escape(missed)} \(rank 0 waited 2\.\d s for it\); running"
+    assert re.match(waited, info.value.summary), info.value.summary
     assert message in str(info.value)
     assert time.monotonic() - start < 2 + 20
     assert wait_gone(pids=info.value.pids) == []

@@ -174,7 +174,7 @@ def _check(results: list[dict], ref: dict, cfg: TrainConfig, what: str) -> None:
 
 def _refusals(tokens, out, tp, pp, dp) -> None:
     """Interleaved at m = 2p+1 (not a multiple of p), or with more chunks than layers: one line."""
-    with pytest.raises(ConfigError, match=rf"multiple of pp={pp} .*; got {2 * pp + 1}; valid: {pp}, {2 * pp}, "):
+    with pytest.raises(ConfigError, match=rf"\(m={2 * pp + 1}\) to be a multiple of pp={pp}; valid data.microbatches"):
         _cfg(tokens, out, tp, pp, dp, LAYERS, "interleaved", 2 * pp + 1, v=2)
     if 2 * pp > LAYERS:
         with pytest.raises(ConfigError, match=rf"= {2 * pp} stages is more than the model's {LAYERS} layers"):

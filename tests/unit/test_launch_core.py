@@ -1,5 +1,6 @@
 """The launchers' shared fail-fast core (shardwise.launch.failfast), without processes:
-which failure is the root cause, the grace period after a first failure, the job deadline."""
+which failure is the root cause (a stuck rank before the transport errors it causes), the
+grace period after a first failure, the job deadline."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 import pytest
 
 from shardwise.comm import CollectiveError, LocalCommunicator
-from shardwise.launch import JobTimeoutError, RankFailedError
+from shardwise.comm.hang import Culprit, Hang, Wait
+from shardwise.launch import JobTimeoutError, RankFailedError, failfast
 from shardwise.launch.failfast import (
     GRACE_S,
     Failure,
@@ -50,14 +52,34 @@ def test_error_report_names_the_exception_and_marks_collectives_secondary():
     try:
         raise ValueError("boom on rank 1")
     except ValueError as e:
-        kind, when, summary, detail, secondary = error_report(e)
-    assert (kind, summary, secondary) == ("error", "ValueError: boom on rank 1", False)
+        kind, when, summary, detail, secondary, stuck, hang = error_report(e)
+    assert (kind, summary, secondary, stuck, hang) == ("error", "ValueError: boom on rank 1", False, (), "")
     assert "Traceback" in detail and abs(when - time.time()) < 60
     try:
         raise _collective_error()
     except CollectiveError as e:
-        assert error_report(e)[4] is True
+        assert error_report(e)[4:] == (True, (), "")
     assert ok_report([1, 2]) == ("ok", [1, 2])
+
+
+def _stuck_rank_3() -> Hang:
+    wait = Wait(2, "all_reduce", "tp", 51, 20.0)
+    return Hang((Culprit(3, "stopped", ((wait, False),), "stopped (process 4242, state T)"),))
+
+
+def test_error_report_of_a_timeout_carries_the_stuck_ranks_through_the_chain_of_causes():
+    hang = _stuck_rank_3()
+    try:
+        try:
+            raise CollectiveError("all_reduce", LocalCommunicator(), RuntimeError("Timed out"), hang=hang)
+        except CollectiveError as e:
+            raise RuntimeError("during backward") from e
+    except RuntimeError as e:
+        report = error_report(e)
+    assert report[4:] == (True, (3,), hang.summary)
+    assert hang.summary == (
+        "stuck: never arrived at all_reduce/tp #51 (rank 2 waited 20.0 s for it); stopped (process 4242, state T)"
+    )
 
 
 def test_root_cause_prefers_a_real_error_then_the_earliest():
@@ -69,6 +91,14 @@ def test_root_cause_prefers_a_real_error_then_the_earliest():
     assert root_cause(only_collectives).rank == 0
     with pytest.raises(ValueError, match="no failures"):
         root_cause([])
+
+
+def test_root_cause_prefers_a_timeout_that_names_the_stuck_rank_over_transport_errors():
+    closed = Failure(1, 1.0, "CollectiveError: ... Connection closed by peer", "", secondary=True)
+    timed_out = Failure(2, 2.0, "CollectiveError: ... Timed out", "", secondary=True, stuck=(3,), hang="stuck: ...")
+    raised = Failure(0, 3.0, "ValueError: boom", "Traceback ...")
+    assert root_cause([closed, timed_out]) is timed_out
+    assert root_cause([closed, timed_out, raised]) is raised
 
 
 def test_job_deadline_defaults_to_four_timeouts_plus_a_minute_and_allows_none():
@@ -128,6 +158,56 @@ def test_collect_waits_out_the_grace_period_for_the_root_cause():
     assert info.value.detail == "Traceback: ValueError: boom on rank 2" and info.value.pids == [10, 11, 12]
     assert notified == [0], "the survivors are told once, of the first failure"
     assert GRACE_S <= time.monotonic() - start < GRACE_S + 5
+
+
+@pytest.fixture
+def short_grace(monkeypatch):
+    monkeypatch.setattr(failfast, "GRACE_S", 0.05)
+
+
+def test_a_hang_is_reported_as_the_stuck_rank_with_what_the_waiting_rank_saw(short_grace):
+    outcomes = Outcomes(4, pids=[10, 11, 12, 13])
+    hang = _stuck_rank_3()
+    script = _Script(
+        outcomes,
+        [
+            [(1, _error("CollectiveError: recv failed: Connection closed by peer", 1.0, secondary=True))],
+            [(2, ("error", 2.0, "CollectiveError: timed out", "Traceback: timed out", True, (3,), hang.summary))],
+        ],
+    )
+    with pytest.raises(RankFailedError) as info:
+        outcomes.collect(script, running=lambda: True, deadline=math.inf)
+    err = info.value
+    assert (err.rank, err.stuck, err.summary) == (3, (3,), hang.summary)
+    assert err.detail == "what rank 2 saw:\nTraceback: timed out"
+    assert str(err).startswith("rank 3 failed: stuck: never arrived at all_reduce/tp #51 (rank 2 waited 20.0 s")
+
+
+@pytest.mark.parametrize(
+    "failure,names",
+    [
+        (_error("CollectiveError: Connection closed by peer", 1.0, secondary=True), 3),
+        ("aborted", 3),  # NCCL's watchdog aborts the rank whose collective timed out
+        (_error("ValueError: boom", 1.0), 0),  # a real error is never second to the board
+    ],
+    ids=["undiagnosed-timeout", "watchdog-abort", "real-error"],
+)
+def test_the_launcher_reads_the_board_when_no_report_names_a_hang(short_grace, failure, names):
+    outcomes = Outcomes(4, pids=[10, 11, 12, 13])
+
+    def poll(seconds: float) -> None:
+        if not outcomes.failures:
+            if failure == "aborted":
+                outcomes.died(0, "process 10 killed by signal SIGABRT", aborted=True)
+            else:
+                outcomes.add(0, failure)
+        time.sleep(0.01)
+
+    with pytest.raises(RankFailedError) as info:
+        outcomes.collect(poll, running=lambda: True, deadline=math.inf, diagnose=_stuck_rank_3)
+    assert info.value.rank == names
+    if names == 3:
+        assert info.value.stuck == (3,) and info.value.detail.startswith("what rank 0 saw:\n")
 
 
 def test_a_death_without_a_report_is_a_root_cause():

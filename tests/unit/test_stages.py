@@ -241,8 +241,8 @@ def _config(parallel: dict | None = None, data: dict | None = None, layers: int 
         (
             {"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
             {"global_batch_size": 6},  # 3 micro-batches of 2
-            "parallel.schedule: interleaved 1F1B needs microbatches to be a multiple of pp=2 (they run in groups "
-            "of pp through each chunk); got 3; valid: 2, 4, 6, ...; or use '1f1b', which takes any",
+            "parallel.schedule='interleaved' needs the micro-batches per step (m=3) to be a multiple of pp=2; "
+            "valid data.microbatches for global_batch_size=6 at dp=1: 2, 6; or use '1f1b', which takes any",
         ),
         (
             {"pp": 2, "schedule": "gpipe", "virtual_stages": 2},

@@ -10,21 +10,31 @@ timeout, the same accounting (`send/pp`, `recv/pp`: calls, payload bytes, second
 the same CollectiveError, naming the peer. Ranks are local to the group (in a pp group,
 rank s is stage s). With `p2p_check` on, each message is preceded by a (shape, dtype)
 header and the receiver's answer, so a mismatch raises P2PMismatchError on both sides.
+
+With a progress board attached (`attach_board`, done by the launchers), every operation is
+also noted there (shardwise.comm.progress), and an operation that times out reads the
+other ranks' records and names the rank(s) it waited for (CollectiveError.hang).
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 
 from shardwise.comm.accounting import CommStats
 
+if TYPE_CHECKING:
+    from shardwise.comm.hang import Hang
+    from shardwise.comm.progress import Board
+
 __all__ = [
     "Communicator",
     "LocalCommunicator",
+    "Pending",
     "CollectiveError",
     "P2PMismatchError",
     "ReduceOp",
@@ -32,8 +42,10 @@ __all__ = [
 ]
 
 ReduceOp = Literal["sum", "max"]
+T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 60.0
 
+_TIMED_OUT = 0.9  # an operation that failed after this fraction of the timeout timed out
 # Point-to-point message tags: the payload, the debug header, and the receiver's answer to it.
 _TAG_DATA, _TAG_HEADER, _TAG_ANSWER = 0, 1, 2
 _PEER_WORD = {"send": "to", "recv": "from"}
@@ -43,16 +55,22 @@ class CollectiveError(RuntimeError):
     """A collective failed: a peer died, or did not arrive within the timeout.
 
     Usually a consequence of another rank's failure; the launcher reports the root
-    cause (a rank that raised something else, or died) in preference to these.
+    cause (a rank that raised something else, or died) in preference to these. When it
+    timed out and the progress board names the rank(s) it waited for, `hang` says which
+    (shardwise.comm.hang.Hang; ranks in it are world ranks) and the message ends with it.
     """
 
-    def __init__(self, op: str, comm: Communicator, cause: BaseException, peer: int | None = None) -> None:
+    def __init__(
+        self, op: str, comm: Communicator, cause: BaseException, peer: int | None = None, hang: Hang | None = None
+    ) -> None:
         to = f" {_PEER_WORD.get(op, 'with')} rank {peer}" if peer is not None else ""
+        cause_text = " ".join(str(cause).split())  # one line: gloo's messages carry newlines
+        tail = f" -- {hang.sentence()}" if hang is not None else ""
         super().__init__(
             f"{op}{to} on group {comm.name!r} (rank {comm.rank} of {comm.size}, {comm.backend}, "
-            f"timeout {comm.timeout_s:g}s) failed: {cause}"
+            f"timeout {comm.timeout_s:g}s) failed: {cause_text}{tail}"
         )
-        self.op, self.group, self.peer = op, comm.name, peer
+        self.op, self.group, self.peer, self.hang = op, comm.name, peer, hang
 
 
 class P2PMismatchError(ValueError):
@@ -73,16 +91,47 @@ class Communicator(ABC):
     stats: CommStats
     backend: str
     timeout_s: float
+    members: tuple[int, ...] = ()
+    """The world ranks of this group's members, in group rank order (set by the backends)."""
     p2p_check: bool = False
     """Debug mode: send a (shape, dtype) header before each point-to-point message, and the
     receiver answers with its own, so a mismatch raises P2PMismatchError on both ranks
     instead of hanging or corrupting. Two extra small messages per send: set it on every
     rank of the group, or on none. Splits inherit it."""
 
+    _board: Board | None = None
+    _chan: str = ""
+    _p2p_chans: dict[tuple[str, int], str]
+
     @property
     def device(self) -> torch.device:
         """Where this backend's tensors live (CUDA for NCCL, else CPU): recv's default."""
         return torch.device("cpu")
+
+    # ---- the progress board -------------------------------------------------------------------
+    def attach_board(self, board: Board | None) -> None:
+        """Note every operation of this communicator (and of its later splits) on `board`."""
+        from shardwise.comm.progress import channel
+
+        self._board = board
+        self._chan = channel(self.name, self.members)
+        self._p2p_chans = {}
+
+    def _derive(self, sub: Communicator, members: tuple[int, ...]) -> Communicator:
+        """What a split inherits: p2p_check, the board; and its members' world ranks."""
+        sub.members = members
+        sub.p2p_check = self.p2p_check
+        sub.attach_board(self._board)
+        return sub
+
+    def _p2p_channel(self, op: str, peer: int) -> str:
+        key = (op, peer)
+        chan = self._p2p_chans.get(key)
+        if chan is None:  # one channel per direction, shared by the sender's send and the receiver's recv
+            me, other = self.members[self.rank], self.members[peer]
+            src, dst = (me, other) if op == "send" else (other, me)
+            chan = self._p2p_chans[key] = f"{self._chan}:{src}>{dst}"
+        return chan
 
     # ---- public API: size-1 short-circuit + accounting ---------------------------------
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
@@ -127,6 +176,45 @@ class Communicator(ABC):
         if self.size == 1:
             return
         self._run("barrier", 0, self._barrier)
+
+    def external(self, op: str, fn: Callable[[], T], nbytes: int = 0) -> T:
+        """fn(), a collective on this group that another library issues (DistributedDataParallel's
+        own), run as one of ours: counted as `op`, noted on the progress board, and a failure
+        raised as CollectiveError. Every member must call it at the same point."""
+        if self.size == 1:
+            return fn()
+        return self._run(op, nbytes, fn)
+
+    def all_reduce_async_(self, t: torch.Tensor) -> tuple[torch.futures.Future, Pending]:
+        """Start an in-place sum of a contiguous `t` over the group and return at once (for
+        DDP's comm hook, so the all-reduce overlaps backward): a Future of `t` reduced, and the
+        operation's Pending, on the progress board until it completes and counted once
+        `Pending.record()` is called on this thread. A failure fails the Future; raise
+        `Pending.failed(error)` for it. Backends without asynchronous collectives reduce now."""
+        pending = Pending(self, "all_reduce", _nbytes(t))
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            try:
+                value = fut.value()
+            except Exception as e:  # the backend's own error: it stays in flight on the board
+                pending.error = e
+                raise
+            pending.finish()
+            return value[0] if isinstance(value, list) else value
+
+        return self._all_reduce_async(t).then(done), pending
+
+    def _all_reduce_async(self, t: torch.Tensor) -> torch.futures.Future:
+        """A Future of the reduced `t` (or of [t], as torch.distributed's)."""
+        fut: torch.futures.Future = torch.futures.Future()
+        if self.size == 1:
+            fut.set_result(t)
+            return fut
+        try:
+            fut.set_result(self._all_reduce_inplace(t, "sum"))
+        except (RuntimeError, OSError) as e:
+            fut.set_exception(e)
+        return fut
 
     # ---- point-to-point ---------------------------------------------------------------------
     def send(self, t: torch.Tensor, dst: int) -> None:
@@ -202,14 +290,43 @@ class Communicator(ABC):
         )
 
     def _run(self, op: str, nbytes: int, primitive, *args, peer: int | None = None):
-        """Call a backend primitive: count it, time it, and name the op (and peer) on failure."""
-        t0 = time.perf_counter()
+        """Call a backend primitive: count it, time it, note it on the board, and name the op
+        (and peer, and after a timeout the rank(s) it waited for) on failure."""
+        board = self._board
+        if board is not None:  # NOTE: the hot path: a dict update and two attribute stores
+            chan = self._chan if peer is None else self._p2p_channel(op, peer)
+            counts = board.counts
+            seq = counts.get(chan, 0) + 1
+            if board.fault is not None:
+                board.fault.check(op, self.name, seq)
+            counts[chan] = seq
+            t0 = time.perf_counter()
+            board.current = (chan, op, self.name, seq, t0, peer, self.members)
+        else:
+            t0 = time.perf_counter()
         try:
             result = primitive(*args)
         except (RuntimeError, OSError) as e:  # backends raise RuntimeError subclasses
-            raise CollectiveError(op, self, e, peer) from e
-        self.stats.record(op, self.name, nbytes, time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
+            raise CollectiveError(op, self, e, peer, hang=self._diagnose(waited)) from e
+        t1 = time.perf_counter()
+        if board is not None:
+            board.idle_since = t1  # after the op's start: done (a failed op stays in progress)
+        self.stats.record(op, self.name, nbytes, t1 - t0)
         return result
+
+    def _diagnose(self, waited_s: float) -> Hang | None:
+        """After an operation failed: the ranks it waited for, if it timed out (a failure well
+        before the timeout is a peer's death or error, reported by that peer)."""
+        if self._board is None or waited_s < _TIMED_OUT * self.timeout_s:
+            return None
+        from shardwise.comm.hang import diagnose
+
+        try:
+            self._board.publish()  # where this rank failed, for peers that diagnose too
+            return diagnose(self._board.read_all(), now=time.time(), origin=self._board.rank)
+        except Exception:  # noqa: BLE001 - a diagnosis must never hide the error itself
+            return None
 
     # ---- backend primitives ---------------------------------------------------------------
     @abstractmethod
@@ -253,6 +370,39 @@ class Communicator(ABC):
         return (
             f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size}, backend={self.backend!r})"
         )
+
+
+class Pending:
+    """An asynchronous operation noted on a communicator's board (Communicator.all_reduce_async_)."""
+
+    def __init__(self, comm: Communicator, op: str, nbytes: int) -> None:
+        self.comm, self.op, self.nbytes = comm, op, nbytes
+        self.start = time.perf_counter()
+        self.end: float | None = None
+        self.error: BaseException | None = None
+        """The backend's error, if it failed."""
+        self._key = None
+        board = comm._board
+        if board is not None:
+            chan = comm._chan
+            seq = board.counts[chan] = board.counts.get(chan, 0) + 1
+            self._key = (chan, seq)
+            board.pending[self._key] = (chan, op, comm.name, seq, self.start, None, comm.members)
+
+    def finish(self) -> None:
+        """It completed (any thread may call this: the board's entry goes, the time is kept)."""
+        self.end = time.perf_counter()
+        if self._key is not None:
+            self.comm._board.pending.pop(self._key, None)
+
+    def record(self) -> None:
+        """Count it in the communicator's stats (on the thread that issued it, as every count is)."""
+        if self.end is not None:
+            self.comm.stats.record(self.op, self.comm.name, self.nbytes, self.end - self.start)
+
+    def failed(self, cause: BaseException) -> CollectiveError:
+        """The CollectiveError for its failure (`cause`): after a timeout, naming the rank(s) it waited for."""
+        return CollectiveError(self.op, self.comm, cause, hang=self.comm._diagnose(time.perf_counter() - self.start))
 
 
 class LocalCommunicator(Communicator):

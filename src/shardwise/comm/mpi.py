@@ -69,6 +69,7 @@ class MPICommunicator(Communicator):
         self.name, self.stats, self.timeout_s = name, stats, timeout_s
         self.backend = "mpi"
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.members = tuple(range(self.size))  # the world's; a split's are set by split()
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX}
 
     def _wait(self, request, op: str) -> None:
@@ -148,8 +149,7 @@ class MPICommunicator(Communicator):
         color = next(i for i, g in enumerate(groups) if self.rank in g)
         key = groups[color].index(self.rank)
         sub = MPICommunicator(self.comm.Split(color, key), name=name, stats=self.stats, timeout_s=self.timeout_s)
-        sub.p2p_check = self.p2p_check
-        return sub
+        return self._derive(sub, tuple(self.members[r] for r in groups[color]))
 
     def close(self) -> None:
         pass  # MPI is finalised by mpi4py at interpreter exit

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from shardwise.comm.accounting import CommStats
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, ReduceOp
 
-__all__ = ["TorchDistCommunicator", "init_torch_distributed"]
+__all__ = ["TorchDistCommunicator", "init_torch_distributed", "store_client"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # torch >= 2.11 names the flat-buffer collectives *_single; older releases *_tensor.
@@ -71,6 +71,7 @@ class TorchDistCommunicator(Communicator):
         self.timeout_s = timeout_s
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self.members = tuple(range(self.size)) if group is None else tuple(dist.get_process_group_ranks(group))
 
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         out = t.contiguous().clone()
@@ -101,6 +102,9 @@ class TorchDistCommunicator(Communicator):
         out = t.contiguous().clone()
         dist.broadcast(out, src=self._global(src), group=self.group)
         return out
+
+    def _all_reduce_async(self, t: torch.Tensor) -> torch.futures.Future:
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True).get_future()
 
     def _barrier(self) -> None:
         # A barrier as a tiny all-reduce: it honours the group timeout on every backend.
@@ -134,8 +138,7 @@ class TorchDistCommunicator(Communicator):
             if self.rank in ranks:
                 mine = pg
         sub = TorchDistCommunicator(mine, name=name, stats=self.stats, backend=self.backend, timeout_s=self.timeout_s)
-        sub.p2p_check = self.p2p_check
-        return sub
+        return self._derive(sub, sub.members)
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -144,6 +147,11 @@ class TorchDistCommunicator(Communicator):
     def close(self) -> None:
         if self.group is None and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def store_client(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A client of the TCPStore at host:port (torchrun's agent store, for the progress board)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def _check_partition(groups: list[list[int]], size: int) -> None:

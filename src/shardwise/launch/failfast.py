@@ -6,7 +6,9 @@
   the first failure, a grace period of GRACE_S to hear from the others, then
   RankFailedError naming the root cause (`root_cause`): a rank that raised something
   other than a failed collective, or died, in preference to the CollectiveErrors
-  ("connection closed by peer") its failure causes on the others.
+  ("connection closed by peer") its failure causes on the others; among those, a timeout
+  that names the rank(s) it waited for (a hang: shardwise.comm.hang) comes first, and the
+  error then names the stuck rank.
 - A wall-clock deadline (`job_deadline`) bounds the whole job: JobTimeoutError.
 
 The launchers own the transport and the processes (and kill every one of them on the
@@ -25,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from shardwise.comm.communicator import CollectiveError
+from shardwise.comm.hang import Hang
 
 __all__ = [
     "GRACE_S",
@@ -33,6 +36,8 @@ __all__ = [
     "RankFailedError",
     "JobTimeoutError",
     "caused_by_collective",
+    "hang_of",
+    "hang_failure",
     "error_report",
     "job_deadline",
     "ok_report",
@@ -47,11 +52,12 @@ _POLL_S = 0.2  # how long one wait for reports lasts, between deadline checks
 
 
 class RankFailedError(RuntimeError):
-    """A rank raised or died; the job was taken down. `rank` is the root cause."""
+    """A rank raised, died or hung; the job was taken down. `rank` is the root cause; for a
+    hang, `stuck` holds every rank the others waited for (rank is the first)."""
 
-    def __init__(self, rank: int, summary: str, detail: str, pids: list[int]) -> None:
+    def __init__(self, rank: int, summary: str, detail: str, pids: list[int], stuck: tuple[int, ...] = ()) -> None:
         super().__init__(f"rank {rank} failed: {summary}\n{detail}")
-        self.rank, self.summary, self.detail, self.pids = rank, summary, detail, pids
+        self.rank, self.summary, self.detail, self.pids, self.stuck = rank, summary, detail, pids, stuck
 
 
 class JobTimeoutError(TimeoutError):
@@ -76,6 +82,31 @@ class Failure:
     secondary: bool = False
     """A failed collective (or a silent death after another rank's report): most likely
     the effect of another rank's failure, not the cause."""
+    stuck: tuple[int, ...] = ()
+    """For a collective that timed out: the ranks it waited for (see shardwise.comm.hang)."""
+    hang: str = ""
+    """Then: what they were doing, one line (Hang.summary)."""
+    aborted: bool = False
+    """Died by SIGABRT: maybe NCCL's watchdog, ending a rank whose collective timed out."""
+
+
+def hang_of(e: BaseException | None) -> Hang | None:
+    """The hang diagnosis of a CollectiveError that is `e` or in its chain of causes."""
+    while e is not None:
+        if isinstance(e, CollectiveError) and e.hang is not None:
+            return e.hang
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def hang_failure(
+    stuck: tuple[int, ...], summary: str, reporter: int, error: str, detail: str, pids: list[int]
+) -> RankFailedError:
+    """The RankFailedError of a hang: it names the stuck rank(s) and what they were doing
+    (`summary`, Hang.summary); its detail is what rank `reporter` saw (its traceback, or
+    else its `error`)."""
+    seen = detail.rstrip() or error
+    return RankFailedError(stuck[0], summary, f"what rank {reporter} saw:\n{seen}", pids, stuck=stuck)
 
 
 def caused_by_collective(e: BaseException | None) -> bool:
@@ -89,10 +120,11 @@ def caused_by_collective(e: BaseException | None) -> bool:
 
 def root_cause(failures: list[Failure]) -> Failure:
     """The failure to report: a rank that raised something other than a failed collective,
-    or died; among equals, the earliest."""
+    or died; else a collective that timed out and names the rank(s) it waited for; else any
+    failed collective. Among equals, the earliest."""
     if not failures:
         raise ValueError("root_cause of no failures")
-    return min(failures, key=lambda f: (f.secondary, f.when))
+    return min(failures, key=lambda f: (0 if not f.secondary else 1 if f.stuck else 2, f.when))
 
 
 def job_deadline(timeout_s: float, job_timeout_s: float | None) -> float:
@@ -109,7 +141,17 @@ def ok_report(result: Any) -> tuple:
 
 def error_report(e: BaseException) -> tuple:
     """The report of a rank whose job raised `e` (call it inside the `except`)."""
-    return ("error", time.time(), f"{type(e).__name__}: {e}", traceback.format_exc(), caused_by_collective(e))
+    hang = hang_of(e)
+    stuck, words = (hang.ranks, hang.summary) if hang is not None else ((), "")
+    return (
+        "error",
+        time.time(),
+        f"{type(e).__name__}: {e}",
+        traceback.format_exc(),
+        caused_by_collective(e),
+        stuck,
+        words,
+    )
 
 
 def send_report(conn: Connection, report: tuple) -> None:
@@ -140,9 +182,9 @@ class Outcomes:
         else:
             self.failures.append(Failure(rank, *report[1:]))
 
-    def died(self, rank: int, summary: str, *, secondary: bool = False) -> None:
+    def died(self, rank: int, summary: str, *, secondary: bool = False, aborted: bool = False) -> None:
         """Record a rank that went away without a report."""
-        self.failures.append(Failure(rank, time.time(), summary, "", secondary))
+        self.failures.append(Failure(rank, time.time(), summary, "", secondary, aborted=aborted))
 
     def settled(self, rank: int) -> bool:
         return rank in self.results or any(f.rank == rank for f in self.failures)
@@ -154,11 +196,15 @@ class Outcomes:
         running: Callable[[], bool],
         deadline: float,
         on_first_failure: Callable[[Failure], None] | None = None,
+        diagnose: Callable[[], Hang | None] | None = None,
     ) -> list[Any]:
         """Call poll(seconds) (which waits that long at most and records what arrived) while
         running(); return the results by rank, or raise RankFailedError for the root cause
         GRACE_S after the first failure, or JobTimeoutError past the deadline.
-        on_first_failure(failure) is called once, e.g. to tell the survivors."""
+        on_first_failure(failure) is called once, e.g. to tell the survivors. diagnose()
+        reads the progress board when no rank's report names a hang and no rank raised a
+        real error (their collectives failed without a diagnosis, or NCCL's watchdog aborted
+        them): a hang it finds is the root cause."""
         first_failure_at: float | None = None
         while running():
             now = time.monotonic()
@@ -174,8 +220,21 @@ class Outcomes:
                     on_first_failure(self.failures[0])
         if self.failures:
             root = root_cause(self.failures)
+            if root.stuck:
+                raise hang_failure(root.stuck, root.hang, root.rank, root.summary, root.detail, self.pids)
+            if diagnose is not None and (root.secondary or root.aborted):
+                hang = _quietly(diagnose)
+                if hang is not None and not (root.aborted and root.rank in hang.ranks):
+                    raise hang_failure(hang.ranks, hang.summary, root.rank, root.summary, root.detail, self.pids)
             raise RankFailedError(root.rank, root.summary, root.detail, self.pids)
         missing = [r for r in range(self.world_size) if r not in self.results]
         if missing:  # ended without a word, and without an error code
             raise RankFailedError(missing[0], "exited without reporting a result", "", self.pids)
         return [self.results[r] for r in range(self.world_size)]
+
+
+def _quietly(diagnose: Callable[[], Hang | None]) -> Hang | None:
+    try:
+        return diagnose()
+    except Exception:  # noqa: BLE001 - a failed diagnosis must not hide the failure itself
+        return None

@@ -9,6 +9,8 @@
   killed at once and RankFailedError is raised with the root cause's own traceback.
 - Ranks die with their parent, even on SIGKILL: each watches a lifeline pipe, and exits
   when the parent's end closes. No orphan processes remain.
+- Each rank publishes its progress to a board directory this process creates (and removes),
+  so a collective that times out names the rank it waited for (shardwise.launch.board).
 """
 
 from __future__ import annotations
@@ -24,9 +26,21 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, LocalCommunicator
+from shardwise.launch import board as boards
 from shardwise.launch.failfast import Outcomes, error_report, job_deadline, ok_report, recv_report, send_report
 
 __all__ = ["launch_local", "free_port"]
+
+
+PRELOAD: list[str] = []
+"""More modules for the forkserver to import once, before it forks ranks (with those named
+in SHARDWISE_PRELOAD, comma-separated). E.g. "torch._dynamo": building an optimizer imports
+it, about a second of CPU in every training rank. Only the first launch of a process
+counts: its forkserver serves every later one."""
+
+
+def _extra_preload() -> list[str]:
+    return PRELOAD + [m for m in os.environ.get("SHARDWISE_PRELOAD", "").split(",") if m.strip()]
 
 
 def free_port() -> int:
@@ -36,14 +50,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _watch_lifeline(conn: Connection) -> None:
+def _watch_lifeline(conn: Connection, board_dir: str | None) -> None:
     with contextlib.suppress(EOFError, OSError):
         conn.recv()  # the parent never sends: this returns only by EOF
+    boards.remove_dir(board_dir)  # the parent may have died (SIGKILL) without removing it
     os._exit(3)
 
 
-def _worker(rank, world_size, port, backend, timeout_s, threads, fn, args, result_conn, lifeline) -> None:
-    threading.Thread(target=_watch_lifeline, args=(lifeline,), daemon=True).start()
+def _worker(rank, world_size, port, backend, timeout_s, threads, board_dir, fn, args, result_conn, lifeline) -> None:
+    threading.Thread(target=_watch_lifeline, args=(lifeline, board_dir), daemon=True).start()
     # NOTE: a rank may be SIGKILLed when another fails, so it must hold no cross-process
     # semaphore (they would leak); tqdm's default lock is one, a thread lock suffices.
     from tqdm import tqdm
@@ -63,7 +78,10 @@ def _worker(rank, world_size, port, backend, timeout_s, threads, fn, args, resul
             comm = init_torch_distributed(
                 rank=rank, world_size=world_size, master_port=port, backend=backend, timeout_s=timeout_s
             )
+        board = boards.attach(comm, directory=board_dir)
         result = fn(comm, *args)
+        if board is not None:
+            board.finish()
         send_report(result_conn, ok_report(result))
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
         try:
@@ -89,17 +107,19 @@ def launch_local(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "shardwise.launch.local"])
+    ctx.set_forkserver_preload(["torch", "shardwise.launch.local", *_extra_preload()])
     port = free_port()
+    board_dir = boards.new_dir()
     procs, lifelines = [], []
     pending: dict[Connection, int] = {}
     try:
         for rank in range(world_size):
             r_recv, r_send = ctx.Pipe(duplex=False)
             l_recv, l_send = ctx.Pipe(duplex=False)
+            worker_args = (rank, world_size, port, backend, timeout_s, threads_per_rank, board_dir)
             p = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, backend, timeout_s, threads_per_rank, fn, args, r_send, l_recv),
+                args=(*worker_args, fn, args, r_send, l_recv),
                 name=f"shardwise-rank{rank}",
                 daemon=True,
             )
@@ -115,11 +135,13 @@ def launch_local(
             lambda seconds: _poll(procs, pending, outcomes, seconds),
             running=lambda: bool(pending) or any(p.is_alive() for p in procs),
             deadline=deadline,
+            diagnose=lambda: boards.diagnose_dir(board_dir, world_size),
         )
     finally:
         _kill_all(procs)
         for conn in [*lifelines, *pending]:
             conn.close()
+        boards.remove_dir(board_dir)
 
 
 def _poll(procs, pending: dict[Connection, int], outcomes: Outcomes, seconds: float) -> None:
@@ -138,7 +160,7 @@ def _poll(procs, pending: dict[Connection, int], outcomes: Outcomes, seconds: fl
             how = (
                 f"killed by signal {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
             )
-            outcomes.died(rank, f"process {p.pid} {how}")
+            outcomes.died(rank, f"process {p.pid} {how}", aborted=p.exitcode == -signal.SIGABRT)
             for c in [c for c, r in pending.items() if r == rank]:
                 del pending[c]
 

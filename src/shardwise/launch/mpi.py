@@ -7,7 +7,8 @@ parent listens on a loopback port (authenticated with a random key), starts
 its job and returns its result or its error over that connection. If a rank fails, the
 whole mpiexec session is killed; if the parent dies, each rank sees its connection
 close and exits. On the first failure the ranks still running are told (`_notify`), so
-their collectives fail at once instead of waiting out their timeout.
+their collectives fail at once instead of waiting out their timeout. As with the local
+launcher, the ranks publish their progress to a board directory this process creates.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S
+from shardwise.launch import board as boards
 from shardwise.launch.failfast import Failure, JobTimeoutError, Outcomes, RankFailedError, job_deadline, recv_report
 
 __all__ = ["launch_mpi", "find_mpiexec"]
@@ -53,6 +55,7 @@ def launch_mpi(
     key = os.urandom(32)
     listener = Listener(("127.0.0.1", 0), authkey=key)
     host, port = listener.address
+    board_dir = boards.new_dir()
     env = {
         **os.environ,
         "SHARDWISE_LAUNCH_ADDR": f"{host}:{port}",
@@ -75,7 +78,7 @@ def launch_mpi(
     try:
         main = sys.modules.get("__main__")
         main_file = getattr(main, "__file__", None) if fn.__module__ == "__main__" else None
-        prep = pickle.dumps((list(sys.path), main_file))
+        prep = pickle.dumps((list(sys.path), main_file, board_dir))
         job = pickle.dumps((fn, args, timeout_s, threads_per_rank))
         while len(conns) < world_size:  # every rank says hello with its rank, and gets the job
             if proc.poll() is not None:
@@ -90,7 +93,7 @@ def launch_mpi(
                 conn.send_bytes(prep)
                 conn.send_bytes(job)
             time.sleep(0.01)
-        results = _collect(proc, conns, world_size, deadline)
+        results = _collect(proc, conns, world_size, deadline, board_dir)
         grace = 5.0
         return results
     finally:
@@ -98,9 +101,12 @@ def launch_mpi(
         for conn in conns:
             conn.close()
         listener.close()
+        boards.remove_dir(board_dir)
 
 
-def _collect(proc: subprocess.Popen, conns: dict[Connection, int], world_size: int, deadline: float) -> list[Any]:
+def _collect(
+    proc: subprocess.Popen, conns: dict[Connection, int], world_size: int, deadline: float, board_dir: str
+) -> list[Any]:
     outcomes = Outcomes(world_size, [proc.pid])
     pending = dict(conns)
 
@@ -116,7 +122,11 @@ def _collect(proc: subprocess.Popen, conns: dict[Connection, int], world_size: i
                 outcomes.died(rank, "rank exited without reporting (killed?)", secondary=after_report)
 
     return outcomes.collect(
-        poll, running=lambda: bool(pending), deadline=deadline, on_first_failure=lambda f: _notify(pending, f)
+        poll,
+        running=lambda: bool(pending),
+        deadline=deadline,
+        on_first_failure=lambda f: _notify(pending, f),
+        diagnose=lambda: boards.diagnose_dir(board_dir, world_size),
     )
 
 

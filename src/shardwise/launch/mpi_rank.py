@@ -10,14 +10,16 @@ import threading
 from multiprocessing.connection import Client
 
 
-def _watch(conn) -> None:
+def _watch(conn, board_dir: str | None) -> None:
     """Exit when the parent has gone (EOF); pass on its notice that another rank died."""
     from shardwise.comm.mpi import peer_failed
+    from shardwise.launch.board import remove_dir
 
     try:
         while True:
             peer_failed(pickle.loads(conn.recv_bytes()))  # in-memory IPC with our parent
     except (EOFError, OSError):
+        remove_dir(board_dir)  # the parent may have died (SIGKILL) without removing it
         os._exit(3)
 
 
@@ -33,16 +35,16 @@ def _load_main(path: str) -> None:
 def main() -> None:
     from mpi4py import MPI
 
-    from shardwise.comm.accounting import CommStats
-    from shardwise.comm.mpi import MPICommunicator
+    from shardwise.comm.mpi import init_mpi
+    from shardwise.launch import board as boards
     from shardwise.launch.failfast import error_report, ok_report, send_report
 
     host, port = os.environ["SHARDWISE_LAUNCH_ADDR"].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["SHARDWISE_LAUNCH_KEY"]))
     conn.send_bytes(pickle.dumps(MPI.COMM_WORLD.Get_rank()))
-    sys_path, main_file = pickle.loads(conn.recv_bytes())
+    sys_path, main_file, board_dir = pickle.loads(conn.recv_bytes())
     job = conn.recv_bytes()
-    threading.Thread(target=_watch, args=(conn,), daemon=True).start()
+    threading.Thread(target=_watch, args=(conn, board_dir), daemon=True).start()
     try:
         sys.path[:] = sys_path  # as multiprocessing does: the parent's imports must resolve here
         if main_file:
@@ -53,8 +55,11 @@ def main() -> None:
 
         torch.set_num_threads(threads)
         tqdm.set_lock(threading.RLock())
-        world = MPICommunicator(MPI.COMM_WORLD, name="world", stats=CommStats(), timeout_s=timeout_s)
+        world = init_mpi(timeout_s)
+        board = boards.attach(world, directory=board_dir)  # the directory our launcher made
         result = fn(world, *args)
+        if board is not None:
+            board.finish()
         send_report(conn, ok_report(result))
     except BaseException as e:  # noqa: BLE001 - every failure goes to the parent
         try:

@@ -9,15 +9,26 @@
 The job function takes the world Communicator and returns a result; run_job returns only
 rank 0's result (a job that needs all ranks' data gathers it itself), and None on the
 other ranks of an externally launched job.
+
+Under an external launcher a rank whose collective timed out waiting for a stuck rank
+raises RankFailedError naming that rank (as our launchers do). Under mpiexec a failing
+rank also ends the whole job (MPI_Abort; with gloo, by killing itself, which mpiexec
+answers by killing every rank): mpiexec waits for every rank, a stopped one included.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
-from shardwise.comm.communicator import DEFAULT_TIMEOUT_S
-from shardwise.launch.env import external_rank, resolve_backend
+from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator
+from shardwise.launch import board as boards
+from shardwise.launch.env import ExternalRank, external_rank, resolve_backend
+from shardwise.launch.failfast import RankFailedError, hang_failure, hang_of
 from shardwise.launch.local import launch_local
 from shardwise.launch.mpi import launch_mpi
 
@@ -80,7 +91,7 @@ def run_job(
         from shardwise.comm.mpi import init_mpi
 
         comm = init_mpi(timeout_s)
-        return _run(fn, comm, args, ext.rank)
+        return _run(fn, comm, args, ext)
     if ext.master_addr is None or ext.master_port is None:
         raise LaunchError(
             f"started by {ext.launcher} for backend {backend!r}, but MASTER_ADDR/MASTER_PORT are not set: "
@@ -97,12 +108,43 @@ def run_job(
         timeout_s=timeout_s,
         init_method="env://" if ext.launcher == "torchrun" else None,
     )
-    return _run(fn, comm, args, ext.rank)
+    return _run(fn, comm, args, ext)
 
 
-def _run(fn, comm, args: tuple, rank: int) -> Any | None:
+def _run(fn, comm: Communicator, args: tuple, ext: ExternalRank) -> Any | None:
+    board = boards.attach(comm, launcher=ext.launcher)
     try:
         result = fn(comm, *args)
+    except Exception as e:
+        hang = hang_of(e)
+        failure = None
+        if hang is not None:
+            failure = hang_failure(hang.ranks, hang.summary, ext.rank, f"{type(e).__name__}: {e}", _trace(), [])
+        if ext.launcher == "mpiexec":
+            boards.release(board)
+            _end_mpiexec_job(comm, failure or RankFailedError(ext.rank, f"{type(e).__name__}: {e}", _trace(), []))
+        if failure is not None:
+            raise failure from None
+        raise
     finally:
         comm.close()
-    return result if rank == 0 else None
+    if board is not None:
+        board.finish()
+        if ext.rank == 0:
+            boards.release(board)
+    return result if ext.rank == 0 else None
+
+
+def _trace() -> str:
+    return traceback.format_exc().rstrip()
+
+
+def _end_mpiexec_job(comm: Communicator, failure: RankFailedError) -> None:
+    """Print the failure, then take every rank of the mpiexec job down. Never returns."""
+    print(f"shardwise: error: rank {failure.rank} failed: {failure.summary}", file=sys.stderr)
+    print(f"{failure.detail}\nshardwise: ending the mpiexec job", file=sys.stderr, flush=True)
+    if comm.backend == "mpi":
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+    os.kill(os.getpid(), signal.SIGKILL)  # gloo: no MPI to abort with; mpiexec kills the others

@@ -5,6 +5,11 @@ Two ways, chosen by ParallelSection.dp_sync:
 - DDPSync: PyTorch DistributedDataParallel on the dp process group (torch.distributed
   backends). Its all-reduces overlap with backward; micro-steps before the last run
   under `no_sync()`, so gradient accumulation costs one round of all-reduces per step.
+  A comm hook runs each bucket's all-reduce through the dp Communicator (all_reduce_async_):
+  counted as all_reduce/dp, on the progress board while in flight, and a failure raised as
+  its CollectiveError, naming after a timeout the rank that never arrived. DDP's own
+  broadcasts (at construction, and of its bucket order after the first backward) run
+  through the Communicator too (Communicator.external).
 - BucketedSync: after the last micro-step, gradients are packed into flat buckets of
   about bucket_mb each and every bucket is all-reduced through the Communicator. It
   works on any Communicator (MPI included), with one collective per bucket.
@@ -19,7 +24,8 @@ import contextlib
 import torch
 from torch import nn
 
-from shardwise.comm import Communicator
+from shardwise.comm import CollectiveError, Communicator
+from shardwise.comm.communicator import Pending
 
 __all__ = ["GradSync", "NoSync", "DDPSync", "BucketedSync", "make_grad_sync"]
 
@@ -54,10 +60,46 @@ class DDPSync(GradSync):
             raise ValueError(f"DistributedDataParallel needs a torch.distributed group; dp uses {dp.backend!r}")
         # NOTE: parameters are already identical on every dp rank (same seed or same checkpoint);
         # DDP's initial broadcast from dp rank 0 keeps them so.
-        self.module = DistributedDataParallel(model, process_group=dp.process_group, bucket_cap_mb=bucket_mb)
+        self.module = dp.external(
+            "broadcast", lambda: DistributedDataParallel(model, process_group=dp.process_group, bucket_cap_mb=bucket_mb)
+        )
+        self.dp, self._synced, self._rebuilt = dp, False, False
+        self._in_flight: list[Pending] = []
+        self.module.register_comm_hook(self, _all_reduce_hook)
 
-    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if last else self.module.no_sync()
+    @contextlib.contextmanager
+    def micro_step(self, last: bool):
+        if self._synced and not self._rebuilt:
+            # DDP re-buckets the gradients in the order of the first synced backward, and broadcasts
+            # that order from dp rank 0 at the next forward: issued here, through the communicator.
+            self._rebuilt = True
+            rebuild = getattr(self.module.reducer, "_rebuild_buckets", None)
+            if rebuild is not None:
+                self.dp.external("broadcast", rebuild)
+        try:
+            with contextlib.nullcontext() if last else self.module.no_sync():
+                yield
+        except RuntimeError as e:
+            # a bucket's all-reduce failed: DDP re-raises its error as a plain RuntimeError
+            failed = next((p for p in self._in_flight if p.end is None), None)
+            if failed is None or isinstance(e, CollectiveError):
+                raise
+            raise failed.failed(failed.error or e) from e
+
+    def finish(self) -> None:
+        self._synced = True
+        for pending in self._in_flight:  # done by now: backward waits for every bucket
+            pending.record()
+        self._in_flight.clear()
+
+
+def _all_reduce_hook(sync: DDPSync, bucket):  # NOTE: DDP rejects string annotations of these two
+    """DDP's comm hook: as DDP's own (the bucket's dp mean, all-reduced asynchronously, so that
+    it overlaps the rest of backward), through the dp Communicator."""
+    grads = bucket.buffer().div_(sync.dp.size)  # (bucket numel,) flat gradients
+    reduced, pending = sync.dp.all_reduce_async_(grads)
+    sync._in_flight.append(pending)
+    return reduced
 
 
 class BucketedSync(GradSync):
