@@ -9,11 +9,12 @@ autocast). In one run:
 1. Activation bytes each decoder layer keeps for backward, per rank, for tp=1; tp=2;
    tp=2 + sequence parallelism; tp=2 + sp + selective recompute; full recompute (tp=1
    and tp=2 + sp). Measured with saved-tensor hooks while one micro-batch goes forward
-   through the real training model (shardwise.train.setup): each tensor autograd saves
-   is attributed to the layer running, once per storage, parameters and their autocast
-   casts left out; a recomputed region's inputs, which torch.utils.checkpoint holds
-   instead of saving, are counted at its entry. The per-layer figure is the mean over
-   layers 1..L-1 (layer 0 also sees the rotary tables and mask every layer shares).
+   through the real training model (shardwise.train.setup), by shardwise.train.saved:
+   each tensor autograd saves is attributed to the layer running, once per storage,
+   parameters and their autocast casts left out; a recomputed region's inputs, which
+   torch.utils.checkpoint holds instead of saving, are counted at its entry. The
+   per-layer figure is the mean over layers 1..L-1 (layer 0 also sees the rotary tables
+   and mask every layer shares).
    Beside it the formula for our layer (shardwise.planner.activations) and the paper's
    (Korthikanti et al. 2022, Table 2); each ratio to tp=1 is checked against the formula's.
 2. Step time (median and minimum of interleaved rounds, after a warm-up step) of every
@@ -50,7 +51,7 @@ from shardwise.launch import launch  # noqa: E402
 from shardwise.layers import vocab_parallel_cross_entropy  # noqa: E402
 from shardwise.planner.activations import layer_activation_bytes, paper_layer_bytes  # noqa: E402
 from shardwise.train import TrainConfig, setup, train_step, write_token_file  # noqa: E402
-from shardwise.train.recompute import Recomputed  # noqa: E402
+from shardwise.train.saved import SavedBytes  # noqa: E402
 
 MODEL = dict(
     vocab_size=2048,
@@ -98,90 +99,15 @@ def _config(tokens: str, out: str, tp: int, sp: bool, recompute: str) -> TrainCo
     )
 
 
-# ---- memory: saved-tensor hooks -------------------------------------------------------------
-def _from_weight(t: torch.Tensor) -> bool:
-    """A parameter's autocast cast (or a view of one): ToCopy/T/View nodes down to AccumulateGrad."""
-    fn = t.grad_fn
-    for _ in range(4):
-        if fn is None:
-            return False
-        if type(fn).__name__ == "AccumulateGrad":
-            return True
-        nexts = [n for n, _ in fn.next_functions if n is not None]
-        if len(nexts) != 1 or type(fn).__name__ not in ("ToCopyBackward0", "TBackward0", "ViewBackward0"):
-            return False
-        fn = nexts[0]
-    return False
-
-
-class _Counter:
-    """Bytes saved for backward per decoder layer, each storage counted once."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.seen: set[int] = set()
-        self.layer: int | None = None
-        self.per_layer: dict[int, int] = {}
-
-    def count(self, t: torch.Tensor) -> None:
-        if not isinstance(t, torch.Tensor) or self.layer is None or _from_weight(t):
-            return
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.params or ptr in self.seen:
-            return
-        self.seen.add(ptr)
-        self.per_layer[self.layer] = self.per_layer.get(self.layer, 0) + storage.nbytes()
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.count(t)
-        return t
-
-
-class _CountInputs:
-    """Wraps the function a Recomputed checkpoints: its tensor inputs, which the checkpoint
-    holds instead of saving, are counted when it first runs."""
-
-    def __init__(self, fn, counter: _Counter) -> None:
-        self.fn, self.counter = fn, counter
-
-    def __call__(self, *args, **kwargs):
-        for a in args:
-            self.counter.count(a)
-        return self.fn(*args, **kwargs)
-
-
+# ---- memory ---------------------------------------------------------------------------------
 def saved_per_layer(tr, bf16: bool) -> float:
     """Mean bytes kept for backward by decoder layers 1..L-1 for one micro-batch (this rank)."""
-    model, counter = tr.model, _Counter(tr.model)
-    handles, patched = [], []
-    for i in model.layer_indices():
-        layer = model.layers[i]
-
-        def enter(_m, _args, i=i):
-            counter.layer = i
-
-        def leave(_m, _args, _out):
-            counter.layer = None
-
-        handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
-        for owner, attr in ((layer, "forward"), (layer.attn, "core")):
-            rec = owner.__dict__.get(attr)
-            if isinstance(rec, Recomputed):  # count what the checkpoint is handed (after any cast)
-                patched.append((rec, rec.fn))
-                rec.fn = _CountInputs(rec.fn, counter)
     x, y = tr.data.batch(tr.sampler.micro_batches(0)[0])
-    hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
-    with hooks, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        logits = model(x)
+    with SavedBytes(tr.model) as saved, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = tr.model(x)
     vocab_parallel_cross_entropy(logits, y, comm=tr.mesh.tp).mean().backward()
     tr.optimizer.zero_grad(set_to_none=True)
-    for h in handles:
-        h.remove()
-    for rec, fn in patched:
-        rec.fn = fn
-    later = [v for k, v in counter.per_layer.items() if k > 0]
-    return sum(later) / len(later)
+    return saved.mean_layer()
 
 
 # ---- one job per tp size ----------------------------------------------------------------------

@@ -9,7 +9,8 @@ tests (through the rank pool) and the MPI test run the same functions.
   after their partial gradients are summed, and provably partial before), returning the
   collectives each issued forward and backward.
 - sp_lm_case: a whole tiny DecoderLM with sequence parallelism and each recompute mode,
-  loss and every gradient against the unsharded model.
+  loss and every gradient against the unsharded model, and the bytes each layer kept for
+  backward (which the test compares with shardwise.planner.activations).
 - sp_train_many: training runs (setup + train_step) reporting what the tests compare with
   the single-process run, plus what only the job can see: every tp rank's replicated
   parameters (the norms summed over tp) bitwise equal, and the pipeline's bytes sent.
@@ -32,6 +33,7 @@ from shardwise.sharding import parallelize, partial_grad_names, sum_partial_grad
 from shardwise.sharding.plans import decoder_plan, layer_plan
 from shardwise.train import TrainConfig, full_state, setup, train_step
 from shardwise.train.recompute import apply_recompute
+from shardwise.train.saved import SavedBytes
 
 __all__ = ["sequence_regions_case", "sp_block_case", "sp_lm_case", "sp_train_many"]
 
@@ -118,9 +120,10 @@ def sp_block_case(world, cfg: ModelConfig) -> dict[str, dict]:
     return counts
 
 
-def sp_lm_case(world, cfg: ModelConfig, modes: list[str]) -> list[str]:
-    """A tiny DecoderLM (tied embeddings) with sequence parallelism and each recompute mode:
-    vocab-parallel loss and every gradient against the unsharded model."""
+def sp_lm_case(world, cfg: ModelConfig, modes: list[str], *, sequence_parallel: bool = True) -> dict[str, float]:
+    """A tiny DecoderLM with (or without) sequence parallelism and each recompute mode:
+    vocab-parallel loss and every gradient against the unsharded model. Returns the bytes
+    each layer kept for backward on this rank, per mode (shardwise.train.saved)."""
     comm = tp_group(world)
     torch.manual_seed(0)
     model = DecoderLM(cfg)
@@ -128,23 +131,24 @@ def sp_lm_case(world, cfg: ModelConfig, modes: list[str]) -> list[str]:
     target = torch.roll(ids, -1, dims=1)
     loss_ref = F.cross_entropy(model(ids).flatten(0, 1), target.flatten())
     loss_ref.backward()
-    plan = decoder_plan(cfg, gather_logits=False, sequence_parallel=True)
+    plan = decoder_plan(cfg, gather_logits=False, sequence_parallel=sequence_parallel)
     expected = sharded_grads_expected(model, plan, comm)
-    done = []
+    saved = {}
     for mode in modes:
         sharded = parallelize(copy.deepcopy(model), plan, comm=comm)
         sharded.zero_grad(set_to_none=True)
         recomputed = apply_recompute(sharded, mode)
         assert len(recomputed) == (0 if mode == "none" else cfg.num_layers), recomputed
-        logits = sharded(ids)  # (B, T, V_pad / p): the head gathers the sequence
+        with SavedBytes(sharded) as kept:
+            logits = sharded(ids)  # (B, T, V_pad / p): the head gathers the sequence
         loss = vocab_parallel_cross_entropy(logits, target, comm=comm).mean()
         loss.backward()
         sum_partial_grads(sharded, partial_grad_names(sharded, plan), comm=comm)
         assert_close(loss, loss_ref.detach(), f"loss, recompute {mode}")
         for name, p in sharded.named_parameters():
             assert_close(p.grad, expected[name], f"grad of {name}, recompute {mode}")
-        done.append(mode)
-    return done
+        saved[mode] = kept.mean_layer()
+    return saved
 
 
 def sp_train_case(world, cfg: TrainConfig) -> dict:

@@ -12,7 +12,9 @@ One pooled job per world size runs many cases:
   2 all-gathers that re-gather the saved input shards;
 - a tiny tied DecoderLM with sequence parallelism and each recompute mode, and a GPT-2
   shaped one (learned positions cut to the shard, LayerNorm and rowwise biases whose
-  gradients are partial over tp): loss and every gradient;
+  gradients are partial over tp): loss and every gradient; and the bytes each layer keeps
+  for backward on each rank (saved-tensor hooks) equal to shardwise.planner.activations'
+  count, with and without sequence parallelism, in each recompute mode;
 - training (setup + 3 steps) at tp 2, 3 and 4, with and without sequence parallelism,
   each recompute mode, with dp (DDP and bucketed) and with pp (1f1b, gpipe, interleaved,
   tied embeddings) and one bf16 run: the loss and gradient norm of every step, every
@@ -33,6 +35,7 @@ from cases.seqpar import B, T, sequence_regions_case, sp_block_case, sp_lm_case,
 from shardwise.comm import LocalCommunicator
 from shardwise.launch import launch
 from shardwise.models import ModelConfig
+from shardwise.planner.activations import layer_activation_bytes
 from shardwise.train import TrainConfig
 from train_helpers import tiny_config, write_tiny_tokens
 
@@ -212,21 +215,37 @@ def _check_accounting(counts: dict, p: int, nbytes: int) -> None:
     assert wire(sp_b) == pytest.approx(wire(tp_b) + regather), (sp_b, tp_b)
 
 
+MODES = ["none", "selective", "full"]
+
+
 def _parts(world, ws: int) -> dict:
     sequence_regions_case(world)
     cfg = BLOCK[ws]
     counts = sp_block_case(world, cfg)
-    modes = sp_lm_case(world, LM[ws], ["none", "selective", "full"])
-    sp_lm_case(world, GPT2[ws], ["none", "full"])
-    return {"counts": counts, "modes": modes, "backend": world.backend, "nbytes": B * T * cfg.hidden_size * 4}
+    saved = {}
+    for name, model in (("llama", LM[ws]), ("gpt2", GPT2[ws])):
+        saved[name, True] = sp_lm_case(world, model, MODES)
+        saved[name, False] = sp_lm_case(world, model, ["none", "selective"], sequence_parallel=False)
+    nbytes = B * T * cfg.hidden_size * 4
+    return {"counts": counts, "saved": saved, "backend": world.backend, "nbytes": nbytes}
+
+
+def _check_saved(saved: dict, ws: int) -> None:
+    """Each layer's saved bytes on each rank equal shardwise.planner.activations' count (fp32)."""
+    for (name, sp), per_mode in saved.items():
+        cfg = LM[ws] if name == "llama" else GPT2[ws]
+        for mode, measured in per_mode.items():
+            kw = dict(tp=ws, micro_batch=B, seq=T, sequence_parallel=sp, recompute=mode)
+            formula = layer_activation_bytes(cfg, **kw)
+            assert measured == pytest.approx(formula, rel=0.02), (name, kw, measured, formula)
 
 
 @pytest.mark.parametrize("ws", [pytest.param(2, marks=pytest.mark.smoke), 3, 4])
-def test_sequence_parallel_layers_and_accounting(rank_pool, ws):
+def test_sequence_parallel_layers_accounting_and_memory(rank_pool, ws):
     results = rank_pool.run(_parts, ws, args=(ws,))
     for r in results:
         _check_accounting(r["counts"], ws, r["nbytes"])
-        assert r["modes"] == ["none", "selective", "full"]
+        _check_saved(r["saved"], ws)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -269,5 +288,6 @@ def test_sequence_parallel_on_mpi_matches_single_process(tokens, reference, tmp_
     assert all(r["parts"]["backend"] == "mpi" for r in results)
     for r in results:
         _check_accounting(r["parts"]["counts"], 4, r["parts"]["nbytes"])
+        _check_saved(r["parts"]["saved"], 4)
     for i, (name, cfg) in enumerate(variants.items()):
         _check([r["train"][i] for r in results], reference(cfg), cfg, name)

@@ -1,6 +1,7 @@
 """Sequence parallelism and recompute, in one process: the config fields and their
 refusals (one line, before any rank starts), the CLI flags, the plans as data, and
-recomputation on an unsharded model (the same gradients, fewer saved bytes)."""
+recomputation on an unsharded model (the same gradients, fewer saved bytes), and the
+activation formula against the bytes autograd really keeps."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from processes import run_cli_inline
 from shardwise.cli import train as cli
 from shardwise.layers import ShardError
 from shardwise.models import DecoderLM, ModelConfig
+from shardwise.planner.activations import layer_activation_bytes
 from shardwise.sharding import SequenceScatter, SequenceSharded, as_style
 from shardwise.sharding.plans import decoder_plan
 from shardwise.train import ConfigError, TrainConfig, model_config
 from shardwise.train.recompute import Recomputed, apply_recompute
+from shardwise.train.saved import SavedBytes
 from train_helpers import TINY_MODEL
 
 
@@ -170,3 +173,28 @@ def test_recomputed_runs_directly_without_autograd():
     with pytest.raises(ValueError, match="recompute mode 'some' is unknown; choose one of none, selective, full"):
         apply_recompute(model, "some")
     assert apply_recompute(DecoderLM(ModelConfig.debug(vocab_size=64)), "none") == []
+
+
+GPT2_LIKE = dict(
+    family="gpt2", positions="learned", max_positions=32, norm="layer", gated_mlp=False, act="gelu",
+    qkv_bias=True, o_bias=True, mlp_bias=True, num_kv_heads=8,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", ["llama", "gpt2"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_saved_bytes_per_layer_equal_the_formula(shape, bf16):
+    """What autograd keeps per layer at tp=1 (measured with SavedBytes) is what
+    shardwise.planner.activations counts, in each recompute mode and dtype."""
+    cfg = ModelConfig.debug(num_layers=3, vocab_size=64, **(GPT2_LIKE if shape == "gpt2" else {}))
+    torch.manual_seed(0)
+    base = DecoderLM(cfg)
+    ids = torch.randint(0, 64, (2, 16))
+    for mode in ("none", "selective", "full"):
+        model = copy.deepcopy(base)
+        apply_recompute(model, mode)
+        with SavedBytes(model) as saved, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            model(ids).float().sum().backward()
+        formula = layer_activation_bytes(cfg, tp=1, micro_batch=2, seq=16, recompute=mode, act_bytes=2 if bf16 else 4)
+        assert saved.mean_layer() == pytest.approx(formula, rel=0.02), (mode, saved.per_layer, formula)
+    assert len(saved.per_layer) == 3

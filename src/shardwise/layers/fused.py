@@ -156,14 +156,12 @@ class QKVParallelLinear(nn.Module):
         return torch.cat([F.linear(x, w_q, b_q), F.linear(x, w_kv, b_kv)], dim=-1)
 
     def _sequence_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T/p, hidden) -> (B, T, q + 2kv): one all-gather; replicated KV rows summed in backward."""
+        """(B, T/p, hidden) -> (B, T, q + 2kv): one all-gather; replicated KV rows summed in
+        backward (through a view of the weight: no copy is kept for backward)."""
         w, b = self.weight, self.bias
         if self.layout.kv_replicas > 1 and torch.is_grad_enabled() and w.requires_grad:
-            w_q, w_kv = w.split([self.q_size, 2 * self.kv_size])
-            w = torch.cat([w_q, SumReplicaGrads.apply(w_kv, self.comm, self.layout)])
-            if b is not None:
-                b_q, b_kv = b.split([self.q_size, 2 * self.kv_size])
-                b = torch.cat([b_q, SumReplicaGrads.apply(b_kv, self.comm, self.layout)])
+            w = SumReplicaGrads.apply(w, self.comm, self.layout, self.q_size)
+            b = SumReplicaGrads.apply(b, self.comm, self.layout, self.q_size) if b is not None else None
         return sequence_parallel_linear(x, w, b, self.comm)
 
     def extra_repr(self) -> str:
@@ -171,22 +169,25 @@ class QKVParallelLinear(nn.Module):
 
 
 class SumReplicaGrads(torch.autograd.Function):
-    """Forward: identity on a replicated KV shard. Backward: sum its gradient over the ranks holding that KV head."""
+    """Forward: identity on a replicated KV shard (rows `start:` of t; the rows before pass
+    through). Backward: sum those rows' gradient over the ranks holding that KV head."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: Communicator, layout: HeadLayout) -> torch.Tensor:
-        ctx.comm, ctx.layout = comm, layout
+    def forward(ctx, t: torch.Tensor, comm: Communicator, layout: HeadLayout, start: int = 0) -> torch.Tensor:
+        ctx.comm, ctx.layout, ctx.start = comm, layout, start
         return t.view_as(t)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        comm, layout = ctx.comm, ctx.layout
+        comm, layout, start = ctx.comm, ctx.layout, ctx.start
         head = layout.kv_heads(comm.rank).start
+        kv = grad[start:]
         # One slot per KV head; each rank fills its head's slot, and the all-reduce sums
         # the replicas of every head at once, using the tp group itself.
-        slots = grad.new_zeros((layout.num_kv_heads, *grad.shape))
-        slots[head] = grad
-        return comm.all_reduce(slots)[head], None, None
+        slots = kv.new_zeros((layout.num_kv_heads, *kv.shape))
+        slots[head] = kv
+        summed = comm.all_reduce(slots)[head]
+        return (torch.cat([grad[:start], summed]) if start else summed), None, None, None
 
 
 class MergedColumnParallelLinear(nn.Module):
