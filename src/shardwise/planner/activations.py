@@ -21,11 +21,16 @@ shardwise's layer (models/modules.py, run by torch on CPU) differs, term by term
   the same for every row and head, so not divided by tp); selective recomputation drops
   the last two (o still keeps its input) and keeps the core's inputs q, k, v, which the
   projection and RoPE produced anyway;
-- RMSNorm computed in fp32 keeps its input and its normalized input (LayerNorm: its
-  input and two statistics), in the residual stream's dtype (fp32: the weights are fp32
-  and autocast leaves adds and norms in fp32), plus a per-position statistic;
-- dtypes: matmul inputs and outputs in the activation dtype (2 bytes under bf16
-  autocast, else 4), the residual stream and norms in `stream_bytes`;
+- RMSNorm, computed in fp32, keeps fp32 copies of its input and of its normalized input,
+  plus a per-position statistic (LayerNorm: its input, in the residual stream's dtype, and
+  two statistics);
+- dtypes: matmul inputs and outputs in the activation dtype (`act_bytes`: 2 under bf16
+  autocast, else 4), the residual stream in `stream_bytes` (4 in shardwise training: the
+  weights are fp32 and autocast leaves the adds in fp32), which is what full
+  recomputation keeps;
+- `flash=False` (the unfused "math" attention, which shardwise does not run in training)
+  adds the softmax output, a*s*s per row in the activation dtype (on CPU the math path
+  keeps about 0.6 of that more than the fused kernel; not measured further);
 - a column-parallel layer under sequence parallelism keeps its input's sequence shard
   (and all-gathers it again in backward, as Megatron-LM does), so the inputs of qkv and
   of the MLP are divided by tp with the norms.
@@ -54,6 +59,7 @@ def layer_activation_terms(
     recompute: str = "none",
     act_bytes: int = 4,
     stream_bytes: int = 4,
+    flash: bool = True,
 ) -> dict[str, float]:
     """Bytes one rank keeps for backward of one decoder layer and one micro-batch of
     micro_batch x seq tokens, by term (see the module docstring)."""
@@ -65,7 +71,9 @@ def layer_activation_terms(
         return {"layer input": sb * h * f / shard}
     heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)
     a, kv, inter = heads.local_heads, heads.local_kv_heads, cfg.intermediate_size / tp
-    norm = sb * (2 * h * f + 4) if cfg.norm == "rms" else sb * (h * f + 8)  # input (+ normalized), statistics
+    # RMSNorm (models.modules.Norm) computes in fp32: it keeps fp32 copies of its input and of
+    # the normalized input, and one statistic; LayerNorm keeps its input and two statistics
+    norm = sb * (2 * h * 4 + 4) if cfg.norm == "rms" else sb * (h * f + 8)
     terms = {
         "attention norm": norm / shard,
         "qkv input": sb * h * e / shard,
@@ -78,10 +86,14 @@ def layer_activation_terms(
         "mlp input": sb * h * e / shard,
         "mlp": sb * inter * e * (4 if cfg.gated_mlp else 2),  # [gate | up], act, product / up output, act
     }
+    if not flash:
+        terms["scores (unfused attention)"] = micro_batch * a * seq * seq * e
     if cfg.qk_norm:
-        terms["q, k norms"] = sb * (a + kv) * d * (f + e)
-    if recompute == "selective":  # the core's inputs (q, k, v) and o's input stay; statistics and mask go
-        terms["log-sum-exp"] = terms["mask copy"] = 0.0
+        terms["q, k norms"] = sb * (a + kv) * d * 2 * 4  # fp32 input and normalized copies, as the norms above
+    if recompute == "selective":  # the core's inputs (q, k, v) and o's input stay; statistics, mask, scores go
+        for name in ("log-sum-exp", "mask copy", "scores (unfused attention)"):
+            if name in terms:
+                terms[name] = 0.0
     return terms
 
 
