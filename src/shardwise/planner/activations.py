@@ -89,7 +89,7 @@ def layer_activation_terms(
     if not flash:
         terms["scores (unfused attention)"] = micro_batch * a * seq * seq * e
     if cfg.qk_norm:
-        terms["q, k norms"] = sb * (a + kv) * d * 2 * 4  # fp32 input and normalized copies, as the norms above
+        terms["q, k norms"] = sb * (a + kv) * (d * 4 + 4)  # fp32 normalized copy and statistic (approximate: untested)
     if recompute == "selective":  # the core's inputs (q, k, v) and o's input stay; statistics, mask, scores go
         for name in ("log-sum-exp", "mask copy", "scores (unfused attention)"):
             if name in terms:
