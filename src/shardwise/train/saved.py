@@ -15,6 +15,10 @@ region starts (its Recomputed callable is wrapped while the block runs).
 Layer 0 also first sees the tensors every layer shares (the rotary tables, the mask), so
 mean_layer() averages layers 1.. when there are several. benchmarks/bench_activations.py
 and the tests compare these figures with shardwise.planner.activations.
+
+`training_peak(world, config)` measures a whole training run instead: this rank's peak
+resident memory above a warmed-up baseline, which benchmarks/validate_planner.py holds the
+planner's predicted peak per rank to.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from torch import nn
 from shardwise.models.decoder import DecoderLayer
 from shardwise.train.recompute import Recomputed
 
-__all__ = ["SavedBytes"]
+__all__ = ["SavedBytes", "training_peak"]
 
 _WEIGHT_PATH = ("ToCopyBackward0", "TBackward0", "ViewBackward0")
 
@@ -113,3 +117,52 @@ class SavedBytes:
             h.remove()
         for rec, fn in self._wrapped:
             rec.fn = fn
+
+
+def _return_freed_memory() -> None:
+    """Have glibc give large freed blocks back to the system at once (mmap them, trim the
+    heap), so that resident memory follows the live tensors rather than what the allocator
+    keeps for reuse. No effect elsewhere."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: blocks of 64 KiB and more are mmapped
+    libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD: trim the heap top whenever it is free
+
+
+def _warm_up(world) -> None:
+    """Run each kind of operation training runs once (matmuls, attention, AdamW, a
+    collective), so that one-time allocations of the runtime fall before the baseline."""
+    import torch.nn.functional as F
+
+    lin = nn.Linear(32, 32)
+    x = torch.randn(2, 64, 32, requires_grad=True)
+    q = lin(x).view(2, 64, 4, 8).transpose(1, 2)
+    mask = torch.ones(64, 64, dtype=torch.bool).tril()
+    F.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum().backward()
+    torch.optim.AdamW(lin.parameters()).step()
+    world.barrier()
+
+
+def training_peak(world, config: dict) -> dict:
+    """Train `config` (a TrainConfig as nested dicts) for its run.steps steps; this rank's
+    peak resident anonymous memory above the baseline of a warmed-up process ("peak_bytes",
+    sampled every 0.5 ms: setup, weights and optimizer state included), its pipeline stage
+    ("pp_rank") and the parameters it holds ("params")."""
+    from shardwise.memory import PeakAnonMemory
+    from shardwise.train.config import TrainConfig
+    from shardwise.train.loop import setup
+    from shardwise.train.step import train_step
+
+    cfg = TrainConfig.from_dict(config)
+    _return_freed_memory()
+    _warm_up(world)
+    with PeakAnonMemory() as mem:
+        tr = setup(world, cfg)
+        for _ in range(cfg.run.steps):
+            train_step(tr)
+    params = sum(p.numel() for p in tr.model.parameters())
+    return {"peak_bytes": mem.peak_above_baseline, "pp_rank": tr.mesh.pp_rank, "params": params}
