@@ -215,7 +215,9 @@ def plot(report: dict, path: Path) -> None:
         rows = [r for r in report["pipeline"] if r["schedule"] == sched]
         ms = [r["m"] for r in rows]
         a.plot(ms, [r["idle"][0] for r in rows], marker=marker, label=f"{sched}, stage 0 (embedding, 4 layers)")
-        a.plot(ms, [r["idle"][1] for r in rows], marker=marker, ls="--", label=f"{sched}, stage 1 (4 layers, head, loss)")
+        a.plot(
+            ms, [r["idle"][1] for r in rows], marker=marker, ls="--", label=f"{sched}, stage 1 (4 layers, head, loss)"
+        )
         b.plot(ms, [r["peak_mib"][0] for r in rows], marker=marker, label=f"{sched}, stage 0")
         b.plot(ms, [r["peak_mib"][1] for r in rows], marker=marker, ls="--", label=f"{sched}, stage 1")
     ms = list(MS)

@@ -58,5 +58,5 @@ def test_plan_recommends_no_pipeline_but_shows_and_names_one():
     out = _plan("--model", "llama-3-8b", "--cluster", "dgx-h100", "--train", "--global-batch", "64")
     assert out.returncode == 0, out.stderr
     assert "recommended: tp=2 pp=1 dp=4" in out.stdout
-    assert "tp=1 pp=2 dp=4" in out.stdout and "(pp>1: not runnable by shardwise yet)" in out.stdout
-    assert "warning: tp=1 pp=2 dp=4 would be recommended" in out.stdout
+    assert "tp=1 pp=4 dp=2" in out.stdout and "(pp>1: not runnable by shardwise yet)" in out.stdout
+    assert "warning: tp=1 pp=4 dp=2 would be recommended" in out.stdout

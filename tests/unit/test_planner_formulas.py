@@ -12,6 +12,7 @@ from shardwise.bench.calibrate import after_compute_extra_us
 from shardwise.comm.dryrun import DryRunCommunicator
 from shardwise.hf.families import family_for
 from shardwise.layers import model_shard_specs
+from shardwise.planner.activations import layer_activation_terms, paper_layer_bytes
 from shardwise.planner.cost import (
     forward_flops_per_token,
     megatron_flops_per_iteration,
@@ -80,13 +81,32 @@ def test_optimizer_state_and_bubble_by_hand():
 
 
 def test_activation_memory_matches_korthikanti():
-    cfg = model_preset("llama-3-8b")  # h 4096, 32 heads
+    """The paper's Table 2 (for comparison), and the planner's own count of shardwise's layer
+    (planner/activations.py; tests/unit/test_seqpar_options.py holds it to measured bytes):
+    sequence parallelism divides everything but the per-head attention terms and the mask
+    by tp, full recomputation keeps the layer input, selective drops the kernel's extras."""
+    cfg = model_preset("llama-3-8b")  # h 4096, 32 heads, 8 KV heads
     sbh = 2048 * 1 * 4096
-    act = lambda tp, **kw: training_activation_bytes_per_layer(cfg, tp, 1, 2048, 2, **kw)  # noqa: E731
-    assert act(1, recompute=False, flash=False) == sbh * (34 + 5 * 32 * 2048 / 4096)
-    assert act(8, recompute=False, flash=False) == sbh * (10 + 24 / 8 + 5 * 32 * 2048 / (4096 * 8))
-    assert act(8, recompute=False, flash=True) == sbh * (10 + 3)
-    assert act(8, recompute=True, flash=False) == 2 * sbh
+    paper = lambda tp, **kw: paper_layer_bytes(cfg, tp=tp, micro_batch=1, seq=2048, **kw)  # noqa: E731
+    assert paper(1) == sbh * (34 + 5 * 32 * 2048 / 4096)
+    assert paper(8) == sbh * (10 + 24 / 8 + 5 * 32 * 2048 / (4096 * 8))
+    assert paper(8, recompute="selective") == sbh * (10 + 3)
+    assert paper(8, sequence_parallel=True) == sbh * (34 + 5 * 32 * 2048 / 4096) / 8
+    assert paper(8, recompute="full") == 2 * sbh
+
+    act = lambda tp, **kw: training_activation_bytes_per_layer(cfg, tp, 1, 2048, 2, flash=True, **kw)  # noqa: E731
+    terms = layer_activation_terms(cfg, tp=8, micro_batch=1, seq=2048, act_bytes=2, stream_bytes=2)
+    assert act(8, recompute=False) == sum(terms.values())
+    assert act(8, recompute=True) == act(8, recompute="full") == 2 * sbh
+    assert act(8, recompute="full", sequence_parallel=True) == 2 * sbh / 8
+    sp = layer_activation_terms(cfg, tp=8, micro_batch=1, seq=2048, act_bytes=2, stream_bytes=2, sequence_parallel=True)
+    between = ("attention norm", "qkv input", "mlp norm", "mlp input")
+    assert all(sp[k] == terms[k] / 8 for k in between) and all(sp[k] == terms[k] for k in terms if k not in between)
+    dropped = terms["log-sum-exp"] + terms["mask copy"]
+    assert act(8, recompute="selective") == pytest.approx(act(8, recompute="none") - dropped)
+    scores = 1 * (32 // 8) * 2048 * 2048 * 2  # the unfused kernel's softmax output, per rank
+    unfused = training_activation_bytes_per_layer(cfg, 8, 1, 2048, 2, recompute=False, flash=False)
+    assert unfused == pytest.approx(act(8, recompute=False) + scores)
 
 
 def test_link_alpha_beta_and_interpolation():

@@ -97,7 +97,7 @@ def test_nothing_fits_says_by_how_much_and_what_would():
     assert any(a.startswith("2 nodes (16 devices)") for a in p.alternatives), p.alternatives
     text = render_text(p)
     assert "Nothing fits on" in text and "what would fit instead" in text
-    t = plan("llama-3-8b", "pcie-8x-rtx4090", TrainingWorkload(global_batch=64, micro_batch=4, seq_len=2048))
+    t = plan("llama-3-8b", "pcie-8x-rtx4090", TrainingWorkload(global_batch=64, micro_batch=4, seq_len=1024))
     assert t.recommended is None
     assert any(a.startswith("activation recomputation (--recompute): tp=") for a in t.alternatives), t.alternatives
     assert any(a.startswith("micro-batch 1: tp=") for a in t.alternatives), t.alternatives

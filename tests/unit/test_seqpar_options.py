@@ -198,3 +198,29 @@ def test_saved_bytes_per_layer_equal_the_formula(shape, bf16):
         formula = layer_activation_bytes(cfg, tp=1, micro_batch=2, seq=16, recompute=mode, act_bytes=2 if bf16 else 4)
         assert saved.mean_layer() == pytest.approx(formula, rel=0.02), (mode, saved.per_layer, formula)
     assert len(saved.per_layer) == 3
+
+
+def test_the_planner_takes_both_options():
+    from shardwise.planner.footprint import training_memory
+    from shardwise.planner.specs import PlannerError, TrainingWorkload
+
+    assert TrainingWorkload(recompute=True).recompute == "full" and TrainingWorkload().recompute == "none"
+    with pytest.raises(PlannerError, match="recompute 'some' is unknown; choose one of none, selective, full"):
+        TrainingWorkload(recompute="some")
+    cfg = ModelConfig.debug(hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1376, num_layers=4)
+    kw = dict(micro_batches=1, micro_batch=2, seq=512, width=4, weight_bytes=4, grad_bytes=4, optimizer="adam")
+    kw |= dict(master_bytes=0, flash=True, budget=2**40)
+    act = {
+        (tp, sp, rc): training_memory(cfg, tp, 1, recompute=rc, sequence_parallel=sp, **kw).activations
+        for tp in (1, 2)
+        for sp in (False, True)
+        for rc in ("none", "selective", "full")
+    }
+    assert act[2, True, "none"] < act[2, False, "none"] < act[1, False, "none"]
+    assert act[2, True, "selective"] < act[2, True, "none"] and act[2, True, "full"] < act[2, True, "selective"]
+    out = run_cli_inline(
+        "plan", "--model", "llama-3-8b", "--cluster", "dgx-h100", "--train", "--sequence-parallel", "--recompute",
+        "selective",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "recomputation selective, sequence parallel" in out.stdout

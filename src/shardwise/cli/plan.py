@@ -59,7 +59,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seq-len", type=int, default=2048)
     t.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     t.add_argument("--precision", choices=["bf16-mixed", "fp16-mixed", "fp32"], default="bf16-mixed")
-    t.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=False, help="activation recomputation")
+    t.add_argument(
+        "--recompute",
+        nargs="?",
+        const="full",
+        default="none",
+        choices=["none", "selective", "full"],
+        help="activation recomputation: full (the default when given alone), selective, or none",
+    )
+    t.add_argument(
+        "--sequence-parallel", action="store_true", help="sequence parallelism: activations between matmuls / tp"
+    )
     o = p.add_argument_group("output")
     o.add_argument("--no-flash-attention", action="store_true", help="count the s x s attention scores in memory")
     o.add_argument("--headroom", type=float, default=0.1, help="fraction of usable memory to keep free (default 0.1)")
@@ -111,6 +121,7 @@ def _build(args):
         wl = TrainingWorkload(
             global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len,
             optimizer=args.optimizer, precision=args.precision, recompute=args.recompute, flash_attention=flash,
+            sequence_parallel=args.sequence_parallel,
         )  # fmt: skip
     else:
         wl = InferenceWorkload(

@@ -44,9 +44,18 @@ from __future__ import annotations
 from shardwise.layers.partition import HeadLayout
 from shardwise.models.config import ModelConfig
 
-__all__ = ["RECOMPUTE", "layer_activation_terms", "layer_activation_bytes", "paper_layer_bytes"]
+__all__ = ["RECOMPUTE", "recompute_mode", "layer_activation_terms", "layer_activation_bytes", "paper_layer_bytes"]
 
 RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_mode(value: str | bool) -> str:
+    """A recompute mode from a mode name, or from a bool (True = "full", False = "none")."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if value not in RECOMPUTE:
+        raise ValueError(f"recompute {value!r} is unknown; choose one of {', '.join(RECOMPUTE)}")
+    return value
 
 
 def layer_activation_terms(
@@ -56,15 +65,14 @@ def layer_activation_terms(
     micro_batch: int,
     seq: int,
     sequence_parallel: bool = False,
-    recompute: str = "none",
+    recompute: str | bool = "none",
     act_bytes: int = 4,
     stream_bytes: int = 4,
     flash: bool = True,
 ) -> dict[str, float]:
     """Bytes one rank keeps for backward of one decoder layer and one micro-batch of
     micro_batch x seq tokens, by term (see the module docstring)."""
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute {recompute!r} is unknown; choose one of {', '.join(RECOMPUTE)}")
+    recompute = recompute_mode(recompute)
     sb, h, d, e, f = seq * micro_batch, cfg.hidden_size, cfg.head_dim, act_bytes, stream_bytes
     shard = tp if sequence_parallel else 1  # what runs on the sequence shard
     if recompute == "full":
@@ -103,10 +111,17 @@ def layer_activation_bytes(cfg: ModelConfig, **kwargs) -> float:
 
 
 def paper_layer_bytes(
-    cfg: ModelConfig, *, tp: int, micro_batch: int, seq: int, sequence_parallel: bool = False, recompute: str = "none"
+    cfg: ModelConfig,
+    *,
+    tp: int,
+    micro_batch: int,
+    seq: int,
+    sequence_parallel: bool = False,
+    recompute: str | bool = "none",
 ) -> float:
     """The paper's per-layer bytes (16-bit, with dropout), Table 2: for comparison only."""
     s, b, h, a, t = seq, micro_batch, cfg.hidden_size, cfg.num_heads, tp
+    recompute = recompute_mode(recompute)
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)

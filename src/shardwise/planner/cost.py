@@ -15,6 +15,7 @@ from shardwise.planner.footprint import layer_params
 __all__ = [
     "Collective",
     "layer_flops_per_token",
+    "attention_core_flops_per_token",
     "head_flops_per_token",
     "forward_flops_per_token",
     "training_flops_per_token",
@@ -47,8 +48,14 @@ def layer_flops_per_token(cfg: ModelConfig, context: int, tp: int = 1) -> float:
     """Forward FLOPs of one layer for one token attending to `context` tokens, on one rank:
     2 x matmul weights + 4 x context x query heads x head_dim (QK^T and AV)."""
     matmul = layer_params(cfg, tp)[1]
+    return 2.0 * matmul + attention_core_flops_per_token(cfg, context, tp)
+
+
+def attention_core_flops_per_token(cfg: ModelConfig, context: int, tp: int = 1) -> float:
+    """The attention core's forward FLOPs for one token on one rank, 4 x context x query
+    heads x head_dim (QK^T and AV): what selective recomputation repeats in backward."""
     heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp).local_heads
-    return 2.0 * matmul + 4.0 * context * heads * cfg.head_dim
+    return 4.0 * context * heads * cfg.head_dim
 
 
 def head_flops_per_token(cfg: ModelConfig, tp: int = 1) -> float:
@@ -102,17 +109,23 @@ def tp_forward_collectives(
 
 
 def tp_backward_collectives(
-    cfg: ModelConfig, tp: int, *, batch: int, tokens: int, width: int, layers: int, last: bool, recompute: bool
-) -> list[Collective]:
+    cfg: ModelConfig, tp: int, *, batch: int, tokens: int, width: int, layers: int, last: bool, recompute: bool,
+    sequence_parallel: bool = False,
+) -> list[Collective]:  # fmt: skip
     """Backward: 2 all-reduces per layer (the input gradients of the column-parallel
     matmuls) and 1 for the head's input on the last stage; recomputation repeats the
     forward's 2 per layer. The vocab-parallel loss adds 2 small all-reduces of fp32
-    values per token (max; target logit and sum of exponentials)."""
+    values per token (max; target logit and sum of exponentials). Under sequence
+    parallelism each all-reduce is a reduce-scatter and an all-gather of the same bytes on
+    the wire (counted as the all-reduce), and the column-parallel layers all-gather their
+    saved input shards again: 2 more all-gathers of (batch, tokens / tp, hidden) per layer."""
     if tp == 1:
         return []
     act = batch * tokens * cfg.hidden_size * width
     calls = (4 if recompute else 2) * layers + (1 if last else 0)
     out = [Collective("all_reduce", "tp", calls, calls * act)]
+    if sequence_parallel:
+        out.append(Collective("all_gather", "tp", 2 * layers, 2 * layers * act // tp))
     if last:
         out.append(Collective("all_reduce", "tp", 2, batch * tokens * 4 * 3))
     return out

@@ -157,8 +157,8 @@ def _training(rec, why: list[str], warn: list[str]) -> None:
                 "tensor parallelism cannot pay off here: no layout with tp > 1 is "
                 f"{PAYOFF:.1f}x faster per step than {lay}; data parallelism uses the devices better."
             )
-    elif not wl.recompute and lay.tp > 1:
-        ranked, _ = evaluate(rec.cfg, replace(wl, recompute=True), rec.cluster, headroom=rec.headroom)
+    elif wl.recompute != "full" and lay.tp > 1:
+        ranked, _ = evaluate(rec.cfg, replace(wl, recompute="full"), rec.cluster, headroom=rec.headroom)
         if ranked and ranked[0].fits and ranked[0].runnable and ranked[0].layout.tp < lay.tp:
             c = ranked[0]
             why.append(
@@ -212,7 +212,7 @@ def diagnose(rec, allow_cross: bool) -> tuple[str, list[str]]:
         if (wl.dtype or cfg.dtype) == "float32" and first_fit(replace(wl, dtype="bfloat16"), cl):
             alts.append("bfloat16 instead of float32 (--dtype bfloat16)")
     elif isinstance(wl, TrainingWorkload):
-        tries = [("activation recomputation (--recompute)", dict(recompute=True))] if not wl.recompute else []
+        tries = [("activation recomputation (--recompute)", dict(recompute="full"))] if wl.recompute != "full" else []
         if wl.micro_batch > 1:
             tries.append(("micro-batch 1", dict(micro_batch=1)))
         if wl.precision == "fp32":

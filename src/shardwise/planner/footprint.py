@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from shardwise.layers.partition import HeadLayout, padded_size
 from shardwise.models.config import ModelConfig
+from shardwise.planner.activations import layer_activation_bytes, recompute_mode
 
 __all__ = [
     "Footprint",
@@ -119,17 +120,19 @@ def optimizer_bytes_per_param(optimizer: str, master_bytes: int) -> int:
 
 
 def training_activation_bytes_per_layer(
-    cfg: ModelConfig, tp: int, micro_batch: int, seq: int, width: int, *, recompute: bool, flash: bool
-) -> float:
-    """Activations one layer keeps for backward, per micro-batch (Korthikanti et al. 2022, eq. 2,
-    tensor parallel without sequence parallelism): s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes with
-    16-bit activations; FlashAttention drops the 5*a*s/(h*t) term (no s x s scores kept);
-    full recomputation keeps only the layer input, 2*s*b*h bytes. Scaled by width / 2."""
-    sbh = seq * micro_batch * cfg.hidden_size
-    if recompute:
-        return sbh * width
-    scores = 0.0 if flash else 5 * cfg.num_heads * seq / (cfg.hidden_size * tp)
-    return sbh * (10 + 24 / tp + scores) * width / 2
+    cfg: ModelConfig, tp: int, micro_batch: int, seq: int, width: int, *, recompute: str | bool, flash: bool,
+    sequence_parallel: bool = False,
+) -> float:  # fmt: skip
+    """Activations one layer keeps for backward, per micro-batch, on one rank: shardwise's
+    layer as planner/activations.py counts it (Korthikanti et al. 2022 adapted: gated MLP,
+    GQA, no dropout, a fused attention kernel unless flash=False; checked against the bytes
+    autograd keeps), activations and residual stream `width` bytes wide.
+    recompute: "none", "selective" or "full" (True = "full"); sequence_parallel divides what
+    runs between the split matmuls by tp."""
+    return layer_activation_bytes(
+        cfg, tp=tp, micro_batch=micro_batch, seq=seq, sequence_parallel=sequence_parallel, recompute=recompute,
+        act_bytes=width, stream_bytes=width, flash=flash,
+    )  # fmt: skip
 
 
 def inference_memory(
@@ -153,21 +156,29 @@ def inference_memory(
 
 def training_memory(
     cfg: ModelConfig, tp: int, pp: int, *, micro_batches: int, micro_batch: int, seq: int, width: int,
-    weight_bytes: int, grad_bytes: int, optimizer: str, master_bytes: int, recompute: bool, flash: bool,
-    budget: float,
+    weight_bytes: int, grad_bytes: int, optimizer: str, master_bytes: int, recompute: str | bool, flash: bool,
+    budget: float, sequence_parallel: bool = False, stage: int | None = None,
 ) -> Footprint:  # fmt: skip
     """The busier of the first stage (holds min(pp, m) micro-batches in flight under 1F1B,
-    Narayanan et al. 2021) and the last stage (one micro-batch, plus fp32 logits)."""
-    per_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, width, recompute=recompute, flash=flash)
+    Narayanan et al. 2021) and the last stage (one micro-batch, plus the loss's fp32
+    logits, shifted logits and exponentials), or pipeline stage `stage`'s.
+
+    Activations per layer: training_activation_bytes_per_layer (recompute: "none",
+    "selective" or "full"; sequence_parallel). While a layer is recomputed in backward it
+    holds again what recomputation dropped: one layer's worth (full) or its attention
+    core's (selective). benchmarks/validate_planner.py checks the total against measured
+    peaks of real training runs."""
+    kw = dict(width=width, flash=flash, sequence_parallel=sequence_parallel)
+    per_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, recompute=recompute, **kw)
+    full_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, recompute="none", **kw)
     layers = cfg.num_layers // pp
-    full_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, width, recompute=False, flash=flash)
-    extra = full_layer if recompute else 0.0  # the layer being recomputed
-    logits = 4.0 * seq * micro_batch * _vocab_rows(cfg, tp)
+    extra = 0.0 if recompute_mode(recompute) == "none" else full_layer - per_layer  # the layer being recomputed
+    logits = 3 * 4.0 * seq * micro_batch * _vocab_rows(cfg, tp)
     out = []
-    for stage in sorted({0, pp - 1}):
-        in_flight = min(pp - stage, micro_batches)  # 1F1B: stage k holds up to p - k micro-batches
-        act = per_layer * layers * in_flight + extra + (logits if stage == pp - 1 else 0.0)
-        n = stage_params(cfg, tp, pp, stage)
+    for s in sorted({0, pp - 1}) if stage is None else [stage]:
+        in_flight = min(pp - s, micro_batches)  # 1F1B: stage k holds up to p - k micro-batches
+        act = per_layer * layers * in_flight + extra + (logits if s == pp - 1 else 0.0)
+        n = stage_params(cfg, tp, pp, s)
         opt = n * optimizer_bytes_per_param(optimizer, master_bytes)
         out.append(Footprint(n * weight_bytes, 0.0, act, n * grad_bytes, opt, budget))
     return max(out, key=lambda m: m.total)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from shardwise.models.config import ModelConfig
 from shardwise.planner.cost import (
     Collective,
+    attention_core_flops_per_token,
     head_flops_per_token,
     layer_flops_per_token,
     pipeline_bubble_fraction,
@@ -176,19 +177,26 @@ def predict_training(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: Tra
     prec, dev = wl.prec, cluster.device
     width, m = prec.weight_bytes, wl.global_batch // (wl.micro_batch * dp)
     layers, tokens = cfg.num_layers // pp, wl.micro_batch * wl.seq_len
-    passes = 4 if wl.recompute else 3
+    passes = 4 if wl.recompute == "full" else 3
     busy = layout.tp * pp * dp > 1  # every device of the layout works at once
     worst: tuple[float, float, float, list[Collective], int] | None = None
     for stage in sorted({0, pp - 1}):
         first, last = stage == 0, stage == pp - 1
         flops = tokens * passes * layers * layer_flops_per_token(cfg, wl.seq_len, tp)
+        if wl.recompute == "selective":  # each attention core's forward once more
+            flops += tokens * layers * attention_core_flops_per_token(cfg, wl.seq_len, tp)
         flops += tokens * 3 * head_flops_per_token(cfg, tp) if last else 0.0
         nbytes = 3 * streamed_params(cfg, tp, pp, stage) * width
         compute = max(flops / dev.flops(prec.compute, busy), nbytes / dev.bytes_per_s(busy))
         compute += passes * (layers * dev.layer_overhead_us + dev.step_overhead_us) * 1e-6
         kw = dict(batch=wl.micro_batch, tokens=wl.seq_len, width=width, layers=layers, last=last)
         raw = [(c, tp, tp) for c in tp_forward_collectives(cfg, tp, first=first, logit_rows=0, **kw)]
-        raw += [(c, tp, tp) for c in tp_backward_collectives(cfg, tp, recompute=wl.recompute, **kw)]
+        raw += [
+            (c, tp, tp)
+            for c in tp_backward_collectives(
+                cfg, tp, recompute=wl.recompute == "full", sequence_parallel=wl.sequence_parallel, **kw
+            )
+        ]
         if pp > 1:  # activations forward, their gradients backward
             act = tokens * cfg.hidden_size * width
             raw.append((Collective("send", "pp", 2, 2 * act), pp, tp * dp * pp))

@@ -66,7 +66,8 @@ def render_text(rec: Recommendation, *, top: int = 12) -> str:
             + (f", target {wl.target_latency_ms:g} ms per request" if wl.target_latency_ms else "")
             if inf
             else f"workload: training, global batch {wl.global_batch}, micro-batch {wl.micro_batch}, sequence "
-            f"{wl.seq_len}, {wl.optimizer}, {wl.precision}, recomputation {'on' if wl.recompute else 'off'}"
+            f"{wl.seq_len}, {wl.optimizer}, {wl.precision}, recomputation {'off' if wl.recompute == 'none' else wl.recompute}"
+            + (", sequence parallel" if wl.sequence_parallel else "")
         ),
         f"headroom: {rec.headroom:.0%} of each device's usable memory kept free",
         "",

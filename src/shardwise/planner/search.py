@@ -136,7 +136,7 @@ def _candidate(cfg: ModelConfig, wl: Workload, cluster: Cluster, lay: Layout, he
         cfg, lay.tp, lay.pp, micro_batches=wl.global_batch // (wl.micro_batch * lay.dp), micro_batch=wl.micro_batch,
         seq=wl.seq_len, width=p.weight_bytes, weight_bytes=p.weight_bytes, grad_bytes=p.grad_bytes,
         optimizer=wl.optimizer, master_bytes=p.master_bytes, recompute=wl.recompute, flash=wl.flash_attention,
-        budget=budget,
+        budget=budget, sequence_parallel=wl.sequence_parallel and lay.tp > 1,
     )  # fmt: skip
     return Candidate(lay, mem, mem.fits(headroom), cross, training=predict_training(cfg, cluster, lay, wl))
 

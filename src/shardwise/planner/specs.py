@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shardwise.planner.activations import recompute_mode
+
 __all__ = [
     "PlannerError",
     "Link",
@@ -262,9 +264,14 @@ class TrainingWorkload:
     seq_len: int = 2048
     optimizer: Literal["adam", "sgd"] = "adam"
     precision: str = "bf16-mixed"
-    recompute: bool = False
-    """Full activation recomputation: keep each layer's input only, redo the forward in backward."""
+    recompute: str = "none"
+    """Activation recomputation: "none"; "selective" (redo each attention core in backward);
+    "full" (keep each layer's input only, redo its forward in backward). True and False are
+    read as "full" and "none"."""
     flash_attention: bool = True
+    sequence_parallel: bool = False
+    """Sequence parallelism: norms, residuals and the split matmuls' inputs on seq_len / tp
+    positions per tp rank (less activation memory; backward re-gathers those inputs)."""
 
     kind = "training"
 
@@ -278,6 +285,10 @@ class TrainingWorkload:
             raise PlannerError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
         if self.precision not in PRECISIONS:
             raise PlannerError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        try:
+            object.__setattr__(self, "recompute", recompute_mode(self.recompute))
+        except ValueError as e:
+            raise PlannerError(str(e)) from None
 
     @property
     def prec(self) -> Precision:
