@@ -1,7 +1,7 @@
 """The planner's predictions against measurements on this machine: the tables in docs/planner-validation.md.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate_planner.py [--rounds 3] [--cached] [--no-write]
-        [--skip-inference] [--skip-training]
+        [--skip-inference] [--skip-training] [--skip-memory]
 
 1. Calibrates this host (unless --cached: then the cached calibration is used).
 2. Inference: for the benchmark model (benchmarks/bench_model.py) at tp=1 and at tp=2 on
@@ -17,8 +17,13 @@
 3. Training: a small Llama-shaped model (TRAIN_MODEL, random weights, random tokens)
    trained with shardwise.train (AdamW, fp32) at tp=1, tp=2 and dp=2 on every calibrated
    backend; predicted step time against the median step time after --train-warmup steps.
-4. Prints the tables and writes them into docs/planner-validation.md between the validation and the
-   training markers (a skipped part keeps its old table).
+4. Training memory: the planner's predicted peak per rank (weights, gradients, AdamW state,
+   the activations of the micro-batches a stage holds, with sequence parallelism and
+   recompute none/selective/full, and the loss's logits) against the measured peak of real
+   training runs (shardwise.train.saved.training_peak: resident memory above a warmed-up
+   baseline, freed blocks returned at once) at tp 1 and 2, sp on and off, pp 1 and 2.
+5. Prints the tables and writes them into docs/planner-validation.md between the validation, the
+   training and the memory markers (a skipped part keeps its old table).
 """
 
 from __future__ import annotations
@@ -48,9 +53,11 @@ DOC = Path(__file__).parent.parent / "docs" / "planner-validation.md"
 MARKERS = {
     "inference": ("<!-- validation:start -->", "<!-- validation:end -->"),
     "training": ("<!-- training:start -->", "<!-- training:end -->"),
+    "memory": ("<!-- memory:start -->", "<!-- memory:end -->"),
 }
 WORKLOAD = dict(batch=1, prompt_len=128, output_len=32)
 TARGET = 0.25
+MEMORY_TARGET = 0.15
 
 # NOTE: sized so that compute dominates (about 1 s per step at tp=1 on one core; a tp=2
 # all-reduce carries 1 MiB, the dp=2 gradient all-reduce 59 MB) and a run of 8 steps
@@ -67,9 +74,9 @@ TRAIN_MODEL = dict(
 TRAIN_DATA = dict(seq_len=128, global_batch_size=8, micro_batch_size=4)
 
 
-def _err(pred: float, meas: float) -> str:
+def _err(pred: float, meas: float, target: float = TARGET) -> str:
     e = pred / meas - 1
-    return f"{e:+.0%}" + ("" if abs(e) <= TARGET else " **miss**")
+    return f"{e:+.0%}" + ("" if abs(e) <= target else " **miss**")
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -233,6 +240,98 @@ def validate_training(cal: Calibration, args, load0: float) -> tuple[str, int, i
     return "\n".join(lines), len(rows), misses
 
 
+# NOTE: long sequences, so that activations (several hundred MiB) weigh as much as the
+# weights and AdamW state (13M parameters: 200 MiB at 16 bytes each) and the options show.
+MEMORY_MODEL = dict(TRAIN_MODEL, intermediate_size=1376, num_kv_heads=2, max_positions=1024)
+MEMORY_DATA = dict(seq_len=1024, micro_batch=2)
+MEMORY_RUNS = [  # (tp, pp, sequence_parallel, recompute, micro-batches per step)
+    (1, 1, False, "none", 1),
+    (1, 1, False, "selective", 1),
+    (1, 1, False, "full", 1),
+    (2, 1, False, "none", 1),
+    (2, 1, True, "none", 1),
+    (2, 1, True, "selective", 1),
+    (2, 1, True, "full", 1),
+    (1, 2, False, "none", 2),
+    (2, 2, False, "none", 2),
+    (2, 2, True, "selective", 2),
+]
+
+
+def validate_memory(cal: Calibration | None, args, load0: float) -> tuple[str, int, int]:
+    """Predicted against measured training peaks per rank; (text, predictions, misses)."""
+    import torch
+
+    from shardwise.planner.footprint import training_memory
+    from shardwise.train import TrainConfig, write_token_file
+    from shardwise.train.saved import training_peak
+
+    work = Path(tempfile.mkdtemp(prefix="shardwise-validate-mem-"))
+    vocab = MEMORY_MODEL["vocab_size"]
+    ids = torch.randint(0, vocab, (100_000,), generator=torch.Generator().manual_seed(0))
+    tokens = write_token_file(work / "tokens.safetensors", ids, vocab_size=vocab)
+    seq, b = MEMORY_DATA["seq_len"], MEMORY_DATA["micro_batch"]
+    if cal is not None:
+        backend = "mpi" if "mpi" in cal.links else "gloo"
+    else:  # memory alone needs no calibration: MPI where installed, as shardwise train picks
+        from shardwise.launch.env import resolve_backend
+
+        backend = "gloo" if resolve_backend("auto") == "nccl" else resolve_backend("auto")
+
+    def config(tp, pp, sp, recompute, m) -> dict:
+        return {
+            "model": MEMORY_MODEL,
+            "data": {"tokens": str(tokens), "seq_len": seq, "global_batch_size": b * m, "microbatches": m},
+            "parallel": {"tp": tp, "pp": pp, "sequence_parallel": sp},
+            "run": {"steps": 3, "recompute": recompute, "progress": False, "plot": False, "save_at_end": False,
+                    "out_dir": str(work)},
+        }  # fmt: skip
+
+    cfg = TrainConfig.from_dict(config(1, 1, False, "none", 1)).model.model_config()
+    t0, rows, misses, n = time.time(), [], 0, 0
+    for tp, pp, sp, recompute, m in MEMORY_RUNS:
+        print(f"memory: tp={tp} pp={pp} sp={sp} recompute={recompute} m={m} ({backend})", file=sys.stderr)
+        ranks = launch(training_peak, tp * pp, args=(config(tp, pp, sp, recompute, m),), backend=backend)
+        for stage in range(pp):
+            measured = [r["peak_bytes"] for r in ranks if r["pp_rank"] == stage]
+            mem = training_memory(
+                cfg, tp, pp, micro_batches=m, micro_batch=b, seq=seq, width=4, weight_bytes=4, grad_bytes=4,
+                optimizer="adam", master_bytes=0, recompute=recompute, flash=True, budget=float("inf"),
+                sequence_parallel=sp, stage=stage,
+            )  # fmt: skip
+            worst = max(measured)
+            n += 1
+            misses += abs(mem.total / worst - 1) > MEMORY_TARGET
+            state = mem.weights + mem.grads + mem.optimizer
+            rows.append(
+                f"| tp={tp} pp={pp} | {'yes' if sp else 'no'} | {recompute} | {m} | {stage} | {state / 2**20:.0f} + "
+                f"{mem.activations / 2**20:.0f} | {mem.total / 2**20:.0f} | "
+                f"{' / '.join(f'{x / 2**20:.0f}' for x in measured)} | {_err(mem.total, worst, MEMORY_TARGET)} |"
+            )
+    shutil.rmtree(work, ignore_errors=True)
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d %H:%M')} in {time.time() - t0:.0f} s by the same command: shardwise.train "
+        f"on a Llama-shaped model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, intermediate "
+        f"{cfg.intermediate_size}, {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}: "
+        f"{_params(cfg) / 1e6:.1f}M parameters), AdamW, fp32, micro-batches of {b} x {seq} tokens, 3 steps, on "
+        f"{backend}; each layout launched once (memory does not vary between runs). Measured: each rank's peak "
+        "resident anonymous memory above its baseline after a warm-up (large freed blocks returned to the system at "
+        "once, so the peak follows the live tensors), sampled every 0.5 ms (shardwise.train.saved.training_peak).",
+        "",
+        "| layout | sp | recompute | m | stage | predicted MiB: weights + grads + AdamW, activations | predicted "
+        "total | measured per tp rank | error |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"{'PASS' if not misses else 'MISS'}: {n - misses} of {n} predicted peaks within ±{MEMORY_TARGET:.0%}. "
+        "Error = predicted / measured - 1 for the stage's larger measured peak. Predicted = "
+        "shardwise.planner.footprint.training_memory for that stage: activations per layer from "
+        "shardwise.planner.activations (1F1B: stage s holds min(pp - s, m) micro-batches), the layer being "
+        "recomputed, and on the last stage the loss's fp32 logits, shifted logits and exponentials.",
+    ]
+    return "\n".join(lines), n, misses
+
+
 def _params(cfg) -> int:
     from shardwise.planner.footprint import stage_params
 
@@ -258,6 +357,7 @@ def main() -> int:
     ap.add_argument("--train-steps", type=int, default=6, help="training: timed steps per launch")
     ap.add_argument("--skip-inference", action="store_true", help="leave the inference table as it is")
     ap.add_argument("--skip-training", action="store_true", help="leave the training table as it is")
+    ap.add_argument("--skip-memory", action="store_true", help="leave the training memory table as it is")
     ap.add_argument("--cached", action="store_true", help="use the cached calibration instead of measuring again")
     ap.add_argument("--no-write", action="store_true", help="print the tables only")
     ap.add_argument("--idle-wait", type=float, default=60.0, help="seconds to wait for an idle machine per launch")
@@ -265,12 +365,14 @@ def main() -> int:
 
     load0 = _load()
     wait_idle(args.idle_wait)
-    cal = load_calibration(recalibrate=not args.cached)
+    timed = not (args.skip_inference and args.skip_training)
+    cal = load_calibration(recalibrate=not args.cached) if timed else None  # memory needs no calibration
     parts = [
         (name, fn)
         for name, fn, skip in (
             ("inference", validate_inference, args.skip_inference),
             ("training", validate_training, args.skip_training),
+            ("memory", validate_memory, args.skip_memory),
         )
         if not skip
     ]
@@ -281,7 +383,8 @@ def main() -> int:
         print(table + "\n")
         if not args.no_write:
             _write(name, table)
-    print(f"{total - missed} of {total} predictions within ±{TARGET:.0%}", file=sys.stderr)
+    print(f"{total - missed} of {total} predictions within target (time ±{TARGET:.0%}, memory ±{MEMORY_TARGET:.0%})",
+          file=sys.stderr)  # fmt: skip
     return 0
 
 
