@@ -155,7 +155,8 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
         rng=RNGTracker(cfg.run.seed, tp_rank=tp.rank, dp_rank=dp.rank, pp_rank=mesh.pp_rank),
         layout=layout,
         copies=copies,
-        partial_grads=partial_grad_names(model, stage_plan(train_plan(model_cfg, sequence_parallel=sp), model)),
+        partial_grads=partial_grad_names(model, stage_plan(train_plan(model_cfg, sequence_parallel=sp), model))
+        + head_norm_names(model, tp.size),
         extra={
             "tokenizer": cfg.model.tokenizer,
             "bos_token_id": cfg.model.bos_token_id,
@@ -180,6 +181,15 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
             seq_shards=tp.size if sp else 1,
         )
     return tr
+
+
+def head_norm_names(model, tp: int) -> list[str]:
+    """The q/k norm weights (Qwen3, per head_dim, replicated): each tp rank applies them to
+    its own heads only, so its gradient is a partial sum over tp, summed with the sequence
+    parallel ones. Empty at tp = 1 or without q/k norms."""
+    if tp == 1:
+        return []
+    return [n for n, _ in model.named_parameters() if ".attn.q_norm." in n or ".attn.k_norm." in n]
 
 
 def model_config(cfg: TrainConfig):
