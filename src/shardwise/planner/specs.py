@@ -23,6 +23,8 @@ __all__ = [
 ]
 
 GIB = 2**30
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+"""shardwise.pipeline.SCHEDULE_NAMES (tests/unit/test_planner_pipeline.py checks they agree)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -265,6 +267,9 @@ class TrainingWorkload:
     recompute: bool = False
     """Full activation recomputation: keep each layer's input only, redo the forward in backward."""
     flash_attention: bool = True
+    schedule: str | None = None
+    """Pipeline schedule for layouts with pp > 1: "gpipe", "1f1b" or "interleaved"; None = the
+    fastest that fits, per layout."""
 
     kind = "training"
 
@@ -278,6 +283,8 @@ class TrainingWorkload:
             raise PlannerError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
         if self.precision not in PRECISIONS:
             raise PlannerError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise PlannerError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
 
     @property
     def prec(self) -> Precision:
