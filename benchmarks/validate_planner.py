@@ -103,7 +103,10 @@ def _calibration_line(c: Calibration) -> str:
         + ", ".join(f"{k} {v * 1e3:.0f} GFLOP/s" for k, v in c.gemm_tflops.items())
         + f", weight streaming {c.mem_gbps:.1f} GB/s, overhead {c.layer_overhead_us:.0f} us/layer + "
         f"{c.step_overhead_us:.0f} us/forward; with every core busy a core keeps {c.busy_compute:.0%} of its "
-        f"FLOP/s and {c.busy_memory:.0%} of its bandwidth; all-reduce over 2 ranks "
+        f"FLOP/s and {c.busy_memory:.0%} of its bandwidth; a training forward and backward reaches "
+        f"{c.train_efficiency:.0%} of the matmul FLOP/s ({_busy_train(c)}) with "
+        f"{c.train_layer_overhead_us or 0:.0f} us/layer + {c.train_step_overhead_us or 0:.0f} us/micro-step fixed, "
+        f"AdamW updates at {c.optimizer_gbps or 0:.1f} GB/s (one read and write of its state); all-reduce over 2 ranks "
         + "; ".join(
             f"{b}: {v['latency_us']:.0f} us + n / {v['busbw_gbps']:.2f} GB/s, inside a step after "
             + ", ".join(
@@ -114,6 +117,10 @@ def _calibration_line(c: Calibration) -> str:
         + (f"; not measured: {'; '.join(missing)}" if missing else "")
         + "."
     )
+
+
+def _busy_train(c: Calibration) -> str:
+    return "not measured busy" if c.busy_train is None else f"{c.busy_train:.0%} of that with every core busy"
 
 
 def validate_inference(cal: Calibration, args, load0: float) -> tuple[str, int, int]:
@@ -241,7 +248,8 @@ def validate_training(cal: Calibration, args, load0: float) -> tuple[str, int, i
 
 
 PIPELINE_RUNS = [
-    # (tp, pp, dp, schedule, m): world size 2, the training model and global batch above
+    # (tp, pp, dp, schedule, m): world size 2 (and one device, for reference), the training model and global batch above
+    (1, 1, 1, None, TRAIN_DATA["global_batch_size"] // TRAIN_DATA["micro_batch_size"]),
     *[(1, 2, 1, schedule, m) for m in PIPELINE_MICROBATCHES for schedule in ("gpipe", "1f1b")],
     (2, 1, 1, None, TRAIN_DATA["global_batch_size"] // TRAIN_DATA["micro_batch_size"]),
     (1, 1, 2, None, TRAIN_DATA["global_batch_size"] // (2 * TRAIN_DATA["micro_batch_size"])),
@@ -269,7 +277,7 @@ def validate_pipeline(cal: Calibration, args, load0: float) -> tuple[str, int, i
     steps = args.train_warmup + args.train_steps
     g, seq = TRAIN_DATA["global_batch_size"], TRAIN_DATA["seq_len"]
     backends = [b for b in ("gloo", "mpi") if b in cal.links]
-    runs = [(*r, b) for b in backends for r in PIPELINE_RUNS]
+    runs = [(*r, b) for b in backends for r in PIPELINE_RUNS if r[0] * r[1] * r[2] > 1 or b == backends[0]]
 
     def config(tp, pp, dp, schedule, m) -> dict:
         parallel = {"tp": tp, "pp": pp, "dp": dp} | ({"schedule": schedule} if schedule else {})
@@ -303,7 +311,8 @@ def validate_pipeline(cal: Calibration, args, load0: float) -> tuple[str, int, i
         misses += abs(pred / med - 1) > TARGET
         s = p.step
         rows.append(
-            f"| {Layout(tp, pp, dp).arg()} | {schedule or '-'} | {m} | {g // (dp * m)} | {backend} | {pred:.0f} | "
+            f"| {Layout(tp, pp, dp).arg()} | {schedule or '-'} | {m} | {g // (dp * m)} | "
+            f"{backend if tp * pp * dp > 1 else '-'} | {pred:.0f} | "
             f"{s.compute_s * 1e3:.0f} + {s.comm_s * 1e3:.0f} + {s.bubble_s * 1e3:.0f} | "
             f"{p.bubble_fraction:.0%} | {med:.0f} | {_err(pred, med)} | {min(step_ms):.0f} |"
         )

@@ -94,7 +94,8 @@ def pipeline_line(c) -> str:
         f"Pipeline: {s.name} schedule{chunks}, m={t.micro_batches} micro-batches per step, the runtime's default "
         f"layer split ({s.describe()}). Bubble {t.step.bubble_s / t.step.total_s:.0%} of the step "
         f"(the schedule idles {t.bubble_fraction:.1%} with free transfers); {s.profile().messages:.0f} "
-        f"stage-to-stage messages per step, {sends[0].calls if sends else 0} on the busiest rank at {_ms(each)} each."
+        f"stage-to-stage messages per step, the busiest rank sending or receiving {sends[0].calls if sends else 0} "
+        f"of them at {_ms(each)} each."
     )
 
 

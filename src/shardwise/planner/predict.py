@@ -1,7 +1,8 @@
 """Predicted time of one layout: inference (prefill, decode) and training (one step).
 
 Compute on a device is a roofline: max(FLOPs / achieved FLOP/s, bytes streamed / achieved
-memory bandwidth), plus a fixed overhead per layer and per forward. Collectives follow the
+memory bandwidth), plus a fixed overhead per layer and per forward (training: the FLOP/s a
+forward and backward reach, Device.train_efficiency, and their own fixed times, when measured). Collectives follow the
 alpha-beta model of their link (specs.Link), plus what the link measured a collective to
 cost more after the burst of compute that precedes it (specs.Link.extra_after_s; the burst
 is the compute of a pass divided among its collectives). Nothing overlaps: communication
@@ -199,15 +200,22 @@ def _micro_batch(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: Trainin
     layer_flops = tokens * layers * layer_flops_per_token(cfg, wl.seq_len, tp)
     head_flops = tokens * head_flops_per_token(cfg, tp) if last else 0.0
     streamed = streamed_params(cfg, tp, pp, stage, layers=layers) * width
-    overhead = (layers * dev.layer_overhead_us + dev.step_overhead_us) * 1e-6
+    flops_s = dev.train_flops(prec.compute, busy)
+    if dev.train_layer_overhead_us is not None:  # measured for a forward and backward: 1/3 and 2/3 of it
+        overhead = (layers * dev.train_layer_overhead_us + (dev.train_step_overhead_us or 0.0)) * 1e-6 / 3
+    else:
+        overhead = (layers * dev.layer_overhead_us + dev.step_overhead_us) * 1e-6
 
     def compute(forwards: int, heads: int, reads: int) -> float:
         flops = forwards * layer_flops + heads * head_flops
-        return (
-            max(flops / dev.flops(prec.compute, busy), reads * streamed / dev.bytes_per_s(busy)) + forwards * overhead
-        )
+        return max(flops / flops_s, reads * streamed / dev.bytes_per_s(busy)) + forwards * overhead
 
-    fwd_c, bwd_c = compute(1, 1, 1), compute(passes - 1, 2, 2)
+    # gradient accumulation: every micro-batch after the first adds its gradients into .grad
+    # (reads both, writes the sum), a memory-bound pass over the stage's gradients
+    m = wl.global_batch // (wl.micro_batch * dp)
+    grads = stage_params(cfg, tp, pp, stage, layers=layers) * prec.grad_bytes
+    accumulate = 3 * grads / dev.bytes_per_s(busy) * (m - 1) / m
+    fwd_c, bwd_c = compute(1, 1, 1), compute(passes - 1, 2, 2) + accumulate
     kw = dict(batch=wl.micro_batch, tokens=wl.seq_len, width=width, layers=layers, last=last)
     fwd = tp_forward_collectives(cfg, tp, first=first, logit_rows=0, **kw)
     bwd = tp_backward_collectives(cfg, tp, recompute=wl.recompute, **kw)
@@ -271,7 +279,7 @@ def predict_training(
         per_step.append(_timed(grads, cluster, dp, tp * dp, f.compute_s + b.compute_s))
     per_step = merge(per_step)
     state = prec.weight_bytes + prec.grad_bytes + optimizer_bytes_per_param(wl.optimizer, prec.master_bytes)
-    optimizer_s = 2 * n_params * state / dev.bytes_per_s(tp * pp * dp > 1)  # read and write every byte once
+    optimizer_s = 2 * n_params * state / dev.optimizer_bytes_per_s(tp * pp * dp > 1)  # read and write every byte once
     comm_s = sum(c.seconds for c in per_step)
     compute_s = m * (f.compute_s + b.compute_s) + optimizer_s
     own = m * (f.comm_s + b.comm_s) + sum(c.seconds for c in per_step if c.group == "pp")
