@@ -1,7 +1,7 @@
 """The planner's predictions against measurements on this machine: the tables in docs/planner-validation.md.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate_planner.py [--rounds 3] [--cached] [--no-write]
-        [--skip-inference] [--skip-training] [--skip-memory]
+        [--skip-inference] [--skip-training] [--skip-memory] [--skip-pipeline]
 
 1. Calibrates this host (unless --cached: then the cached calibration is used).
 2. Inference: for the benchmark model (benchmarks/bench_model.py) at tp=1 and at tp=2 on
@@ -22,8 +22,12 @@
    recompute none/selective/full, and the loss's logits) against the measured peak of real
    training runs (shardwise.train.saved.training_peak: resident memory above a warmed-up
    baseline, freed blocks returned at once) at tp 1 and 2, sp on and off, pp 1 and 2.
-5. Prints the tables and writes them into docs/planner-validation.md between the validation, the
-   training and the memory markers (a skipped part keeps its old table).
+5. Pipeline: the same model and global batch at world size 2: pp=2 with GPipe and 1F1B at
+   m = 2 and m = 8 micro-batches, beside tp=2 and dp=2, on every calibrated backend, launched
+   interleaved in one run; predicted step time (bubble, stage-to-stage transfers included)
+   against the median measured step.
+6. Prints the tables and writes them into docs/planner-validation.md between their markers
+   (a skipped part keeps its old table).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ MARKERS = {
     "inference": ("<!-- validation:start -->", "<!-- validation:end -->"),
     "training": ("<!-- training:start -->", "<!-- training:end -->"),
     "memory": ("<!-- memory:start -->", "<!-- memory:end -->"),
+    "pipeline": ("<!-- pipeline:start -->", "<!-- pipeline:end -->"),
 }
 WORKLOAD = dict(batch=1, prompt_len=128, output_len=32)
 TARGET = 0.25
@@ -72,6 +77,8 @@ TRAIN_MODEL = dict(
     max_positions=256,
 )
 TRAIN_DATA = dict(seq_len=128, global_batch_size=8, micro_batch_size=4)
+PIPELINE_MICROBATCHES = (2, 8)
+"""m for the pp=2 rows: 8 sequences in 2 micro-batches of 4 (bubble 1/3) or 8 of 1 (bubble 1/9)."""
 
 
 def _err(pred: float, meas: float, target: float = TARGET) -> str:
@@ -103,7 +110,10 @@ def _calibration_line(c: Calibration) -> str:
         + ", ".join(f"{k} {v * 1e3:.0f} GFLOP/s" for k, v in c.gemm_tflops.items())
         + f", weight streaming {c.mem_gbps:.1f} GB/s, overhead {c.layer_overhead_us:.0f} us/layer + "
         f"{c.step_overhead_us:.0f} us/forward; with every core busy a core keeps {c.busy_compute:.0%} of its "
-        f"FLOP/s and {c.busy_memory:.0%} of its bandwidth; all-reduce over 2 ranks "
+        f"FLOP/s and {c.busy_memory:.0%} of its bandwidth; a training forward and backward reaches "
+        f"{c.train_efficiency:.0%} of the matmul FLOP/s ({_busy_train(c)}) with "
+        f"{c.train_layer_overhead_us or 0:.0f} us/layer + {c.train_step_overhead_us or 0:.0f} us/micro-step fixed, "
+        f"AdamW updates at {c.optimizer_gbps or 0:.1f} GB/s (one read and write of its state); all-reduce over 2 ranks "
         + "; ".join(
             f"{b}: {v['latency_us']:.0f} us + n / {v['busbw_gbps']:.2f} GB/s, inside a step after "
             + ", ".join(
@@ -114,6 +124,10 @@ def _calibration_line(c: Calibration) -> str:
         + (f"; not measured: {'; '.join(missing)}" if missing else "")
         + "."
     )
+
+
+def _busy_train(c: Calibration) -> str:
+    return "not measured busy" if c.busy_train is None else f"{c.busy_train:.0%} of that with every core busy"
 
 
 def validate_inference(cal: Calibration, args, load0: float) -> tuple[str, int, int]:
@@ -332,6 +346,96 @@ def validate_memory(cal: Calibration | None, args, load0: float) -> tuple[str, i
     return "\n".join(lines), n, misses
 
 
+PIPELINE_RUNS = [
+    # (tp, pp, dp, schedule, m): world size 2 (and one device, for reference), the training model and global batch above
+    (1, 1, 1, None, TRAIN_DATA["global_batch_size"] // TRAIN_DATA["micro_batch_size"]),
+    *[(1, 2, 1, schedule, m) for m in PIPELINE_MICROBATCHES for schedule in ("gpipe", "1f1b")],
+    (2, 1, 1, None, TRAIN_DATA["global_batch_size"] // TRAIN_DATA["micro_batch_size"]),
+    (1, 1, 2, None, TRAIN_DATA["global_batch_size"] // (2 * TRAIN_DATA["micro_batch_size"])),
+]
+
+
+def _token_file(work: Path) -> Path:
+    import torch
+
+    from shardwise.train import write_token_file
+
+    vocab = TRAIN_MODEL["vocab_size"]
+    ids = torch.randint(0, vocab, (100_000,), generator=torch.Generator().manual_seed(0))
+    return write_token_file(work / "tokens.safetensors", ids, vocab_size=vocab)
+
+
+def validate_pipeline(cal: Calibration, args, load0: float) -> tuple[str, int, int]:
+    """Pipeline training steps (pp=2, GPipe and 1F1B, two micro-batch counts) beside tp=2 and
+    dp=2 at world size 2, measured side by side in one run; (text, predictions, misses)."""
+    from shardwise.planner.schedule import PipelineSchedule
+    from shardwise.train import TrainConfig
+
+    work = Path(tempfile.mkdtemp(prefix="shardwise-validate-pp-"))
+    tokens = _token_file(work)
+    steps = args.train_warmup + args.train_steps
+    g, seq = TRAIN_DATA["global_batch_size"], TRAIN_DATA["seq_len"]
+    backends = [b for b in ("gloo", "mpi") if b in cal.links]
+    runs = [(*r, b) for b in backends for r in PIPELINE_RUNS if r[0] * r[1] * r[2] > 1 or b == backends[0]]
+
+    def config(tp, pp, dp, schedule, m) -> dict:
+        parallel = {"tp": tp, "pp": pp, "dp": dp} | ({"schedule": schedule} if schedule else {})
+        return {
+            "model": TRAIN_MODEL,
+            "data": {"tokens": str(tokens), "seq_len": seq, "global_batch_size": g, "microbatches": m},
+            "parallel": parallel,
+            "run": {"steps": steps, "progress": False, "plot": False, "save_at_end": False, "out_dir": str(work)},
+        }
+
+    cfg = TrainConfig.from_dict(config(1, 1, 1, None, 1)).model.model_config()
+    t0, idle = time.time(), []
+    measured: dict[tuple, list[dict]] = {r: [] for r in runs}
+    for i in range(args.train_rounds):  # interleaved, so that load elsewhere hits every row alike
+        for run in runs:
+            tp, pp, dp, schedule, m, backend = run
+            idle.append(wait_idle(args.idle_wait))
+            print(f"pipeline round {i + 1}/{args.train_rounds}: tp={tp} pp={pp} dp={dp} {schedule or ''} m={m} "
+                  f"{backend} (load {_load():.1f})", file=sys.stderr)  # fmt: skip
+            raw = config(tp, pp, dp, schedule, m)
+            measured[run].append(launch(training_rank, tp * pp * dp, args=({"config": raw},), backend=backend)[0])
+    shutil.rmtree(work, ignore_errors=True)
+    rows, misses = [], 0
+    for run in runs:
+        tp, pp, dp, schedule, m, backend = run
+        step_ms = [x for r in measured[run] for x in r["step_ms"][args.train_warmup :]]
+        wl = TrainingWorkload(global_batch=g, micro_batch=g // (dp * m), seq_len=seq, precision="fp32")
+        sched = PipelineSchedule.build(schedule, cfg.num_layers, pp, m) if pp > 1 else None
+        p = predict_training(cfg, cal.cluster(backend), Layout(tp, pp, dp), wl, sched)
+        pred, med = p.step.total_s * 1e3, statistics.median(step_ms)
+        misses += abs(pred / med - 1) > TARGET
+        s = p.step
+        rows.append(
+            f"| {Layout(tp, pp, dp).arg()} | {schedule or '-'} | {m} | {g // (dp * m)} | "
+            f"{backend if tp * pp * dp > 1 else '-'} | {pred:.0f} | "
+            f"{s.compute_s * 1e3:.0f} + {s.comm_s * 1e3:.0f} + {s.bubble_s * 1e3:.0f} | "
+            f"{p.bubble_fraction:.0%} | {med:.0f} | {_err(pred, med)} | {min(step_ms):.0f} |"
+        )
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d %H:%M')} in {time.time() - t0:.0f} s by the same command "
+        f"(train rounds={args.train_rounds}, {args.train_warmup} warm-up + {args.train_steps} timed steps per "
+        f"launch, the rows' launches interleaved): the training model above ({_params(cfg) / 1e6:.1f}M parameters, "
+        f"{cfg.num_layers} layers: 2 per stage at pp=2), AdamW, fp32, sequence {seq}, global batch {g} in m "
+        f"micro-batches per dp rank, world size 2, 1 thread per rank; predicted with the calibration of "
+        f"{cal.created}. " + _machine(cal, load0, idle, args.idle_wait),
+        "",
+        "| layout | schedule | m | micro-batch | backend | step ms predicted | = compute + comm + bubble | "
+        "schedule's bubble | measured (median) | error | fastest |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"{'PASS' if not misses else 'MISS'}: {len(rows) - misses} of {len(rows)} predictions within ±{TARGET:.0%}. "
+        "Error = predicted / measured - 1, measured = the median step time after the warm-up steps. The schedule's "
+        "bubble: its idle fraction with free transfers ((p - 1) / (m + p - 1)); the bubble column in ms is what "
+        "the simulated schedule adds beyond the busiest rank's own compute, collectives and sends/receives.",
+    ]
+    return "\n".join(lines), len(rows), misses
+
+
 def _params(cfg) -> int:
     from shardwise.planner.footprint import stage_params
 
@@ -358,6 +462,7 @@ def main() -> int:
     ap.add_argument("--skip-inference", action="store_true", help="leave the inference table as it is")
     ap.add_argument("--skip-training", action="store_true", help="leave the training table as it is")
     ap.add_argument("--skip-memory", action="store_true", help="leave the training memory table as it is")
+    ap.add_argument("--skip-pipeline", action="store_true", help="leave the pipeline table as it is")
     ap.add_argument("--cached", action="store_true", help="use the cached calibration instead of measuring again")
     ap.add_argument("--no-write", action="store_true", help="print the tables only")
     ap.add_argument("--idle-wait", type=float, default=60.0, help="seconds to wait for an idle machine per launch")
@@ -365,7 +470,7 @@ def main() -> int:
 
     load0 = _load()
     wait_idle(args.idle_wait)
-    timed = not (args.skip_inference and args.skip_training)
+    timed = not (args.skip_inference and args.skip_training and args.skip_pipeline)
     cal = load_calibration(recalibrate=not args.cached) if timed else None  # memory needs no calibration
     parts = [
         (name, fn)
@@ -373,6 +478,7 @@ def main() -> int:
             ("inference", validate_inference, args.skip_inference),
             ("training", validate_training, args.skip_training),
             ("memory", validate_memory, args.skip_memory),
+            ("pipeline", validate_pipeline, args.skip_pipeline),
         )
         if not skip
     ]

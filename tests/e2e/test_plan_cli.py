@@ -21,9 +21,10 @@ def test_plan_a_preset_as_json_and_bad_input():
     out = _plan("--model", "Llama-3-8B", "--cluster", "dgx-a100-80gb", "--batch", "4", "--json")
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
-    assert plan["recommended"]["layout"] == {"tp": 1, "pp": 1, "dp": 8}
+    assert plan["recommended"]["layout"] == plan["layout"] == "tp=1,pp=1,dp=8"
+    assert plan["schedule"] is None and plan["microbatches"] is None and plan["command"] is None
     assert plan["model"]["parameters"] == 8_030_261_248  # Llama-3-8B
-    assert {c["layout"]["tp"] for c in plan["layouts"]} == {1, 2, 4, 8}
+    assert {c["tp"] for c in plan["layouts"]} == {1, 2, 4, 8}
     bad = _plan("--model", "llama-3-9b", "--cluster", "dgx-a100-80gb")
     assert bad.returncode == 2 and "unknown model preset 'llama-3-9b' (did you mean 'llama-3-8b'?)" in bad.stderr
     none = _plan("--model", "gpt3-175b", "--cluster", "pcie-8x-rtx4090")
@@ -54,9 +55,40 @@ def test_plan_this_host_from_the_cache_with_a_plot(tmp_path):
     assert "backend 'mpi' has no calibration on this host (test)" in uncalibrated.stderr
 
 
-def test_plan_recommends_no_pipeline_but_shows_and_names_one():
-    out = _plan("--model", "llama-3-8b", "--cluster", "dgx-h100", "--train", "--global-batch", "64")
+def test_plan_recommends_a_training_pipeline_with_the_line_that_runs_it():
+    from shardwise.train.config import ParallelSection
+
+    args = ("--model", "llama-3-8b", "--cluster", "dgx-h100", "--train", "--global-batch", "64")
+    out = _plan(*args, "--json")
     assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    rec = plan["recommended"]
+    # the layout in the form `shardwise train --layout` takes (ParallelSection.layout())
+    assert plan["layout"] == rec["layout"] == ParallelSection(tp=1, pp=4, dp=2).layout() == "tp=1,pp=4,dp=2"
+    assert plan["schedule"] == rec["schedule"] == "1f1b" and plan["microbatches"] == rec["microbatches"] == 32
+    assert rec["train_config"]["parallel"] == {"tp": 1, "pp": 4, "dp": 2, "schedule": "1f1b", "virtual_stages": 1}
+    assert rec["pp_layers"] == [8] * 4 and rec["training"]["p2p"]["messages_per_step"] == 2 * 32 * (4 - 1)
+    assert (
+        plan["command"]
+        == "shardwise train --config CONFIG.toml --layout tp=1,pp=4,dp=2 --schedule 1f1b --microbatches 32"
+    )
+    assert all(c["runnable"] for c in plan["layouts"])
+    text = _plan(*args)
+    assert "> tp=1 pp=4 dp=2" in text.stdout and "Pipeline: 1f1b schedule, m=32 micro-batches" in text.stdout
+    assert f"  {plan['command']}" in text.stdout
+    assert "not runnable" not in text.stdout and "inference does not run" not in text.stdout
+    # GPipe holds all 32 micro-batches' activations: no pipeline fits, tp=2 without one does
+    gpipe = _plan(*args, "--schedule", "gpipe", "--top", "20")
+    assert gpipe.returncode == 0, gpipe.stderr
+    (row,) = [line for line in gpipe.stdout.splitlines() if line.startswith("  tp=1 pp=4 dp=2 ") and "|" in line]
+    assert " no " in row and row.endswith("gpipe m=32")
+    assert "recommended: tp=2 pp=1 dp=4" in gpipe.stdout
+    assert "  shardwise train --config CONFIG.toml --layout tp=2,pp=1,dp=4 --microbatches 16" in gpipe.stdout
+
+
+def test_plan_inference_shows_pipelines_as_not_runnable():
+    out = _plan("--model", "llama-3-70b", "--cluster", "dgx-a100-80gb", "--batch", "8", "--top", "20")
+    assert out.returncode == 0, out.stdout + out.stderr
     assert "recommended: tp=2 pp=1 dp=4" in out.stdout
-    assert "tp=1 pp=4 dp=2" in out.stdout and "(pp>1: not runnable by shardwise yet)" in out.stdout
-    assert "warning: tp=1 pp=4 dp=2 would be recommended" in out.stdout
+    assert "tp=1 pp=2 dp=4" in out.stdout and "(pp>1: inference does not run pipelines yet)" in out.stdout
+    assert "shardwise train" not in out.stdout

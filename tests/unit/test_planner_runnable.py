@@ -1,21 +1,30 @@
-"""Layouts with pp > 1: predicted and shown, never recommended, until shardwise runs
-pipeline parallelism; when one would win, the answer says so."""
+"""What the planner recommends, shardwise runs: every training layout (pipelines included) is
+one `shardwise train` accepts, with the schedule, m and layer split the runtime would use;
+inference layouts with pp > 1 are predicted and shown but never recommended (inference does
+not run pipelines yet), and when one would win, the answer says so."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
+from shardwise.pipeline import SCHEDULE_NAMES
 from shardwise.planner import (
     NOT_RUNNABLE,
     InferenceWorkload,
     TrainingWorkload,
     cluster_preset,
+    customize,
     evaluate,
     model_preset,
     recommend,
 )
 from shardwise.planner.report import render_text, to_json
-from shardwise.planner.specs import Cluster, Device, Link
+from shardwise.planner.specs import SCHEDULES, Cluster, Device, Link
+from shardwise.sharding.plans.tp import check_tp
+from shardwise.train import TrainConfig
+from shardwise.train.config import ParallelSection
 
 # 8B training with Adam on 80 GiB devices: tp=1 pp=1 does not fit (about 129 GiB), tp=1 pp=2
 # does, and the cost model's order (smallest tp first) picks it.
@@ -26,57 +35,139 @@ def _rec(model: str, cluster, wl, **kw):
     return recommend(model, model_preset(model), wl, cluster, **kw)
 
 
-def test_a_pipeline_that_would_win_is_named_but_not_recommended():
-    rec = _rec("llama-3-8b", cluster_preset("dgx-h100"), TRAIN)
-    r, p = rec.recommended, rec.pipeline
-    assert r.runnable and r.layout.pp == 1 and r.fits
-    assert not p.runnable and p.layout.pp > 1 and p.fits and p.layout.tp < r.layout.tp
-    warning = [w for w in rec.warnings if w.startswith(f"{p.layout} would be recommended")]
-    assert len(warning) == 1 and NOT_RUNNABLE in warning[0] and f"{r.layout} is the best" in warning[0]
-    assert "without a pipeline" in " ".join(rec.explanation)
-    # the recommendation is the first row; pipelines are still shown, each labelled
+def _small(devices: int, memory_gib: float) -> Cluster:
+    dev = Device("dev", memory_gib, {"bfloat16": 100.0, "float32": 50.0}, 1000.0)
+    return Cluster("small", dev, devices, devices, Link("l", 10.0, 10.0))
+
+
+def _train_config(cfg, candidate_json: dict) -> TrainConfig:
+    """The TrainConfig `shardwise train` builds for the model and a plan's layout."""
+    model = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        max_positions=cfg.max_positions, tie_embeddings=cfg.tie_embeddings,
+    )  # fmt: skip
+    run = candidate_json["train_config"]
+    data = {"tokens": "tokens.safetensors", **run["data"]}
+    return TrainConfig.from_dict({"model": model, "data": data, "parallel": run["parallel"]})
+
+
+# (model, cluster, workload): training plans that recommend pp = 1, pipelines, uneven splits,
+# interleaved and gpipe when asked, tied embeddings, tp > 1 with pp > 1
+TRAINING_PLANS = [
+    ("llama-3-8b", cluster_preset("dgx-h100"), TRAIN),
+    ("llama-3-8b", cluster_preset("dgx-h100"), TrainingWorkload(global_batch=64, micro_batch=2, seq_len=1024)),
+    ("llama-3-70b", cluster_preset("dgx-h100", nodes=2), TrainingWorkload(global_batch=64, recompute=True)),
+    ("mistral-7b", cluster_preset("pcie-8x-rtx4090"), TrainingWorkload(global_batch=32, seq_len=1024, recompute=True)),
+    ("debug", _small(6, 0.06), TrainingWorkload(global_batch=24, seq_len=256, precision="fp32")),
+    ("debug", _small(4, 1.0), TrainingWorkload(global_batch=16, seq_len=256, schedule="interleaved")),
+    ("debug", _small(4, 1.0), TrainingWorkload(global_batch=8, seq_len=256, schedule="gpipe")),
+    ("gpt3-175b", cluster_preset("dgx-a100-80gb", nodes=8), TrainingWorkload(global_batch=64, recompute=True)),
+]
+
+
+@pytest.mark.parametrize(("model", "cluster", "wl"), TRAINING_PLANS, ids=lambda x: getattr(x, "name", str(x))[:24])
+def test_every_training_layout_is_one_shardwise_train_accepts(model, cluster, wl):
+    rec = _rec(model, cluster, wl)
+    cfg = rec.cfg
+    d = json.loads(json.dumps(to_json(rec)))
+    assert rec.candidates and all(c.runnable for c in rec.candidates)
+    for c, cj in zip(rec.candidates, d["layouts"], strict=True):
+        lay, s = c.layout, c.schedule
+        tc = _train_config(cfg, cj)  # raises ConfigError for anything the runtime refuses
+        par = tc.parallel
+        assert cj["layout"] == lay.arg() == par.layout() == ParallelSection(tp=lay.tp, pp=lay.pp, dp=lay.dp).layout()
+        assert par.world_size == cluster.devices
+        check_tp(cfg, lay.tp)  # the sharding plan splits the model at this tp
+        assert tc.data.grad_accum(lay.dp) == c.microbatches == cj["microbatches"]
+        assert tc.data.micro_batch_size == wl.micro_batch
+        stages = tc.check_stages(cfg.num_layers)  # the runtime's layer split
+        if lay.pp == 1:
+            assert s is None and cj["schedule"] is None and cj["pp_layers"] is None
+            continue
+        assert s.name == par.schedule == cj["schedule"] and s.name in SCHEDULE_NAMES
+        assert wl.schedule in (None, s.name)
+        assert stages.layers == s.layers and cj["pp_layers"] == list(s.layers)
+        assert s.virtual_stages == par.virtual_stages and lay.pp <= cfg.num_layers
+        if s.name == "interleaved":
+            assert c.microbatches % lay.pp == 0
+    if rec.recommended is not None:
+        r = rec.recommended
+        assert d["layout"] == r.layout.arg() and d["microbatches"] == r.microbatches
+        assert d["schedule"] == (r.schedule.name if r.schedule else None)
+        assert f"--layout {r.layout.arg()}" in rec.command and f"--microbatches {r.microbatches}" in rec.command
+        assert ("--schedule" in rec.command) == (r.layout.pp > 1)
+        assert rec.command in render_text(rec)
+
+
+def test_the_plans_above_cover_pipelines_splits_and_schedules():
+    recs = [_rec(m, c, w) for m, c, w in TRAINING_PLANS]
+    picked = [r.recommended for r in recs if r.recommended is not None]
+    assert any(r.layout.pp > 1 for r in picked) and any(r.layout.pp == 1 for r in picked)
+    assert any(r.layout.pp > 1 and r.layout.tp > 1 for r in picked)
+    shown = [c for r in recs for c in r.candidates]
+    assert any(len(set(c.schedule.layers)) > 1 for c in shown if c.schedule)  # an uneven split
+    assert {c.schedule.name for c in shown if c.schedule} == set(SCHEDULE_NAMES)
+    assert set(SCHEDULES) == set(SCHEDULE_NAMES)
+    assert any(r.cfg.tie_embeddings and r.recommended.layout.pp > 1 for r in recs if r.recommended)
+
+
+def test_interleaved_needs_m_a_multiple_of_pp_and_two_layers_per_rank():
+    # debug: 4 layers; interleaved runs 2 chunks per rank, so pp=4 would need 8 layers
+    rec = _rec("debug", _small(4, 1.0), TrainingWorkload(global_batch=12, seq_len=64, schedule="interleaved"))
+    assert {c.layout.pp for c in rec.candidates} == {1, 2}
+    assert any(
+        "tp=1 pp=4 dp=1: pp=4 x virtual_stages=2 = 8 stages is more than the model's 4 layers" in s for s in rec.skipped
+    ), rec.skipped
+    # m = 3 micro-batches cannot go through 2 stages in groups of 2; 1F1B takes them
+    odd = _rec("debug", _small(2, 1.0), TrainingWorkload(global_batch=3, seq_len=64, schedule="interleaved"))
+    assert {str(c.layout) for c in odd.candidates} == {"tp=2 pp=1 dp=1"}
+    assert any("tp=1 pp=2 dp=1: interleaved 1F1B needs microbatches to be a multiple of pp=2" in s for s in odd.skipped)
+    free = _rec("debug", _small(2, 1.0), TrainingWorkload(global_batch=3, seq_len=64))
+    (pipe,) = [c for c in free.candidates if c.layout.pp == 2]
+    assert pipe.schedule.name in ("1f1b", "gpipe") and pipe.microbatches == 3
+    with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b, interleaved"):
+        TrainingWorkload(schedule="zb")
+
+
+def test_inference_pipelines_stay_not_runnable():
+    rec = _rec("llama-3-70b", cluster_preset("dgx-a100-80gb"), InferenceWorkload(batch=8))
+    assert rec.recommended.layout == rec.recommended.layout.__class__(2, 1, 4) and rec.pipeline is None
+    pipes = [c for c in rec.candidates if c.layout.pp > 1]
+    assert pipes and all(not c.runnable and c.why_not == NOT_RUNNABLE for c in pipes)
+    assert all(c.runnable for c in rec.candidates if c.layout.pp == 1)
+    assert all(c.schedule is None and c.microbatches is None for c in rec.candidates)
+    assert rec.command is None
     text = render_text(rec, top=len(rec.candidates))
-    table = text.split("\ncommunication per")[0]
-    rows = [line for line in table.splitlines() if line[2:5] == "tp="]
-    assert len(rows) == len(rec.candidates)
-    assert rows[0].startswith(f"> {r.layout}")
+    rows = [line for line in text.split("\ncommunication per")[0].splitlines() if line[2:5] == "tp="]
     for c in rec.candidates:
         (row,) = [line for line in rows if line[2:].startswith(str(c.layout) + " ")]
         assert (f"({NOT_RUNNABLE})" in row) == (c.layout.pp > 1), row
     d = json.loads(json.dumps(to_json(rec)))
-    assert d["recommended"]["layout"]["pp"] == 1 and d["recommended"]["runnable"] is True
-    assert d["pipeline"]["layout"] == {"tp": p.layout.tp, "pp": p.layout.pp, "dp": p.layout.dp}
-    assert {x["runnable"] for x in d["layouts"]} == {True, False}
-    assert all(x["runnable"] == (x["layout"]["pp"] == 1) for x in d["layouts"])
+    assert all(x["runnable"] == (x["pp"] == 1) for x in d["layouts"])
+    assert d["layout"] == "tp=2,pp=1,dp=4" and d["schedule"] is None and d["command"] is None
 
 
-def test_no_pipeline_note_when_a_runnable_layout_wins():
-    rec = _rec("llama-3-70b", cluster_preset("dgx-a100-80gb"), InferenceWorkload(batch=8))
-    assert rec.recommended.layout.tp == 2 and rec.pipeline is None
-    assert any(c.layout.pp > 1 for c in rec.candidates)  # shown all the same
-    assert not any(NOT_RUNNABLE in w for w in rec.warnings)
-    assert to_json(rec)["pipeline"] is None
+def test_an_inference_pipeline_that_would_win_is_named_but_not_recommended():
+    # 70B needs 2 devices; over a link with 2 ms all-reduces tp=2 decodes slower than 2 stages
+    slow = customize(cluster_preset("dgx-a100-80gb"), intra_latency_us=2000)
+    rec = _rec("llama-3-70b", slow, InferenceWorkload(batch=8))
+    r, p = rec.recommended, rec.pipeline
+    assert r.runnable and r.layout.pp == 1 and r.fits
+    assert not p.runnable and p.layout.pp > 1 and p.fits
+    warning = [w for w in rec.warnings if w.startswith(f"{p.layout} would be recommended")]
+    assert len(warning) == 1 and NOT_RUNNABLE in warning[0] and f"{r.layout} is the best" in warning[0]
+    assert to_json(rec)["pipeline"]["layout"] == p.layout.arg()
 
 
-def test_every_preset_recommendation_is_runnable():
-    for model, cluster, wl in (
-        ("llama-3-70b", "pcie-8x-rtx4090", InferenceWorkload()),
-        ("llama-3-8b", "dgx-h100", TRAIN),
-        ("mistral-7b", "dgx-a100-80gb", InferenceWorkload(batch=32, prompt_len=4096)),
-        ("llama-3-70b", "dgx-h100", TrainingWorkload(global_batch=64, recompute=True)),
-    ):
-        rec = _rec(model, cluster_preset(cluster), wl)
-        assert rec.recommended is None or rec.recommended.layout.pp == 1, (model, cluster)
-
-
-def test_fitting_runnable_layouts_rank_before_fitting_pipelines():
-    ranked, _ = evaluate(model_preset("llama-3-8b"), TRAIN, cluster_preset("dgx-h100"))
+def test_fitting_runnable_inference_layouts_rank_before_fitting_pipelines():
+    ranked, _ = evaluate(model_preset("llama-3-70b"), InferenceWorkload(batch=8), cluster_preset("dgx-a100-80gb"))
     fitting = [c.runnable for c in ranked if c.fits]
     assert fitting == sorted(fitting, reverse=True) and True in fitting and False in fitting
     assert [c.fits for c in ranked] == sorted((c.fits for c in ranked), reverse=True)
 
 
-def test_only_a_pipeline_fits():
+def test_only_an_inference_pipeline_fits():
     # one device per node and tp across nodes not allowed: only tp=1, and 8B needs two stages
     one_per_node = Cluster(
         "singles", Device("gpu", 12, {"bfloat16": 100}, 1000), 4, 1, Link("nvlink", 200, 5), Link("ib", 100, 5)
@@ -84,8 +175,12 @@ def test_only_a_pipeline_fits():
     rec = _rec("llama-3-8b", one_per_node, InferenceWorkload())
     assert rec.recommended is None and rec.pipeline.layout.pp == 2
     assert rec.nothing_fits.startswith("nothing fits on 4 x gpu without a pipeline: the smallest footprint, tp=1 pp=1")
-    assert rec.alternatives[0] == f"a pipeline, once shardwise runs one ({NOT_RUNNABLE}): {rec.pipeline.layout}"
+    assert rec.alternatives[0] == f"a pipeline, once inference runs one ({NOT_RUNNABLE}): {rec.pipeline.layout}"
     nodes = [a for a in rec.alternatives if " nodes (" in a]
     assert nodes == [] or nodes[0].endswith(f"({NOT_RUNNABLE})"), nodes
     text = render_text(rec)
     assert "Nothing fits on 4 x gpu without a pipeline" in text and NOT_RUNNABLE in text
+    # training the same model there runs the pipeline
+    train = _rec("llama-3-8b", one_per_node, TrainingWorkload(global_batch=8, seq_len=512, recompute=True))
+    assert train.pipeline is None
+    assert train.recommended is None or train.recommended.layout.pp > 1

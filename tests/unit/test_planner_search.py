@@ -83,7 +83,7 @@ def test_warns_when_tp_crosses_a_node_boundary():
     r = p.recommended
     assert r.cross_node_tp and r.layout.tp == 2
     assert any("crosses a node boundary" in w for w in p.warnings)
-    # not allowed: the cost model picks a pipeline instead, which shardwise cannot run yet
+    # not allowed: the cost model picks a pipeline instead, which inference cannot run yet
     no_cross = plan("llama-3-8b", two)
     assert no_cross.pipeline.layout.pp == 2 and no_cross.recommended is None
     assert "without a pipeline" in no_cross.nothing_fits
@@ -106,18 +106,16 @@ def test_nothing_fits_says_by_how_much_and_what_would():
 def test_training_plan_uses_every_device_and_explains():
     wl = TrainingWorkload(global_batch=256, micro_batch=2, seq_len=2048, recompute=True)
     p = plan("llama-3-70b", cluster_preset("dgx-h100", nodes=4), wl)
-    r = p.pipeline  # only a pipeline fits: the cost model's pick, not runnable by shardwise yet
-    assert p.recommended is None and r.layout.pp > 1
+    r = p.recommended  # only a pipeline fits: training runs it
+    assert p.pipeline is None and r.layout.pp > 1 and r.runnable
     assert r.layout.tp * r.layout.pp * r.layout.dp == 32 and r.fits
     assert all(c.layout.tp * c.layout.pp * c.layout.dp == 32 for c in p.candidates)
     assert 0 < r.training.mfu < 1 and r.training.micro_batches == 256 // (2 * r.layout.dp)
     assert any("does not divide" in s or "not a multiple" in s for s in p.skipped)
-    d = to_json(p)
-    assert json.loads(json.dumps(d))["pipeline"]["layout"] == {
-        "tp": r.layout.tp,
-        "pp": r.layout.pp,
-        "dp": r.layout.dp,
-    }
+    assert any(line.startswith(f"Pipeline: {r.schedule.name} schedule, m={r.microbatches}") for line in p.explanation)
+    d = json.loads(json.dumps(to_json(p)))
+    assert d["recommended"]["layout"] == d["layout"] == f"tp={r.layout.tp},pp={r.layout.pp},dp={r.layout.dp}"
+    assert d["recommended"]["pp_layers"] == list(r.schedule.layers) and sum(r.schedule.layers) == 80
 
 
 @pytest.mark.parametrize(
@@ -194,3 +192,16 @@ def test_text_and_plot(tmp_path):
     out = tmp_path / "p.png"
     plot(p, str(out))
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_calibration_carries_the_training_terms():
+    from shardwise.bench.calibrate import VERSION
+
+    measured = dict(train_efficiency=0.8, train_layer_overhead_us=500.0, train_step_overhead_us=400.0,
+                    busy_train=0.9, optimizer_gbps=6.0)  # fmt: skip
+    cal = Calibration(**{**FAKE.__dict__, **measured})
+    d = cal.cluster("gloo").device
+    assert {k: getattr(d, k) for k in measured} == measured
+    assert Calibration.from_json(cal.to_json()).cluster().device == d
+    assert VERSION >= 3  # files without the training terms (version 2) are measured again
+    assert FAKE.cluster().device.train_layer_overhead_us is None  # not measured: the decode overheads

@@ -6,6 +6,7 @@ activation formula against the bytes autograd really keeps."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -224,3 +225,11 @@ def test_the_planner_takes_both_options():
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "recomputation selective, sequence parallel" in out.stdout
+    # with a pipeline schedule too: the line that runs the recommendation (tp=2) carries both options
+    args = ("plan", "--model", "llama-3-8b", "--cluster", "dgx-h100", "--train", "--global-batch", "64", "--schedule",
+            "gpipe", "--sequence-parallel", "--recompute", "selective")  # fmt: skip
+    rec = json.loads(run_cli_inline(*args, "--json").stdout)["recommended"]
+    assert rec["tp"] == 2 and rec["train_config"]["parallel"]["sequence_parallel"] is True
+    assert rec["train_config"]["run"] == {"recompute": "selective"}
+    (line,) = [x for x in run_cli_inline(*args).stdout.splitlines() if x.startswith("  shardwise train ")]
+    assert line.endswith(f"--layout {rec['layout']} --microbatches 16 --sequence-parallel --recompute selective")

@@ -10,6 +10,11 @@ starts ranks). Measured (shardwise.bench.measure):
   bandwidth (one row through 384 MiB of them) and the fixed time per layer and per
   forward (a tiny model's decode step), on one core alone, then on every core at once
   (what a core keeps of its rates while the others work: busy_compute, busy_memory);
+- a training forward and backward on one core: its fixed time per layer and per
+  micro-step (a tiny model) and the share of the matmul FLOP/s it reaches (two layers
+  of hidden 1024, 256 tokens): train_efficiency, for the planner's training steps; the
+  same on every core at once (busy_train); and the bytes/s of an AdamW update of those
+  weights (optimizer_gbps);
 - all-reduce latency and bus bandwidth over 2 ranks for every available backend
   (shardwise.bench.comm.measure_all_reduce), fitted to time = latency + n / busbw; and
   what a small all-reduce costs more inside a step, after a burst of compute, for bursts
@@ -48,7 +53,7 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 2
+VERSION = 3
 """Bumped when the measurements change meaning: a cache of another version is measured again."""
 
 
@@ -69,6 +74,17 @@ class Calibration:
     busy_compute: float = 1.0
     busy_memory: float = 1.0
     """A core's FLOP/s and bandwidth while every core works, as a fraction of its rates alone."""
+    train_efficiency: float = 1.0
+    train_layer_overhead_us: float | None = None
+    train_step_overhead_us: float | None = None
+    """A training forward and backward on one core: the share of the matmul FLOP/s it reaches,
+    and its fixed time per layer and per micro-step (measure._training_probe; version 3)."""
+    busy_train: float | None = None
+    """A core's speed at that training micro-step while every core runs it, as a fraction of
+    its speed alone (None: as busy_compute)."""
+    optimizer_gbps: float | None = None
+    """Bytes/s of PyTorch's AdamW update on one core, counting one read and one write of the
+    weights, gradients and moments (it makes several passes; None: mem_gbps)."""
     links: dict[str, dict] = field(default_factory=dict)
     """backend -> {"latency_us", "busbw_gbps", "points": [{"size_bytes", "latency_us"}, ...],
     "after_compute": [{"burst_us", "extra_us"}, ...]}: all-reduces of idle ranks, and what a
@@ -107,6 +123,11 @@ class Calibration:
             reserved_gib=min(2.0, self.memory_gib / 4),
             busy_compute=self.busy_compute,
             busy_memory=self.busy_memory,
+            train_efficiency=self.train_efficiency,
+            train_layer_overhead_us=self.train_layer_overhead_us,
+            train_step_overhead_us=self.train_step_overhead_us,
+            busy_train=self.busy_train,
+            optimizer_gbps=self.optimizer_gbps,
         )
         return Cluster(
             name="this-host",
@@ -259,13 +280,13 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
 
     log("calibrating: matmul and memory probes on one core")
     quiet()
-    alone = launch(probe_rank, 1, args=({"repeats": repeats},))[0]
+    alone = launch(probe_rank, 1, args=({"repeats": repeats, "training": True},))[0]
     busy = alone
     if devices > 1:
         log(f"calibrating: the same on {devices} cores at once")
         quiet()
-        per_rank = launch(probe_rank, devices, args=({"repeats": repeats},))
-        busy = {k: statistics.median(r[k] for r in per_rank) for k in ("mem_gbps",)}
+        per_rank = launch(probe_rank, devices, args=({"repeats": repeats, "training": True},))
+        busy = {k: statistics.median(r[k] for r in per_rank) for k in ("mem_gbps", "train_s")}
         busy["gemm_tflops"] = {"float32": statistics.median(r["gemm_tflops"]["float32"] for r in per_rank)}
     flops = alone["gemm_tflops"]["float32"] * 1e12
     links, unavailable = _measure_links(devices, backends or ["gloo", "mpi"], 10 * repeats, 3, log, quiet, flops)
@@ -280,6 +301,11 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
         step_overhead_us=alone["step_overhead_us"],
         busy_compute=min(1.0, busy["gemm_tflops"]["float32"] / alone["gemm_tflops"]["float32"]),
         busy_memory=min(1.0, busy["mem_gbps"] / alone["mem_gbps"]),
+        train_efficiency=alone["train_efficiency"],
+        train_layer_overhead_us=alone["train_layer_overhead_us"],
+        train_step_overhead_us=alone["train_step_overhead_us"],
+        busy_train=min(1.0, alone["train_s"] / busy.get("train_s", alone["train_s"])),
+        optimizer_gbps=alone["optimizer_gbps"],
         links=links,
         unavailable=unavailable,
         created=time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -7,7 +7,11 @@
 Every input is checked before anything is computed; an unknown preset or inconsistent
 numbers exit with status 2 and one line naming them. When nothing fits, the layouts and
 by how much they miss are printed, with what would fit instead, and the status is 2.
-Layouts with pp > 1 are shown but never recommended (shardwise cannot run a pipeline yet).
+Training plans may recommend a pipeline (pp > 1): the answer names its schedule, micro-batch
+count and layer split, and prints the `shardwise train --layout ... --schedule ...
+--microbatches ...` line that runs it (JSON: "layout", "schedule", "microbatches",
+"command"). Inference layouts with pp > 1 are shown but never recommended (inference does
+not run a pipeline yet).
 
 `--cluster this-host` is measured, not a preset: the measuring is shardwise.bench.calibrate
 (cached); this command hands its Cluster to the planner.
@@ -70,6 +74,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument(
         "--sequence-parallel", action="store_true", help="sequence parallelism: activations between matmuls / tp"
     )
+    t.add_argument(
+        "--schedule",
+        choices=["gpipe", "1f1b", "interleaved"],
+        help="pipeline schedule (default: the fastest that fits)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--no-flash-attention", action="store_true", help="count the s x s attention scores in memory")
     o.add_argument("--headroom", type=float, default=0.1, help="fraction of usable memory to keep free (default 0.1)")
@@ -121,7 +130,7 @@ def _build(args):
         wl = TrainingWorkload(
             global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len,
             optimizer=args.optimizer, precision=args.precision, recompute=args.recompute, flash_attention=flash,
-            sequence_parallel=args.sequence_parallel,
+            sequence_parallel=args.sequence_parallel, schedule=args.schedule,
         )  # fmt: skip
     else:
         wl = InferenceWorkload(

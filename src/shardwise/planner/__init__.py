@@ -5,18 +5,22 @@
                     cluster_preset("dgx-a100-80gb"))
     rec.recommended.layout         # Layout(tp=2, pp=1, dp=4)
 
-specs (typed inputs) -> presets (data) -> footprint, cost (formulas) -> predict (one layout)
--> search (every layout, ranked) -> explain (words) -> recommend (the answer) -> report
-(text, JSON, plot). The `this-host` cluster is measured by shardwise.bench.calibrate, which
-builds a specs.Cluster; the planner never imports bench.
+specs (typed inputs) -> presets (data) -> footprint, cost (formulas), schedule (the pipeline:
+schedule, m, layer split, simulated) -> predict (one layout) -> search (every layout, ranked)
+-> explain (words) -> recommend (the answer) -> report (text, JSON, plot). The `this-host`
+cluster is measured by shardwise.bench.calibrate, which builds a specs.Cluster; the planner
+never imports bench.
 
-Layouts with pp > 1 are predicted and shown but never recommended: shardwise cannot run
-pipeline parallelism yet (search.NOT_RUNNABLE; Recommendation.pipeline says when one would win).
+Training layouts with pp > 1 are recommended like any other, with the schedule, m and layer
+split `shardwise train` runs (Recommendation.command). Inference layouts with pp > 1 are
+predicted and shown but never recommended: inference does not run pipelines yet
+(search.NOT_RUNNABLE; Recommendation.pipeline says when one would win).
 """
 
 from shardwise.planner.predict import Layout
 from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, customize, model_preset
 from shardwise.planner.recommend import Recommendation, recommend
+from shardwise.planner.schedule import PipelineSchedule
 from shardwise.planner.search import NOT_RUNNABLE, Candidate, evaluate
 from shardwise.planner.specs import Cluster, Device, InferenceWorkload, Link, PlannerError, TrainingWorkload
 
@@ -26,6 +30,7 @@ __all__ = [
     "Recommendation",
     "Candidate",
     "Layout",
+    "PipelineSchedule",
     "NOT_RUNNABLE",
     "model_preset",
     "cluster_preset",

@@ -1,4 +1,4 @@
-"""The cost model's formulas: FLOPs, collectives, pipeline bubble. Sources in docs/planner-validation.md.
+"""The cost model's formulas: FLOPs, collectives, the pipeline's bubble, messages and activations held. Sources in docs/planner-validation.md.
 
 FLOPs count a multiply-add as 2. Attention counts the full context for every query (as
 Megatron-LM does, and as shardwise's masked attention computes it).
@@ -21,6 +21,10 @@ __all__ = [
     "training_flops_per_token",
     "megatron_flops_per_iteration",
     "pipeline_bubble_fraction",
+    "interleaved_bubble_fraction",
+    "pipeline_in_flight",
+    "p2p_messages_per_step",
+    "p2p_bytes_per_message",
     "tp_forward_collectives",
     "tp_backward_collectives",
 ]
@@ -86,6 +90,32 @@ def megatron_flops_per_iteration(B: int, s: int, l: int, h: int, V: int, *, reco
 def pipeline_bubble_fraction(pp: int, micro_batches: int) -> float:
     """Idle fraction of a GPipe / 1F1B pipeline step: (p - 1) / (m + p - 1)."""
     return (pp - 1) / (micro_batches + pp - 1)
+
+
+def interleaved_bubble_fraction(pp: int, micro_batches: int, virtual_stages: int) -> float:
+    """Idle fraction of interleaved 1F1B with v chunks per rank, m a multiple of p, when a
+    forward and a backward cost the same: (p - 1) / (v m + p - 1) (Narayanan et al. 2021:
+    bubble / ideal time = (p - 1) / (v m)). With a backward twice a forward, as in training,
+    this runtime's interleaved orders idle more: the planner simulates them instead."""
+    return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
+
+
+def pipeline_in_flight(schedule: str, pp: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at most: GPipe all m; 1F1B
+    min(p - s, m) (Narayanan et al. 2021)."""
+    return micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
+
+
+def p2p_messages_per_step(pp: int, micro_batches: int, virtual_stages: int = 1) -> int:
+    """Stage-to-stage messages of one step: every micro-batch's activation forward and its
+    gradient backward across each of the p v - 1 boundaries between (virtual) stages:
+    2 m (p v - 1); 2 m (p - 1) without interleaving."""
+    return 2 * micro_batches * (pp * virtual_stages - 1)
+
+
+def p2p_bytes_per_message(micro_batch: int, seq: int, hidden: int, width: int) -> int:
+    """One stage-boundary tensor: (micro_batch, seq, hidden) values of `width` bytes."""
+    return micro_batch * seq * hidden * width
 
 
 def tp_forward_collectives(

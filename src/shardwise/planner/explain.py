@@ -1,6 +1,6 @@
-"""The recommendation in plain words: why this layout, when tensor parallelism does not
-pay, when a pipeline would win (shardwise cannot run one yet), and, when nothing fits, by
-how much and what would fit instead.
+"""The recommendation in plain words: why this layout, which pipeline schedule it assumes,
+when tensor parallelism does not pay, when a pipeline would win for inference (which does
+not run one yet), and, when nothing fits, by how much and what would fit instead.
 
 `rec` below is a recommend.Recommendation (read only: this module comes before it)."""
 
@@ -12,7 +12,7 @@ from shardwise.planner.footprint import kv_bytes_per_token, stage_params
 from shardwise.planner.search import NOT_RUNNABLE, evaluate
 from shardwise.planner.specs import DTYPE_BYTES, GIB, InferenceWorkload, PlannerError, TrainingWorkload
 
-__all__ = ["explain", "diagnose", "PAYOFF"]
+__all__ = ["explain", "diagnose", "pipeline_line", "PAYOFF"]
 
 PAYOFF = 1.1
 """tp > 1 pays off when it is at least this much faster than tp = 1."""
@@ -37,11 +37,11 @@ def explain(rec) -> tuple[list[str], list[str]]:
     usable = f"{_gib(mem.budget)} usable per {dev.name}"
     one = [c for c in rec.candidates if c.layout.replica == 1]
     if isinstance(rec.workload, TrainingWorkload):
-        need = f"at tp=1 pp=1 a device would hold {_gib(one[0].memory.total)}; " if one and lay.tp > 1 else ""
+        need = f"at tp=1 pp=1 a device would hold {_gib(one[0].memory.total)}; " if one and lay.replica > 1 else ""
         why.append(
             f"Weights, gradients, optimizer state and activations: {need}the smallest tp that fits with "
-            f"{rec.headroom:.0%} headroom without a pipeline is tp={lay.tp}, at {lay} ({_gib(mem.total)} of {usable}, "
-            f"{_gib(mem.free)} free)."
+            f"{rec.headroom:.0%} headroom is tp={lay.tp}, at {lay} ({_gib(mem.total)} of {usable} on its busiest "
+            f"{'stage' if lay.pp > 1 else 'device'}, {_gib(mem.free)} free)."
         )
     elif lay.replica == 1:
         why.append(
@@ -81,6 +81,21 @@ def _pipeline_would_win(rec) -> str:
     return (
         f"{p.layout} would be recommended ({better}), but {NOT_RUNNABLE}; "
         f"{r.layout} is the best layout without a pipeline."
+    )
+
+
+def pipeline_line(c) -> str:
+    """The schedule, m, layer split, bubble and stage-to-stage traffic a training layout assumes."""
+    t, s = c.training, c.schedule
+    sends = [x for x in t.collectives if x.key() == "send/pp"]
+    each = sends[0].seconds / sends[0].calls if sends and sends[0].calls else 0.0
+    chunks = f" ({s.virtual_stages} chunks per rank)" if s.virtual_stages > 1 else ""
+    return (
+        f"Pipeline: {s.name} schedule{chunks}, m={t.micro_batches} micro-batches per step, the runtime's default "
+        f"layer split ({s.describe()}). Bubble {t.step.bubble_s / t.step.total_s:.0%} of the step "
+        f"(the schedule idles {t.bubble_fraction:.1%} with free transfers); {s.profile().messages:.0f} "
+        f"stage-to-stage messages per step, the busiest rank sending or receiving {sends[0].calls if sends else 0} "
+        f"of them at {_ms(each)} each."
     )
 
 
@@ -144,6 +159,8 @@ def _training(rec, why: list[str], warn: list[str]) -> None:
         f"{s.comm_s / s.total_s:.0%} communication, {s.bubble_s / s.total_s:.0%} pipeline bubble with "
         f"{t.micro_batches} micro-batches), {t.tokens_per_s:.4g} tokens/s, MFU {t.mfu:.0%}."
     )
+    if r.schedule is not None:
+        why.append(pipeline_line(r))
     fastest = min((c for c in rec.candidates if c.fits and c.runnable), key=lambda c: c.time_s)
     if fastest is not r and r.time_s / fastest.time_s >= 1.05:
         why.append(
@@ -186,7 +203,11 @@ def diagnose(rec, allow_cross: bool) -> tuple[str, list[str]]:
     )
 
     def first_fit(wl2, cl2, *, pipeline: bool = False):
-        """The best fitting layout of wl2 on cl2 (one with pp > 1 only if `pipeline`), or None."""
+        """The best fitting layout of wl2 on cl2 (one with pp > 1 only if `pipeline`), or None.
+        Training: with 1F1B unless a schedule is asked for (it holds the fewest activations, so
+        what fits with any schedule fits with it; and it is the cheapest to simulate)."""
+        if isinstance(wl2, TrainingWorkload) and wl2.schedule is None:
+            wl2 = replace(wl2, schedule="1f1b")
         try:
             ranked, _ = evaluate(cfg, wl2, cl2, headroom=h, allow_cross_node_tp=allow_cross)
         except PlannerError:
@@ -195,7 +216,7 @@ def diagnose(rec, allow_cross: bool) -> tuple[str, list[str]]:
 
     alts = []
     if rec.pipeline is not None:
-        alts.append(f"a pipeline, once shardwise runs one ({NOT_RUNNABLE}): {rec.pipeline.layout}")
+        alts.append(f"a pipeline, once inference runs one ({NOT_RUNNABLE}): {rec.pipeline.layout}")
     if cl.inter is not None:
         for nodes in [*range(cl.nodes + 1, cl.nodes + 16), 32, 64, 128, 256]:
             c = first_fit(wl, replace(cl, devices=nodes * cl.devices_per_node), pipeline=True)

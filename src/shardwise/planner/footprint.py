@@ -17,6 +17,7 @@ from shardwise.planner.activations import layer_activation_bytes, recompute_mode
 
 __all__ = [
     "Footprint",
+    "StageLoad",
     "layer_params",
     "stage_params",
     "streamed_params",
@@ -26,6 +27,7 @@ __all__ = [
     "training_activation_bytes_per_layer",
     "inference_memory",
     "training_memory",
+    "one_f_one_b_loads",
 ]
 
 
@@ -74,15 +76,16 @@ def _vocab_rows(cfg: ModelConfig, tp: int) -> int:
     return padded_size(cfg.vocab_size, tp) // tp
 
 
-def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0) -> int:
-    """Parameters one rank of pipeline stage `stage` (of pp) holds at tensor-parallel size tp.
+def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0, *, layers: int | None = None) -> int:
+    """Parameters one rank of pipeline stage `stage` (of pp) holds at tensor-parallel size tp,
+    with `layers` decoder layers (default: num_layers / pp).
 
     The first stage holds the embedding (and learned positions), the last the final norm
     and the head; with tied embeddings and pp > 1 the last stage keeps its own copy
     (Megatron-LM), with pp = 1 the head is the embedding.
     """
     h, rows = cfg.hidden_size, _vocab_rows(cfg, tp)
-    n = cfg.num_layers // pp * layer_params(cfg, tp)[0]
+    n = (cfg.num_layers // pp if layers is None else layers) * layer_params(cfg, tp)[0]
     first, last = stage == 0, stage == pp - 1
     if first:
         n += rows * h + (cfg.max_positions * h if cfg.positions == "learned" else 0)
@@ -93,10 +96,10 @@ def stage_params(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0) -> int:
     return n
 
 
-def streamed_params(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0) -> int:
-    """Parameters a forward reads whole from memory: every layer's, and the head's (the
-    embedding is a lookup of a few rows)."""
-    n = cfg.num_layers // pp * layer_params(cfg, tp)[0]
+def streamed_params(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0, *, layers: int | None = None) -> int:
+    """Parameters a forward reads whole from memory: every layer's (`layers` of them, default
+    num_layers / pp), and the head's (the embedding is a lookup of a few rows)."""
+    n = (cfg.num_layers // pp if layers is None else layers) * layer_params(cfg, tp)[0]
     if stage == pp - 1:
         n += _norm_params(cfg, cfg.hidden_size) + _vocab_rows(cfg, tp) * cfg.hidden_size
     return n
@@ -154,14 +157,40 @@ def inference_memory(
     return Footprint(weights, kv, act, 0.0, 0.0, budget)
 
 
+@dataclass(frozen=True)
+class StageLoad:
+    """What one pipeline rank keeps while training: its layers and how many micro-batches'
+    activations it holds at most (the schedule's; see planner/schedule.py)."""
+
+    stage: int
+    """The pp rank (0: holds the embedding; pp - 1: the final norm and the head)."""
+    layers: int
+    """Decoder layers on this rank (all its chunks)."""
+    chunk_layers: int
+    """Layers of its largest chunk (= layers, unless interleaved)."""
+    in_flight: float
+    """Micro-batch x chunk activations held at once, at most: 1F1B min(p - s, m), GPipe m."""
+    head_in_flight: float
+    """Micro-batches whose fp32 logits it holds at once (0 unless it holds the head)."""
+
+
+def one_f_one_b_loads(cfg: ModelConfig, pp: int, micro_batches: int) -> list[StageLoad]:
+    """The loads of 1F1B with num_layers / pp layers per stage: stage s holds min(p - s, m)
+    micro-batches (Narayanan et al. 2021); the last stage one micro-batch's logits."""
+    layers = cfg.num_layers // pp
+    return [StageLoad(s, layers, layers, min(pp - s, micro_batches), 1 if s == pp - 1 else 0) for s in range(pp)]
+
+
 def training_memory(
     cfg: ModelConfig, tp: int, pp: int, *, micro_batches: int, micro_batch: int, seq: int, width: int,
     weight_bytes: int, grad_bytes: int, optimizer: str, master_bytes: int, recompute: str | bool, flash: bool,
-    budget: float, sequence_parallel: bool = False, stage: int | None = None,
+    budget: float, sequence_parallel: bool = False, loads: list[StageLoad] | None = None, stage: int | None = None,
 ) -> Footprint:  # fmt: skip
-    """The busier of the first stage (holds min(pp, m) micro-batches in flight under 1F1B,
-    Narayanan et al. 2021) and the last stage (one micro-batch, plus the loss's fp32
-    logits, shifted logits and exponentials), or pipeline stage `stage`'s.
+    """The busiest pipeline rank (or pipeline stage `stage`'s): weights, gradients and optimizer
+    state of its layers (and of the embedding on the first, the norm and head on the last), and
+    the activations of the micro-batches it holds (`loads`, default one_f_one_b_loads: stage k
+    holds up to min(p - k, m) micro-batches, Narayanan et al. 2021), each with its chunk's
+    layers, plus the loss's fp32 logits, shifted logits and exponentials of those the head holds.
 
     Activations per layer: training_activation_bytes_per_layer (recompute: "none",
     "selective" or "full"; sequence_parallel). While a layer is recomputed in backward it
@@ -171,14 +200,14 @@ def training_memory(
     kw = dict(width=width, flash=flash, sequence_parallel=sequence_parallel)
     per_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, recompute=recompute, **kw)
     full_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, recompute="none", **kw)
-    layers = cfg.num_layers // pp
     extra = 0.0 if recompute_mode(recompute) == "none" else full_layer - per_layer  # the layer being recomputed
     logits = 3 * 4.0 * seq * micro_batch * _vocab_rows(cfg, tp)
     out = []
-    for s in sorted({0, pp - 1}) if stage is None else [stage]:
-        in_flight = min(pp - s, micro_batches)  # 1F1B: stage k holds up to p - k micro-batches
-        act = per_layer * layers * in_flight + extra + (logits if s == pp - 1 else 0.0)
-        n = stage_params(cfg, tp, pp, s)
+    for ld in loads if loads is not None else one_f_one_b_loads(cfg, pp, micro_batches):
+        if stage is not None and ld.stage != stage:
+            continue
+        act = per_layer * ld.chunk_layers * ld.in_flight + extra + logits * ld.head_in_flight
+        n = stage_params(cfg, tp, pp, ld.stage, layers=ld.layers)
         opt = n * optimizer_bytes_per_param(optimizer, master_bytes)
         out.append(Footprint(n * weight_bytes, 0.0, act, n * grad_bytes, opt, budget))
     return max(out, key=lambda m: m.total)

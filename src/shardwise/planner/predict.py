@@ -1,7 +1,8 @@
 """Predicted time of one layout: inference (prefill, decode) and training (one step).
 
 Compute on a device is a roofline: max(FLOPs / achieved FLOP/s, bytes streamed / achieved
-memory bandwidth), plus a fixed overhead per layer and per forward. Collectives follow the
+memory bandwidth), plus a fixed overhead per layer and per forward (training: the FLOP/s a
+forward and backward reach, Device.train_efficiency, and their own fixed times, when measured). Collectives follow the
 alpha-beta model of their link (specs.Link), plus what the link measured a collective to
 cost more after the burst of compute that precedes it (specs.Link.extra_after_s; the burst
 is the compute of a pass divided among its collectives). Nothing overlaps: communication
@@ -12,18 +13,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.layers.partition import padded_size
 from shardwise.models.config import ModelConfig
 from shardwise.planner.cost import (
     Collective,
     attention_core_flops_per_token,
     head_flops_per_token,
     layer_flops_per_token,
-    pipeline_bubble_fraction,
+    p2p_bytes_per_message,
     tp_backward_collectives,
     tp_forward_collectives,
     training_flops_per_token,
 )
 from shardwise.planner.footprint import kv_bytes_per_token, optimizer_bytes_per_param, stage_params, streamed_params
+from shardwise.planner.schedule import PipelineSchedule
 from shardwise.planner.specs import Cluster, TrainingWorkload
 
 __all__ = [
@@ -51,6 +54,10 @@ class Layout:
 
     def __str__(self) -> str:
         return f"tp={self.tp} pp={self.pp} dp={self.dp}"
+
+    def arg(self) -> str:
+        """ "tp=2,pp=2,dp=1": what `shardwise train --layout` takes (ParallelSection.layout())."""
+        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
 
 
 @dataclass(frozen=True)
@@ -83,12 +90,23 @@ class InferencePrediction:
 class TrainingPrediction:
     step: Timing
     micro_batches: int
-    bubble_fraction: float
     tokens_per_s: float
     mfu: float
     """Model FLOPs (without recomputation) per second over the devices' dense peak."""
     collectives: list[Collective]
-    """Collectives of one step on one rank of the busiest stage."""
+    """Collectives of one step on one rank of the busiest stage (its sends and receives to the
+    neighbouring stages as send/pp)."""
+    schedule: PipelineSchedule | None = None
+    """The pipeline it assumes (schedule, m, layer split); None at pp = 1."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    """One micro-batch's forward and backward on the busiest rank (compute and tp collectives)."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The schedule's idle fraction of the pipeline part with free transfers (simulate's
+        `bubble`): (p - 1) / (m + p - 1) for GPipe and 1F1B; 0 at pp = 1."""
+        return 0.0 if self.schedule is None else self.schedule.bubble(self.forward_s, self.backward_s)
 
 
 def mean_burst_s(compute_s: float, calls: int) -> float:
@@ -170,55 +188,111 @@ def predict_inference(cfg: ModelConfig, cluster: Cluster, layout: Layout, *, bat
     return InferencePrediction(prefill, decode, request, layout.dp * batch / decode.total_s, colls, (pp - 1) / pp)
 
 
-def predict_training(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: TrainingWorkload) -> TrainingPrediction:
-    """One optimizer step: m micro-batches through a 1F1B pipeline, then the data-parallel
-    gradient all-reduce (not overlapped) and the optimizer update (memory-bound)."""
+def _micro_batch(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: TrainingWorkload, *, layers: int,
+                 first: bool, last: bool, stage: int, transfers: float) -> tuple[Timing, Timing, list[Collective]]:  # fmt: skip
+    """One micro-batch's (forward, backward) on one rank of a stage with `layers` layers: compute
+    and tensor-parallel collectives, the burst before each collective counting the stage's
+    `transfers` sends and receives per micro-batch too; and those collectives, timed."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     prec, dev = wl.prec, cluster.device
-    width, m = prec.weight_bytes, wl.global_batch // (wl.micro_batch * dp)
-    layers, tokens = cfg.num_layers // pp, wl.micro_batch * wl.seq_len
-    passes = 4 if wl.recompute == "full" else 3
-    busy = layout.tp * pp * dp > 1  # every device of the layout works at once
-    worst: tuple[float, float, float, list[Collective], int] | None = None
-    for stage in sorted({0, pp - 1}):
-        first, last = stage == 0, stage == pp - 1
-        flops = tokens * passes * layers * layer_flops_per_token(cfg, wl.seq_len, tp)
-        if wl.recompute == "selective":  # each attention core's forward once more
-            flops += tokens * layers * attention_core_flops_per_token(cfg, wl.seq_len, tp)
-        flops += tokens * 3 * head_flops_per_token(cfg, tp) if last else 0.0
-        nbytes = 3 * streamed_params(cfg, tp, pp, stage) * width
-        compute = max(flops / dev.flops(prec.compute, busy), nbytes / dev.bytes_per_s(busy))
-        compute += passes * (layers * dev.layer_overhead_us + dev.step_overhead_us) * 1e-6
-        kw = dict(batch=wl.micro_batch, tokens=wl.seq_len, width=width, layers=layers, last=last)
-        raw = [(c, tp, tp) for c in tp_forward_collectives(cfg, tp, first=first, logit_rows=0, **kw)]
-        raw += [
-            (c, tp, tp)
-            for c in tp_backward_collectives(
-                cfg, tp, recompute=wl.recompute == "full", sequence_parallel=wl.sequence_parallel, **kw
-            )
-        ]
-        if pp > 1:  # activations forward, their gradients backward
-            act = tokens * cfg.hidden_size * width
-            raw.append((Collective("send", "pp", 2, 2 * act), pp, tp * dp * pp))
-        burst = mean_burst_s(compute, sum(c.calls for c, _, _ in raw))
-        colls = [_timed(c, cluster, size, span, burst) for c, size, span in raw]
-        comm = sum(c.seconds for c in colls)
-        if worst is None or compute + comm > worst[0] + worst[1]:
-            worst = (compute, comm, 0.0, colls, stage)
-    compute, comm, _, colls, stage = worst
-    tau = compute + comm
+    width, tokens = prec.weight_bytes, wl.micro_batch * wl.seq_len
+    passes = 4 if wl.recompute == "full" else 3  # forward, backward = 2 forwards (+ 1 recomputed forward)
+    busy = tp * pp * dp > 1  # every device of the layout works at once
+    layer_flops = tokens * layers * layer_flops_per_token(cfg, wl.seq_len, tp)
+    head_flops = tokens * head_flops_per_token(cfg, tp) if last else 0.0
+    # selective recompute: each attention core's forward once more, in backward
+    redo = tokens * layers * attention_core_flops_per_token(cfg, wl.seq_len, tp) if wl.recompute == "selective" else 0.0
+    streamed = streamed_params(cfg, tp, pp, stage, layers=layers) * width
+    flops_s = dev.train_flops(prec.compute, busy)
+    if dev.train_layer_overhead_us is not None:  # measured for a forward and backward: 1/3 and 2/3 of it
+        overhead = (layers * dev.train_layer_overhead_us + (dev.train_step_overhead_us or 0.0)) * 1e-6 / 3
+    else:
+        overhead = (layers * dev.layer_overhead_us + dev.step_overhead_us) * 1e-6
+
+    def compute(forwards: int, heads: int, reads: int, extra: float = 0.0) -> float:
+        flops = forwards * layer_flops + heads * head_flops + extra
+        return max(flops / flops_s, reads * streamed / dev.bytes_per_s(busy)) + forwards * overhead
+
+    # gradient accumulation: every micro-batch after the first adds its gradients into .grad
+    # (reads both, writes the sum), a memory-bound pass over the stage's gradients
+    m = wl.global_batch // (wl.micro_batch * dp)
+    grads = stage_params(cfg, tp, pp, stage, layers=layers) * prec.grad_bytes
+    accumulate = 3 * grads / dev.bytes_per_s(busy) * (m - 1) / m
+    fwd_c, bwd_c = compute(1, 1, 1), compute(passes - 1, 2, 2, redo) + accumulate
+    kw = dict(batch=wl.micro_batch, tokens=wl.seq_len, width=width, layers=layers, last=last)
+    fwd = tp_forward_collectives(cfg, tp, first=first, logit_rows=0, **kw)
+    bwd = tp_backward_collectives(
+        cfg, tp, recompute=wl.recompute == "full", sequence_parallel=wl.sequence_parallel, **kw
+    )
+    burst = mean_burst_s(fwd_c + bwd_c, sum(c.calls for c in fwd + bwd) + round(transfers))
+    fwd_t = [_timed(c, cluster, tp, tp, burst) for c in fwd]
+    bwd_t = [_timed(c, cluster, tp, tp, burst) for c in bwd]
+    f = Timing(fwd_c, sum(c.seconds for c in fwd_t))
+    b = Timing(bwd_c, sum(c.seconds for c in bwd_t))
+    return f, b, fwd_t + bwd_t
+
+
+def predict_training(
+    cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: TrainingWorkload, schedule: PipelineSchedule | None = None
+) -> TrainingPrediction:
+    """One optimizer step: m micro-batches through the pipeline (`schedule`; at pp > 1 the
+    default is 1F1B with the runtime's balanced layer split), then the data-parallel gradient
+    all-reduce (not overlapped), the tied embedding's all-reduce between the first and last
+    stage, and the optimizer update (memory-bound).
+
+    The pipeline part is the schedule's makespan (shardwise.pipeline.simulate, every action
+    timed as the busiest rank's forward or backward, each send/receive as one stage-to-stage
+    transfer of micro_batch x seq x hidden values on the link between stages); what it adds
+    beyond the busiest rank's own compute, collectives and transfers is the bubble."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    prec, dev = wl.prec, cluster.device
+    m = wl.global_batch // (wl.micro_batch * dp)
+    if pp > 1 and schedule is None:
+        schedule = PipelineSchedule.build("1f1b", cfg.num_layers, pp, m)
+    prof = schedule.profile() if schedule is not None else None
+    act_bytes = p2p_bytes_per_message(wl.micro_batch, wl.seq_len, cfg.hidden_size, prec.weight_bytes)
+    worst = None
+    for stage in range(pp):
+        layers = schedule.rank_layers(stage) if schedule is not None else cfg.num_layers
+        last = schedule.holds_head(stage) if schedule is not None else True
+        transfers = prof.transfers[stage] / m if prof is not None else 0.0  # per micro-batch
+        f, b, colls = _micro_batch(cfg, cluster, layout, wl, layers=layers, first=stage == 0, last=last,
+                                   stage=stage, transfers=transfers)  # fmt: skip
+        if worst is None or f.total_s + b.total_s > worst[0].total_s + worst[1].total_s:
+            worst = (f, b, colls, stage, layers)
+    f, b, colls, stage, layers = worst
     per_step = [Collective(c.op, c.group, c.calls * m, c.bytes * m, c.link, c.seconds * m) for c in colls]
-    n_params = stage_params(cfg, tp, pp, stage)
+    tau = f.total_s + b.total_s
+    pipeline_s = m * tau
+    if schedule is not None:
+        # the link between stages: neighbours are tp x dp ranks apart (ranks: tp fastest, then dp, then pp)
+        link = cluster.link_for(tp * dp * pp)
+        burst = mean_burst_s(
+            f.compute_s + b.compute_s, sum(c.calls for c in colls) // m + round(prof.transfers[stage] / m)
+        )
+        send_s = link.send_s(act_bytes) + link.extra_after_s(burst)
+        calls = round(prof.transfers[stage])
+        per_step.append(Collective("send", "pp", calls, calls * act_bytes, link.name, calls * send_s))
+        pipeline_s = schedule.makespan(f.total_s, b.total_s, send_s)
+        if cfg.tie_embeddings:  # the two copies' gradients summed (first and last stage)
+            tied = Collective("all_reduce", "embed", 1, padded_size(cfg.vocab_size, tp) // tp * cfg.hidden_size
+                              * prec.grad_bytes)  # fmt: skip
+            per_step.append(_timed(tied, cluster, 2, tp * dp * pp, f.compute_s + b.compute_s))
+    n_params = stage_params(cfg, tp, pp, stage, layers=layers)
     if dp > 1:  # after the last micro-batch's backward: all of it is the burst before
         grads = Collective("all_reduce", "dp", 1, n_params * prec.grad_bytes)
-        per_step.append(_timed(grads, cluster, dp, tp * dp, compute))
+        per_step.append(_timed(grads, cluster, dp, tp * dp, f.compute_s + b.compute_s))
     per_step = merge(per_step)
     state = prec.weight_bytes + prec.grad_bytes + optimizer_bytes_per_param(wl.optimizer, prec.master_bytes)
-    optimizer_s = 2 * n_params * state / dev.bytes_per_s(busy)  # read and write every byte once
+    optimizer_s = 2 * n_params * state / dev.optimizer_bytes_per_s(tp * pp * dp > 1)  # read and write every byte once
     comm_s = sum(c.seconds for c in per_step)
-    step = Timing(m * compute + optimizer_s, comm_s, (pp - 1) * tau)
+    compute_s = m * (f.compute_s + b.compute_s) + optimizer_s
+    own = m * (f.comm_s + b.comm_s) + sum(c.seconds for c in per_step if c.group == "pp")
+    step = Timing(compute_s, comm_s, max(0.0, pipeline_s - m * (f.compute_s + b.compute_s) - own))
     tokens_step = wl.global_batch * wl.seq_len
     model_flops = tokens_step * training_flops_per_token(cfg, wl.seq_len, recompute=False)
     peak = dev.peak_tflops.get(prec.compute, dev.peak_tflops.get("float32", 0.0)) * 1e12
-    mfu = model_flops / (step.total_s * layout.tp * pp * dp * peak) if peak else 0.0
-    return TrainingPrediction(step, m, pipeline_bubble_fraction(pp, m), tokens_step / step.total_s, mfu, per_step)
+    mfu = model_flops / (step.total_s * tp * pp * dp * peak) if peak else 0.0
+    return TrainingPrediction(
+        step, m, tokens_step / step.total_s, mfu, per_step, schedule, forward_s=f.total_s, backward_s=b.total_s
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from shardwise.planner.cost import Collective
+from shardwise.planner.cost import Collective, p2p_bytes_per_message
 from shardwise.planner.footprint import stage_params
 from shardwise.planner.recommend import Recommendation
 from shardwise.planner.search import NOT_RUNNABLE, Candidate, evaluate
@@ -55,6 +55,14 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f}" if s < 1 else f"{s * 1e3:.0f}"
 
 
+def _pipeline(c: Candidate) -> str:
+    """ "1f1b m=16" (training, pp > 1), "m=16" (training, pp = 1)."""
+    s = c.schedule
+    if s is None:
+        return f"m={c.microbatches}"
+    return f"{s.name}{f' v={s.virtual_stages}' if s.virtual_stages > 1 else ''} m={s.microbatches}"
+
+
 def render_text(rec: Recommendation, *, top: int = 12) -> str:
     cfg, wl = rec.cfg, rec.workload
     inf = isinstance(wl, InferenceWorkload)
@@ -81,7 +89,7 @@ def render_text(rec: Recommendation, *, top: int = 12) -> str:
     else:
         out.append(
             f"  {'layout':<18} {'fits':<4} {'weights':>8} {'grads':>7} {'optim':>7} {'act':>7} {'total':>7}"
-            f" {'free':>7} GiB/device | {'step ms = compute + comm + bubble':>38} | {'tokens/s':>9} | MFU"
+            f" {'free':>7} GiB/device | {'step ms = compute + comm + bubble':>38} | {'tokens/s':>9} | MFU | pipeline"
         )
     for c in shown:
         m = c.memory
@@ -102,7 +110,7 @@ def render_text(rec: Recommendation, *, top: int = 12) -> str:
             row += (
                 f" {m.grads / GIB:>7.2f} {m.optimizer / GIB:>7.2f} {m.activations / GIB:>7.2f} {m.total / GIB:>7.2f}"
                 f" {m.free / GIB:>7.2f}            | {_ms(s.total_s):>9} = {_ms(s.compute_s):>8} + {_ms(s.comm_s):>7}"
-                f" + {_ms(s.bubble_s):>7} | {t.tokens_per_s:>9.4g} | {t.mfu:.0%}"
+                f" + {_ms(s.bubble_s):>7} | {t.tokens_per_s:>9.4g} | {t.mfu:>3.0%} | {_pipeline(c)}"
             )
         out.append(
             row + ("  (tp crosses nodes)" if c.cross_node_tp else "") + ("" if c.runnable else f"  ({NOT_RUNNABLE})")
@@ -129,16 +137,48 @@ def render_text(rec: Recommendation, *, top: int = 12) -> str:
     out.append(f"recommended: {r.layout} (tp={r.layout.tp}{extra})")
     out += [f"  {line}" for line in rec.explanation]
     out += [f"warning: {w}" for w in rec.warnings]
+    if rec.command is not None:
+        out.append(
+            f"run it (CONFIG.toml with data.global_batch_size = {wl.global_batch}, data.seq_len = {wl.seq_len}):"
+        )
+        out.append(f"  {rec.command}")
     return "\n".join(out)
 
 
-def _cand_json(c: Candidate) -> dict:
+def _run_json(c: Candidate, wl) -> dict:
+    """How `shardwise train` runs a training candidate: the layout string, schedule, m, split,
+    and the [parallel] and [data] config fields that say the same."""
+    s = c.schedule
+    parallel = {"tp": c.layout.tp, "pp": c.layout.pp, "dp": c.layout.dp}
+    if s is not None:
+        parallel |= {"schedule": s.name, "virtual_stages": s.virtual_stages}
+    if wl.sequence_parallel and c.layout.tp > 1:
+        parallel["sequence_parallel"] = True
+    return {
+        "schedule": None if s is None else s.name,
+        "microbatches": c.microbatches,
+        "virtual_stages": 1 if s is None else s.virtual_stages,
+        "pp_layers": None if s is None else list(s.layers),
+        "stages": None if s is None else s.describe(),
+        "train_config": {
+            "parallel": parallel,
+            "data": {"global_batch_size": wl.global_batch, "seq_len": wl.seq_len, "microbatches": c.microbatches},
+        }
+        | ({"run": {"recompute": wl.recompute}} if wl.recompute != "none" else {}),
+    }
+
+
+def _cand_json(c: Candidate, cfg, wl) -> dict:
     m = c.memory
     d = {
-        "layout": asdict(c.layout),
+        "layout": c.layout.arg(),
+        "tp": c.layout.tp,
+        "pp": c.layout.pp,
+        "dp": c.layout.dp,
         "fits": c.fits,
         "cross_node_tp": c.cross_node_tp,
         "runnable": c.runnable,
+        "why_not": c.why_not,
         "memory_gib": {
             k: getattr(m, k) / GIB
             for k in ("weights", "kv_cache", "activations", "grads", "optimizer", "total", "free")
@@ -149,6 +189,7 @@ def _cand_json(c: Candidate) -> dict:
     d["collectives"] = [asdict(x) for x in pred.collectives]
     if c.inference is not None:
         p = c.inference
+        d |= {"schedule": None, "microbatches": None}
         d["inference"] = {
             "prefill_ms": {k: v * 1e3 for k, v in asdict(p.prefill).items()} | {"total": p.prefill.total_s * 1e3},
             "decode_ms_per_token": {k: v * 1e3 for k, v in asdict(p.decode).items()}
@@ -160,6 +201,7 @@ def _cand_json(c: Candidate) -> dict:
         }
     else:
         t = c.training
+        d |= _run_json(c, wl)
         d["training"] = {
             "step_ms": {k: v * 1e3 for k, v in asdict(t.step).items()} | {"total": t.step.total_s * 1e3},
             "micro_batches": t.micro_batches,
@@ -167,11 +209,18 @@ def _cand_json(c: Candidate) -> dict:
             "tokens_per_s": t.tokens_per_s,
             "mfu": t.mfu,
         }
+        if c.schedule is not None:
+            d["training"]["p2p"] = {
+                "messages_per_step": c.schedule.profile().messages,
+                "bytes_per_message": p2p_bytes_per_message(
+                    wl.micro_batch, wl.seq_len, cfg.hidden_size, wl.prec.weight_bytes
+                ),  # fmt: skip
+            }
     return d
 
 
 def to_json(rec: Recommendation) -> dict:
-    cfg, cl = rec.cfg, rec.cluster
+    cfg, cl, wl, r = rec.cfg, rec.cluster, rec.workload, rec.recommended
     return {
         "model": {
             "name": rec.model,
@@ -194,9 +243,14 @@ def to_json(rec: Recommendation) -> dict:
             "shared_memory": cl.shared_memory,
         },
         "headroom": rec.headroom,
-        "layouts": [_cand_json(c) for c in rec.candidates],
-        "recommended": None if rec.recommended is None else _cand_json(rec.recommended),
-        "pipeline": None if rec.pipeline is None else _cand_json(rec.pipeline),
+        # the recommendation as `shardwise train` takes it (--layout, --schedule, --microbatches)
+        "layout": None if r is None else r.layout.arg(),
+        "schedule": None if r is None or r.schedule is None else r.schedule.name,
+        "microbatches": None if r is None else r.microbatches,
+        "command": rec.command,
+        "layouts": [_cand_json(c, cfg, wl) for c in rec.candidates],
+        "recommended": None if r is None else _cand_json(r, cfg, wl),
+        "pipeline": None if rec.pipeline is None else _cand_json(rec.pipeline, cfg, wl),
         "explanation": rec.explanation,
         "warnings": rec.warnings,
         "skipped": rec.skipped,

@@ -10,9 +10,14 @@ meets the latency target, if any), the fastest of those: with pp = 1 that is the
 tp that fits. Training: every layout uses all devices; best is the smallest tp that fits,
 with the best throughput among its layouts.
 
-NOTE: shardwise cannot run pipeline parallelism yet: the ranking (rank_key) puts the
-fitting layouts it can run (pp = 1) before the fitting ones it cannot, which are still
-predicted and shown, labelled NOT_RUNNABLE. recommend.py says when one of them would win.
+Training layouts are the ones `shardwise train` runs: tp a size the model splits into, pp
+at most the number of layers (the runtime's balanced split when pp does not divide them),
+m = global_batch / (micro_batch x dp) micro-batches, and for pp > 1 a schedule the runtime
+accepts for that m (schedule.schedule_options: the fastest that fits, or the one asked for).
+
+NOTE: shardwise runs pipelines for training only: an inference layout with pp > 1 is
+predicted and shown, labelled NOT_RUNNABLE, and ranked (rank_key) after the fitting layouts
+it can run; recommend.py says when one of them would win.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from shardwise.planner.predict import (
     predict_inference,
     predict_training,
 )
+from shardwise.planner.schedule import PipelineSchedule, schedule_options
 from shardwise.planner.specs import DTYPE_BYTES, GIB, Cluster, InferenceWorkload, PlannerError, TrainingWorkload
 from shardwise.sharding.plans import model_tp_sizes
 
@@ -35,9 +41,9 @@ __all__ = ["Candidate", "evaluate", "compute_dtype", "model_key", "NOT_RUNNABLE"
 
 Workload = InferenceWorkload | TrainingWorkload
 
-NOT_RUNNABLE = "pp>1: not runnable by shardwise yet"
-"""The label of a layout with a pipeline: predicted, but shardwise cannot run it until
-pipeline parallelism lands."""
+NOT_RUNNABLE = "pp>1: inference does not run pipelines yet"
+"""The label of an inference layout with a pipeline: predicted, but shardwise's engine and
+server run pp = 1 only (training runs pipelines)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class Candidate:
     inference: InferencePrediction | None = None
     training: TrainingPrediction | None = None
     meets_target: bool | None = None
+    why_not: str | None = None
+    """Why shardwise cannot run this layout (NOT_RUNNABLE), or None."""
 
     @property
     def time_s(self) -> float:
@@ -62,8 +70,18 @@ class Candidate:
 
     @property
     def runnable(self) -> bool:
-        """shardwise can run this layout today: no pipeline (pp = 1)."""
-        return self.layout.pp == 1
+        """shardwise can run this layout today: any training layout listed, inference at pp = 1."""
+        return self.why_not is None
+
+    @property
+    def schedule(self) -> PipelineSchedule | None:
+        """Training at pp > 1: the schedule, m and layer split the prediction assumes."""
+        return self.training.schedule if self.training is not None else None
+
+    @property
+    def microbatches(self) -> int | None:
+        """Training: micro-batches per step on each dp rank (m); None for inference."""
+        return self.training.micro_batches if self.training is not None else None
 
 
 def compute_dtype(cfg: ModelConfig, wl: Workload) -> str:
@@ -94,14 +112,19 @@ def _layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, allow_cross: bool
                 "per node); --allow-cross-node-tp to consider"
             )
         tps = [t for t in tps if t <= cluster.devices_per_node]
-    pps = [p for p in range(1, cfg.num_layers + 1) if cfg.num_layers % p == 0]
+    training = isinstance(wl, TrainingWorkload)
+    # pp divides the layers; training also takes any pp <= layers that divides the devices
+    # (the runtime splits the layers unevenly then: StageLayout.build)
+    pps = [
+        p for p in range(1, cfg.num_layers + 1) if cfg.num_layers % p == 0 or (training and cluster.devices % p == 0)
+    ]
     out = []
     for tp in tps:
         for pp in pps:
             if tp * pp > cluster.devices:
                 continue
             dp = cluster.devices // (tp * pp)
-            if isinstance(wl, TrainingWorkload):
+            if training:
                 if tp * pp * dp != cluster.devices:
                     skipped.append(f"tp={tp} pp={pp}: tp x pp = {tp * pp} does not divide {cluster.devices} devices")
                     continue
@@ -110,6 +133,10 @@ def _layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, allow_cross: bool
                         f"tp={tp} pp={pp} dp={dp}: global_batch={wl.global_batch} is not a multiple of "
                         f"micro_batch x dp = {wl.micro_batch * dp}"
                     )
+                    continue
+                why = schedule_options(cfg.num_layers, pp, wl.global_batch // (wl.micro_batch * dp), wl.schedule)[1]
+                if why is not None:
+                    skipped.append(f"tp={tp} pp={pp} dp={dp}: {why}")
                     continue
             out.append(Layout(tp, pp, dp))
     return out, skipped
@@ -129,16 +156,32 @@ def _candidate(cfg: ModelConfig, wl: Workload, cluster: Cluster, lay: Layout, he
             lay = Layout(lay.tp, lay.pp, max(1, min(lay.dp, int(node // (lay.replica * mem.total)))))
         pred = predict_inference(cfg, cluster, lay, dtype=dtype, **kw)
         meets = None if wl.target_latency_ms is None else pred.request_s * 1e3 <= wl.target_latency_ms
-        return Candidate(lay, mem, fits, cross, inference=pred, meets_target=meets)
+        why_not = NOT_RUNNABLE if lay.pp > 1 else None
+        return Candidate(lay, mem, fits, cross, inference=pred, meets_target=meets, why_not=why_not)
+    return _training_candidate(cfg, wl, cluster, lay, headroom, cross)
+
+
+def _training_candidate(
+    cfg: ModelConfig, wl: TrainingWorkload, cluster: Cluster, lay: Layout, headroom: float, cross: bool
+) -> Candidate:
+    """The layout with the schedule that fits and is fastest (1F1B on a tie: it holds less)."""
     p = wl.prec
     budget = cluster.memory_budget_gib(cluster.devices) * GIB
-    mem = training_memory(
-        cfg, lay.tp, lay.pp, micro_batches=wl.global_batch // (wl.micro_batch * lay.dp), micro_batch=wl.micro_batch,
-        seq=wl.seq_len, width=p.weight_bytes, weight_bytes=p.weight_bytes, grad_bytes=p.grad_bytes,
-        optimizer=wl.optimizer, master_bytes=p.master_bytes, recompute=wl.recompute, flash=wl.flash_attention,
-        budget=budget, sequence_parallel=wl.sequence_parallel and lay.tp > 1,
-    )  # fmt: skip
-    return Candidate(lay, mem, mem.fits(headroom), cross, training=predict_training(cfg, cluster, lay, wl))
+    m = wl.global_batch // (wl.micro_batch * lay.dp)
+    options, _ = schedule_options(cfg.num_layers, lay.pp, m, wl.schedule)
+    best: Candidate | None = None
+    for sched in options:
+        mem = training_memory(
+            cfg, lay.tp, lay.pp, micro_batches=m, micro_batch=wl.micro_batch, seq=wl.seq_len, width=p.weight_bytes,
+            weight_bytes=p.weight_bytes, grad_bytes=p.grad_bytes, optimizer=wl.optimizer, master_bytes=p.master_bytes,
+            recompute=wl.recompute, flash=wl.flash_attention, budget=budget,
+            sequence_parallel=wl.sequence_parallel and lay.tp > 1,
+            loads=sched.loads() if sched is not None else None,
+        )  # fmt: skip
+        c = Candidate(lay, mem, mem.fits(headroom), cross, training=predict_training(cfg, cluster, lay, wl, sched))
+        if best is None or (not c.fits, c.time_s, mem.total) < (not best.fits, best.time_s, best.memory.total):
+            best = c
+    return best
 
 
 def model_key(c: Candidate) -> tuple:

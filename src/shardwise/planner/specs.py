@@ -25,6 +25,8 @@ __all__ = [
 ]
 
 GIB = 2**30
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+"""shardwise.pipeline.SCHEDULE_NAMES (tests/unit/test_planner_pipeline.py checks they agree)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -139,20 +141,40 @@ class Device:
     busy_memory: float = 1.0
     """FLOP/s and memory bandwidth of a device while the other devices of its node work too,
     as a fraction of its rates alone (CPU cores share memory and power; GPUs: 1.0)."""
+    train_efficiency: float = 1.0
+    """Share of the matmul FLOP/s a training forward and backward reaches (autograd, the
+    element-wise work and softmax around the matmuls): measured on this host; 1.0 for the
+    presets, whose matmul_efficiency stands for it."""
+    train_layer_overhead_us: float | None = None
+    train_step_overhead_us: float | None = None
+    """Fixed time of a training forward and backward per layer and per micro-step (autograd's
+    bookkeeping, the loss), microseconds; None: the decode overheads above, once per pass."""
+    busy_train: float | None = None
+    """The speed of a training forward and backward while the node's other devices run one
+    too, as a fraction of its speed alone (None: busy_compute)."""
+    optimizer_gbps: float | None = None
+    """Bytes/s of the optimizer update, counting one read and one write of its state (None:
+    the memory bandwidth; measured on this host, where PyTorch's AdamW makes several passes)."""
 
     def __post_init__(self) -> None:
         _check(self, positive=("memory_gib", "mem_bw_gbps", "matmul_efficiency", "mem_efficiency"))
-        _check(self, positive=("busy_compute", "busy_memory"))
+        _check(self, positive=("busy_compute", "busy_memory", "train_efficiency"))
+        for name in ("busy_train", "optimizer_gbps"):
+            if getattr(self, name) is not None:
+                _check(self, positive=(name,))
+        for name in ("train_layer_overhead_us", "train_step_overhead_us"):
+            if getattr(self, name) is not None:
+                _check(self, nonneg=(name,))
         _check(self, nonneg=("layer_overhead_us", "step_overhead_us", "reserved_gib"))
         for dtype, v in self.peak_tflops.items():
             if dtype not in DTYPE_BYTES:
                 raise PlannerError(f"Device {self.name}: peak_tflops has unknown dtype {dtype!r}")
             if not v > 0:
                 raise PlannerError(f"Device {self.name}: peak_tflops[{dtype}] must be > 0, got {v}")
-        if self.matmul_efficiency > 1 or self.mem_efficiency > 1:
+        if self.matmul_efficiency > 1 or self.mem_efficiency > 1 or self.train_efficiency > 1:
             raise PlannerError(
                 f"Device {self.name}: efficiencies must be <= 1, got matmul {self.matmul_efficiency}, "
-                f"memory {self.mem_efficiency}"
+                f"memory {self.mem_efficiency}, training {self.train_efficiency}"
             )
         if self.reserved_gib >= self.memory_gib:
             raise PlannerError(f"Device {self.name}: reserved_gib={self.reserved_gib} >= memory_gib={self.memory_gib}")
@@ -164,6 +186,19 @@ class Device:
         if peak is None:
             raise PlannerError(f"Device {self.name} has no peak_tflops for {dtype} or float32")
         return peak * 1e12 * self.matmul_efficiency * (self.busy_compute if busy else 1.0)
+
+    def train_flops(self, dtype: str, busy: bool = False) -> float:
+        """FLOP/s of a training forward and backward: the matmul rate times train_efficiency,
+        and while the node's other devices work, times busy_train (or busy_compute)."""
+        if busy and self.busy_train is not None:
+            return self.flops(dtype) * self.train_efficiency * self.busy_train
+        return self.flops(dtype, busy) * self.train_efficiency
+
+    def optimizer_bytes_per_s(self, busy: bool = False) -> float:
+        """The optimizer update's bytes/s (optimizer_gbps when measured, else memory bandwidth)."""
+        if self.optimizer_gbps is None:
+            return self.bytes_per_s(busy)
+        return self.optimizer_gbps * 1e9 * (self.busy_memory if busy else 1.0)
 
     def bytes_per_s(self, busy: bool = False) -> float:
         return self.mem_bw_gbps * 1e9 * self.mem_efficiency * (self.busy_memory if busy else 1.0)
@@ -272,6 +307,9 @@ class TrainingWorkload:
     sequence_parallel: bool = False
     """Sequence parallelism: norms, residuals and the split matmuls' inputs on seq_len / tp
     positions per tp rank (less activation memory; backward re-gathers those inputs)."""
+    schedule: str | None = None
+    """Pipeline schedule for layouts with pp > 1: "gpipe", "1f1b" or "interleaved"; None = the
+    fastest that fits, per layout."""
 
     kind = "training"
 
@@ -289,6 +327,8 @@ class TrainingWorkload:
             object.__setattr__(self, "recompute", recompute_mode(self.recompute))
         except ValueError as e:
             raise PlannerError(str(e)) from None
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise PlannerError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
 
     @property
     def prec(self) -> Precision:
