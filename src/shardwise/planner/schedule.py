@@ -3,7 +3,8 @@
     s = PipelineSchedule.build("1f1b", num_layers=32, pp=4, microbatches=16)
     s.layers                              # (8, 8, 8, 8): StageLayout.build's balanced split
     s.makespan(forward_s, backward_s, transfer_s)   # the pipeline part of one step
-    s.in_flight()                         # per rank: micro-batch x chunk activations held at most
+    s.profile().in_flight                 # per rank: micro-batch x chunk activations held at most
+    s.loads()                             # per rank: layers and activations held (footprint.StageLoad)
 
 What is valid is decided by the runtime's own checks (ScheduleConfig, StageLayout.build), so
 the planner offers only what `shardwise train` runs. Times come from shardwise.pipeline.simulate
@@ -14,10 +15,10 @@ gloo and MPI send activations of this size.
 NOTE: simulating m micro-batches takes O(p m) actions, and building the lists more; past
 p + 1 micro-batches (interleaved: 3p) the makespan, the transfers per rank and the
 activations held grow by the same amount per micro-batch (per group of p for interleaved),
-so the schedule is simulated at those two sizes and extrapolated linearly in m
-(tests/unit/test_planner_pipeline.py checks this against a direct simulation). Pipelines
-deeper than MAX_PP stages are not planned (the lists would take seconds to build).
-
+so the schedule is simulated at p and p + 1 (interleaved: 2p and 3p) and extrapolated
+linearly in m (tests/unit/test_planner_pipeline.py checks this against a direct
+simulation). Pipelines deeper than MAX_PP stages are not planned (the lists would take
+seconds to build).
 """
 
 from __future__ import annotations
