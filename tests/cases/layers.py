@@ -18,6 +18,7 @@ from shardwise.layers import (
     VocabParallelLMHead,
     vocab_parallel_cross_entropy,
 )
+from shardwise.layers.partition import split_ranges
 from shardwise.sharding import Vocab
 
 __all__ = ["DTYPES", "linear_case", "qkv_case", "merged_case", "vocab_case", "untied_head_case"]
@@ -27,15 +28,19 @@ B, T = 3, 5  # batch > 1 and a sequence dim: (B, T, features)
 
 
 def _shard(t: torch.Tensor, comm, dim: int) -> torch.Tensor:
-    return t.chunk(comm.size, dim=dim)[comm.rank]
+    """This rank's slice along dim: equal when tp divides it, else as split_ranges deals it."""
+    start, end = split_ranges(t.shape[dim], comm.size)[comm.rank]
+    return t.narrow(dim, start, end - start)
 
 
-def linear_case(comm, kind: str, dtype_name: str, gather: bool) -> None:
+def linear_case(comm, kind: str, dtype_name: str, gather: bool, width: int = 36) -> None:
+    """width: the split dim (column: out_features, row: in_features); one tp does not divide
+    is split unevenly."""
     dtype = DTYPES[dtype_name]
     torch.manual_seed(0)  # same unsharded layer, input and upstream gradient on every rank
-    full = nn.Linear(24, 36, bias=True).to(dtype)
+    full = nn.Linear(24, width, bias=True).to(dtype)
     x = torch.randn(B, T, 24, dtype=dtype, requires_grad=True)
-    gy = torch.randn(B, T, 36, dtype=dtype)
+    gy = torch.randn(B, T, width, dtype=dtype)
     y_ref = full(x)
     y_ref.backward(gy)
 
@@ -45,8 +50,8 @@ def linear_case(comm, kind: str, dtype_name: str, gather: bool) -> None:
         x_local = x.detach().clone().requires_grad_()
         y_expect, gy_local = (y_ref, gy) if gather else (_shard(y_ref, comm, -1), _shard(gy, comm, -1))
     else:  # row: the input arrives sharded, as from a column-parallel layer
-        full_in = nn.Linear(36, 24, bias=True).to(dtype)
-        x = torch.randn(B, T, 36, dtype=dtype, requires_grad=True)
+        full_in = nn.Linear(width, 24, bias=True).to(dtype)
+        x = torch.randn(B, T, width, dtype=dtype, requires_grad=True)
         gy = torch.randn(B, T, 24, dtype=dtype)
         y_ref = full_in(x)
         y_ref.backward(gy)
@@ -98,12 +103,13 @@ def qkv_case(comm, num_heads: int, num_kv_heads: int, dtype_name: str, separate:
             return torch.cat([q[q_sl], k[k_sl], v[v_sl]], dim=0)
         return torch.cat([q[..., q_sl], k[..., k_sl], v[..., v_sl]], dim=-1)
 
-    # NOTE: a replicated KV head is one tensor held by kv_replicas ranks. In attention,
-    # each replica's gradient covers only its own query heads, and the replicas' gradients
-    # add up to the unsharded one; split the unsharded k/v gradient the same way here.
+    # NOTE: a replicated KV head is one tensor held by several ranks (kv_holders). In
+    # attention, each replica's gradient covers only its own query heads, and the replicas'
+    # gradients add up to the unsharded one; split the unsharded k/v gradient the same way here.
     gy_local = local(gy)
-    q_out = layer.q_size
-    gy_local[..., q_out:] /= layer.layout.kv_replicas
+    holders = torch.tensor([layer.layout.kv_holders[h] for h in layer.layout.kv_heads(comm.rank)], dtype=dtype)
+    per_row = holders.repeat_interleave(hd).repeat(2)  # (2 * local kv * hd,): k rows, then v rows
+    gy_local[..., layer.q_size :] /= per_row
     y.backward(gy_local)
     assert_close(y, local(y_ref.detach()), "qkv output")
     assert_close(x_local.grad, x.grad, "input grad")
@@ -112,10 +118,10 @@ def qkv_case(comm, num_heads: int, num_kv_heads: int, dtype_name: str, separate:
     assert_close(layer.bias.grad, torch.cat([q_b[q_sl], k_b[k_sl], v_b[v_sl]]), "bias grad")
 
 
-def merged_case(comm, dtype_name: str) -> None:
+def merged_case(comm, dtype_name: str, width: int = 12) -> None:
     dtype = DTYPES[dtype_name]
     torch.manual_seed(2)
-    gate, up = nn.Linear(24, 12).to(dtype), nn.Linear(24, 12).to(dtype)
+    gate, up = nn.Linear(24, width).to(dtype), nn.Linear(24, width).to(dtype)
     x = torch.randn(B, T, 24, dtype=dtype, requires_grad=True)
     y_ref = F.silu(gate(x)) * up(x)
     gy = torch.randn_like(y_ref)

@@ -1,5 +1,6 @@
 """Every tensor-parallel layer against its unsharded twin: outputs, input and parameter
-gradients, batch > 1, at world sizes 1, 2, 3 (where the shapes allow) and 4. The cases
+gradients, batch > 1, at world sizes 1, 2, 3 and 4, on sizes tp divides and sizes it does
+not (split unevenly: layers.partition). The cases
 (tests/cases/layers.py) run on pooled ranks: no job is launched per case."""
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ import pytest
 
 from cases.layers import DTYPES, linear_case, merged_case, qkv_case, untied_head_case, vocab_case
 from helpers import grid
-from shardwise.layers import HeadLayout
 
 WORLD_SIZES = [1, 2, 3, 4]
 
@@ -26,18 +26,25 @@ def test_linear_parity(rank_pool, world_size, dtype, kind, gather):
     rank_pool.run(linear_case, world_size, args=(kind, dtype, gather))
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("kind,gather", [("column", False), ("column", True), ("row", False)])
+def test_uneven_linear_parity(rank_pool, world_size, kind, gather):
+    # 37 columns: no tp > 1 divides them (a gathered output all-gathers uneven parts)
+    rank_pool.run(linear_case, world_size, args=(kind, "fp32", gather, 37))
+
+
 @pytest.mark.parametrize(
     "dtype,num_heads,num_kv_heads,world_size",
     grid(
         list(DTYPES),
-        [(12, 12), (12, 6), (8, 2), (4, 1)],  # MHA, GQA split, GQA replicated at tp=4, MQA
+        # MHA, GQA split, GQA replicated at tp=4, MQA; then heads tp does not divide: 9 / 3 KV
+        # (uneven, KV heads shared by two ranks), 14 / 2 KV (7 per group, groups split 4 + 3)
+        [(12, 12), (12, 6), (8, 2), (4, 1), (9, 3), (14, 2)],
         WORLD_SIZES,
         smoke=lambda dtype, nh, nkv, ws: (dtype, nh, nkv, ws) == ("fp32", 8, 2, 2),
     ),
 )
 def test_qkv_parity(rank_pool, world_size, num_heads, num_kv_heads, dtype):
-    if world_size not in HeadLayout.valid_tp_sizes(num_heads, num_kv_heads):
-        pytest.skip(f"{num_heads} q / {num_kv_heads} kv heads do not split over tp={world_size}")
     rank_pool.run(qkv_case, world_size, args=(num_heads, num_kv_heads, dtype, False))
 
 
@@ -49,6 +56,11 @@ def test_qkv_from_separate_projections(rank_pool, world_size):
 @pytest.mark.parametrize("dtype,world_size", grid(list(DTYPES), WORLD_SIZES, smoke=_smoke))
 def test_merged_gate_up_parity(rank_pool, world_size, dtype):
     rank_pool.run(merged_case, world_size, args=(dtype,))
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_uneven_merged_gate_up_parity(rank_pool, world_size):
+    rank_pool.run(merged_case, world_size, args=("fp32", 13))
 
 
 @pytest.mark.parametrize(

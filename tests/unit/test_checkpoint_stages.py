@@ -119,7 +119,7 @@ BAD = [
     ({"tp": 1, "pp": 8}, "pp=8 is more than the model's 4 layers; valid pp sizes: 1, 2, 3, 4"),
     ({"tp": 1, "pp": 2, "pp_layers": [2, 1]}, r"pp_layers=\[2, 1\] adds up to 3 layers, but the model has 4"),
     ({"tp": 1, "pp": 2, "pp_layers": [4]}, r"pp_layers=\[4\] has 1 entries; pp=2 needs 2"),
-    ({"tp": 3}, "cannot be split over tp=3; valid tp sizes: 1, 2, 4"),
+    ({"tp": 5}, "tp=5 is more than the model.s num_attention_heads=4: .*valid tp sizes: 1-4"),
     ({"tp": 1, "dp": 0}, "dp must be a positive int, got 0"),
 ]
 

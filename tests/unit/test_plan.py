@@ -34,28 +34,29 @@ def test_pattern_matching_is_per_dotted_part():
     assert matches("layers.[0-1].attn.o", "layers.1.attn.o")
 
 
-def test_indivisible_heads_are_refused_before_any_change():
+def test_too_many_ranks_for_the_heads_are_refused_before_any_change():
     cfg = ModelConfig.debug(hidden_size=48, num_heads=12, num_kv_heads=6, vocab_size=50)
     model = DecoderLM(cfg)
     before = _snapshot(model)
     with pytest.raises(
         ShardError,
-        match=r"^layers\.0\.attn\.qkv: num_key_value_heads=6 cannot be split over tp=4; valid tp sizes: 1, 2, 3, 6, 12$",
+        match=r"^layers\.0\.attn\.qkv: tp=13 is more than the model's num_attention_heads=12: .*valid tp sizes: 1-12$",
     ):
-        parallelize(model, decoder_plan(cfg), comm=NoCollectives())
+        parallelize(model, decoder_plan(cfg), comm=NoCollectives(size=13))
     assert _snapshot(model) == before, "a failed parallelize must leave the model untouched"
 
 
-def test_indivisible_linear_names_tensor_and_valid_sizes():
+def test_a_linear_with_fewer_columns_than_ranks_is_refused():
     with pytest.raises(
-        ShardError, match=r"^fc1\.weight: out_features=30 cannot be split over tp=4; valid tp sizes: 1, 2, 3, 5, 6, 10"
+        ShardError, match=r"^fc1\.weight: out_features=30 cannot give each of tp=31 ranks a share; valid tp sizes: 1-30"
     ):
-        parallelize(UserMLP(), {"fc1": "colwise", "fc2": "rowwise"}, comm=NoCollectives())
+        resolve_plan(UserMLP(), {"fc1": "colwise", "fc2": "rowwise"}, tp=31)
 
 
 def test_whole_heads_stay_together():
-    with pytest.raises(ShardError, match=r"out_features=30 \(3 heads of head_dim=10\) cannot be split over tp=4"):
+    with pytest.raises(ShardError, match=r"out_features=30 \(3 heads of head_dim=10\) cannot give each of tp=4"):
         resolve_plan(UserMLP(), {"fc1": Colwise(head_dim=10)}, tp=4)
+    resolve_plan(UserMLP(), {"fc1": Colwise(head_dim=10)}, tp=2)  # 2 heads and 1: uneven, accepted
 
 
 def test_mismatched_plan_path_suggests_real_ones():

@@ -149,20 +149,48 @@ class Communicator(ABC):
     def _all_reduce_inplace(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         return t.copy_(self._all_reduce(t, op))  # backends override with a true in-place reduction
 
-    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's equal-shaped `t` along `dim`, in rank order."""
-        if self.size == 1:
-            return t
-        return self._run("all_gather", _nbytes(t), self._all_gather, t, dim % t.dim())
+    def all_gather(self, t: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
+        """Concatenate every rank's `t` along `dim`, in rank order.
 
-    def reduce_scatter(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Sum across the group, then keep this rank's 1/size chunk along `dim`."""
+        sizes: every rank's length along `dim`, when they differ (an uneven split). Each rank
+        then sends its part padded to the largest, and the padding is trimmed on arrival;
+        the accounting counts the padded bytes, which is what travels."""
         if self.size == 1:
             return t
         dim = dim % t.dim()
-        if t.shape[dim] % self.size:
-            raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by {self.size} ranks")
-        return self._run("reduce_scatter", _nbytes(t), self._reduce_scatter, t, dim)
+        if sizes is None or len(set(sizes)) == 1:
+            return self._run("all_gather", _nbytes(t), self._all_gather, t, dim)
+        self._check_sizes("all_gather", sizes, t.shape[dim], sizes[self.rank])
+        width = max(sizes)
+        padded = _pad(t, dim, width)
+        full = self._run("all_gather", _nbytes(padded), self._all_gather, padded, dim)
+        parts = [p.narrow(dim, 0, n) for p, n in zip(full.split(width, dim), sizes, strict=True)]
+        return torch.cat(parts, dim)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
+        """Sum across the group, then keep this rank's chunk along `dim`: 1/size of it, or
+        sizes[rank] of it when `sizes` splits it unevenly (padded to the largest on the wire)."""
+        if self.size == 1:
+            return t
+        dim = dim % t.dim()
+        if sizes is None or len(set(sizes)) == 1:
+            if t.shape[dim] % self.size:
+                raise ValueError(
+                    f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by {self.size} ranks; "
+                    "pass sizes= for an uneven split"
+                )
+            return self._run("reduce_scatter", _nbytes(t), self._reduce_scatter, t, dim)
+        self._check_sizes("reduce_scatter", sizes, t.shape[dim], sum(sizes))
+        width = max(sizes)
+        padded = torch.cat([_pad(c, dim, width) for c in t.split(sizes, dim)], dim)
+        mine = self._run("reduce_scatter", _nbytes(padded), self._reduce_scatter, padded, dim)
+        return mine.narrow(dim, 0, sizes[self.rank])
+
+    def _check_sizes(self, op: str, sizes: list[int], have: int, want: int) -> None:
+        if len(sizes) != self.size or min(sizes) < 0:
+            raise ValueError(f"{op}: sizes {sizes} must give one length >= 0 for each of {self.size} ranks")
+        if have != want:
+            raise ValueError(f"{op}: rank {self.rank} has length {have} along the split dim, sizes {sizes} say {want}")
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Every rank gets `src`'s tensor (the others pass a buffer of the same shape and dtype)."""
@@ -435,6 +463,15 @@ class LocalCommunicator(Communicator):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """t zero-padded at the end of `dim` to `length` (contiguous, as the backends need)."""
+    if t.shape[dim] == length:
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[dim] = length - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim)
 
 
 # The debug header: [dtype code, ndim, size of each dim, 0...] as int64.

@@ -77,29 +77,31 @@ class ReduceFromRegion(torch.autograd.Function):
 
 
 class GatherFromRegion(torch.autograd.Function):
-    """Forward: all-gather the shards along the last dim. Backward: keep this rank's slice."""
+    """Forward: all-gather the shards along the last dim (of per-rank `sizes` when they
+    differ). Backward: keep this rank's slice."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return comm.all_gather(x, dim=-1)
+    def forward(ctx, x: torch.Tensor, comm: Communicator, sizes: list[int] | None = None) -> torch.Tensor:
+        ctx.comm, ctx.sizes = comm, sizes
+        return comm.all_gather(x, dim=-1, sizes=sizes)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _local_chunk(grad, ctx.comm), None
+        return _local_chunk(grad, ctx.comm, ctx.sizes), None, None
 
 
 class ScatterToRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the last dim. Backward: all-gather the gradient."""
+    """Forward: keep this rank's slice of the last dim (of per-rank `sizes` when they differ).
+    Backward: all-gather the gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _local_chunk(x, comm)
+    def forward(ctx, x: torch.Tensor, comm: Communicator, sizes: list[int] | None = None) -> torch.Tensor:
+        ctx.comm, ctx.sizes = comm, sizes
+        return _local_chunk(x, comm, sizes)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.comm.all_gather(grad.contiguous(), dim=-1), None
+        return ctx.comm.all_gather(grad.contiguous(), dim=-1, sizes=ctx.sizes), None, None
 
 
 class GatherFromSequence(torch.autograd.Function):
@@ -176,16 +178,21 @@ def _all_reduce(x: torch.Tensor, comm: Communicator, inplace: bool) -> torch.Ten
     return comm.all_reduce_(x) if _in_place(x, inplace) else comm.all_reduce(x)
 
 
-def gather_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return x if comm.size == 1 else GatherFromRegion.apply(x, comm)
+def gather_from_region(x: torch.Tensor, comm: Communicator, *, sizes: list[int] | None = None) -> torch.Tensor:
+    return x if comm.size == 1 else GatherFromRegion.apply(x, comm, sizes)
 
 
-def scatter_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return x if comm.size == 1 else ScatterToRegion.apply(x, comm)
+def scatter_to_region(x: torch.Tensor, comm: Communicator, *, sizes: list[int] | None = None) -> torch.Tensor:
+    return x if comm.size == 1 else ScatterToRegion.apply(x, comm, sizes)
 
 
-def _local_chunk(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+def _local_chunk(x: torch.Tensor, comm: Communicator, sizes: list[int] | None = None) -> torch.Tensor:
     last = x.shape[-1]
+    if sizes is not None:
+        if len(sizes) != comm.size or sum(sizes) != last:
+            raise ValueError(f"sizes {sizes} do not split a last dim of {last} over group {comm.name!r} of {comm.size}")
+        start = sum(sizes[: comm.rank])
+        return x[..., start : start + sizes[comm.rank]].contiguous()
     if last % comm.size:
         raise ValueError(f"last dim {last} is not divisible by group {comm.name!r} of size {comm.size}")
     width = last // comm.size

@@ -37,7 +37,7 @@ from shardwise.hf.checkpoint import Checkpoint, CheckpointError, raw_config
 from shardwise.hf.families import supported_model_types
 from shardwise.hf.fill import DTYPES, LoadReport, assign, bytes_read, dtype_name, refuse_unexpected
 from shardwise.hf.sources import Src, read_shard, segments
-from shardwise.layers import ShardError, model_shard_specs, valid_tp_sizes
+from shardwise.layers import ShardError, model_shard_specs, split_sizes, valid_tp_sizes
 from shardwise.sharding import Colwise, Rowwise, Style, Vocab, parallelize
 
 __all__ = ["load_auto", "auto_plan", "check_auto"]
@@ -47,7 +47,7 @@ _SAFE_INTS = ("head_dim", "layer_idx", "num_key_value_groups", "sliding_window",
 _OUT_NAMES = ("o_proj", "out_proj", "o", "wo", "dense", "c_proj", "out_lin")
 _DOWN_NAMES = ("down_proj", "fc2", "w2", "c_proj", "dense_4h_to_h", "fc_out", "lin2")
 HeadFix = tuple[str, str, int]
-"""(attention module path, attribute, this rank's value)."""
+"""(attention module path, attribute, the unsharded head count; each rank sets its own share)."""
 
 
 def _refuse(path: str, why: str) -> ShardError:
@@ -110,14 +110,7 @@ def _analyse(model: nn.Module, hf_config, tp: int) -> tuple[dict[str, Style], li
         mlp_plan, inter = _mlp(lp, layer, attn_p, hidden)
         plan |= attn_plan | mlp_plan
         heads += attn_heads
-        for what, n, where in (("num_attention_heads", nh, attn_p), ("num_key_value_heads", nkv, attn_p),
-                               ("intermediate_size", inter, lp)):  # fmt: skip
-            if n % tp:  # before any data is read, listing the tp sizes that split all three
-                never = (
-                    " (the automatic plan never replicates key/value heads)" if what == "num_key_value_heads" else ""
-                )
-                valid = ", ".join(map(str, valid_tp_sizes(nh, nkv, inter)))
-                raise ShardError(f"{where}: {what}={n} cannot be split over tp={tp}{never}; valid tp sizes: {valid}")
+        _check_split(attn_p, lp, nh, nkv, inter, tp)  # before any data is read
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     paths = {id(m): p for p, m in model.named_modules()}
     if type(emb) is not nn.Embedding or emb.max_norm is not None:
@@ -127,7 +120,26 @@ def _analyse(model: nn.Module, hf_config, tp: int) -> tuple[dict[str, Style], li
         if type(head) is not nn.Linear or head.out_features != emb.num_embeddings:
             raise _refuse(paths.get(id(head), ""), f"the LM head is {_desc(head)}, not an nn.Linear to the vocabulary")
         plan[paths[id(head)]] = Vocab(gather_output=True)
-    return plan, [(p, attr, value // tp) for p, attr, value in heads]
+    return plan, heads
+
+
+def _check_split(attn_p: str, lp: str, nh: int, nkv: int, inter: int, tp: int) -> None:
+    """Any tp up to the heads splits multi-head attention (unevenly where tp does not divide
+    them); grouped-query attention must split its KV heads evenly, as transformers' attention
+    needs one group size and the automatic plan never replicates key/value heads."""
+    if nkv == nh:
+        valid = f"1-{min(nh, inter)}"
+        if tp > nh:
+            raise ShardError(f"{attn_p}: tp={tp} is more than num_attention_heads={nh}; valid tp sizes: {valid}")
+        if tp > inter:
+            raise ShardError(f"{lp}: tp={tp} is more than intermediate_size={inter}; valid tp sizes: {valid}")
+        return
+    if nkv % tp:
+        valid = ", ".join(map(str, valid_tp_sizes(nkv)))
+        raise ShardError(
+            f"{attn_p}: num_key_value_heads={nkv} cannot be split over tp={tp} (the automatic plan splits "
+            f"grouped-query attention evenly and never replicates key/value heads); valid tp sizes: {valid}"
+        )
 
 
 def _attention(lp: str, layer: nn.Module, hidden: int, nh: int, nkv: int, hd: int):
@@ -254,8 +266,8 @@ def load_auto(
     plan, fixes = _analyse(model, hf_config, comm.size)  # refuses before any data is read
     ckpt = Checkpoint(path)
     parallelize(model, plan, comm=comm)
-    for mod_path, attr, local in fixes:  # e.g. OPT's view(bsz, -1, self.num_heads, head_dim)
-        setattr(model.get_submodule(mod_path), attr, local)
+    for mod_path, attr, count in fixes:  # e.g. OPT's view(bsz, -1, self.num_heads, head_dim)
+        setattr(model.get_submodule(mod_path), attr, split_sizes(count, comm.size)[comm.rank])
 
     specs = model_shard_specs(model)
     to_ckpt = _name_map(ckpt, model, next(iter(specs)))

@@ -4,7 +4,17 @@ from shardwise.layers.embedding import VocabParallelEmbedding, VocabParallelLMHe
 from shardwise.layers.fused import MergedColumnParallelLinear, QKVParallelLinear, SumReplicaGrads
 from shardwise.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardwise.layers.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
-from shardwise.layers.partition import HeadLayout, ShardError, divide, padded_size, shard_range, valid_tp_sizes
+from shardwise.layers.partition import (
+    HeadLayout,
+    ShardError,
+    divide,
+    imbalance,
+    padded_size,
+    shard_range,
+    split_ranges,
+    split_sizes,
+    valid_tp_sizes,
+)
 from shardwise.layers.sequence import SequenceParallelLinear, sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec, model_shard_specs
 
@@ -28,5 +38,8 @@ __all__ = [
     "divide",
     "padded_size",
     "shard_range",
+    "split_ranges",
+    "split_sizes",
+    "imbalance",
     "valid_tp_sizes",
 ]

@@ -20,7 +20,7 @@ from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region
 from shardwise.layers.linear import _init_
-from shardwise.layers.partition import HeadLayout, ShardError, divide, shard_range
+from shardwise.layers.partition import HeadLayout, ShardError, divide, split_ranges
 from shardwise.layers.sequence import sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec
 
@@ -31,9 +31,13 @@ class QKVParallelLinear(nn.Module):
     """Fused q/k/v projection split by attention heads, with grouped-query attention.
 
     Output on each rank: (..., (local_heads + 2 * local_kv_heads) * head_dim), laid out
-    as [q | k | v]. When tp > num_kv_heads, each KV head is replicated on
-    tp / num_kv_heads ranks (see HeadLayout); in training, the replicas' weight
-    gradients are summed so that every replica takes the same optimizer step.
+    as [q | k | v]. Query heads are dealt out contiguously, as evenly as tp allows; each
+    rank holds the KV heads its query heads use, so a KV head shared by two ranks' query
+    heads (tp > num_kv_heads, or an uneven split) is replicated (see HeadLayout); in
+    training, the replicas' weight gradients are summed so that every replica takes the
+    same optimizer step. `kv_groups` is None when every local KV head serves the same
+    number of local query heads (plain GQA), else the count per local KV head, which
+    Attention follows.
 
     sequence_parallel = True: the input is this rank's sequence shard (B, T/p, hidden),
     all-gathered in forward by sequence_parallel_linear.
@@ -57,8 +61,11 @@ class QKVParallelLinear(nn.Module):
         self.comm = comm
         self.hidden_size, self.head_dim = hidden_size, head_dim
         self.layout = HeadLayout(num_heads, num_kv_heads, comm.size)
-        self.q_size = self.layout.local_heads * head_dim
-        self.kv_size = self.layout.local_kv_heads * head_dim
+        self.local_heads = len(self.layout.q_heads(comm.rank))
+        self.local_kv_heads = len(self.layout.kv_heads(comm.rank))
+        self.kv_groups = None if self.layout.regular(comm.rank) else self.layout.kv_groups(comm.rank)
+        self.q_size = self.local_heads * head_dim
+        self.kv_size = self.local_kv_heads * head_dim
         rows = self.q_size + 2 * self.kv_size
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, device=device, dtype=dtype))  # (q+2kv, hidden)
         self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
@@ -144,7 +151,7 @@ class QKVParallelLinear(nn.Module):
         if self.sequence_parallel:
             return self._sequence_parallel_forward(x)
         x = copy_to_region(x, self.comm)  # (..., hidden)   identity fwd, all-reduce bwd
-        if self.layout.kv_replicas == 1 or not (torch.is_grad_enabled() and self.weight.requires_grad):
+        if not self.layout.replicated or not (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)  # (..., q + 2kv)
         # NOTE: replicated KV heads: each replica's gradient covers only its own query
         # heads. Route the k/v rows through SumReplicaGrads so that the replicas' weight
@@ -159,7 +166,7 @@ class QKVParallelLinear(nn.Module):
         """(B, T/p, hidden) -> (B, T, q + 2kv): one all-gather; replicated KV rows summed in
         backward (through a view of the weight: no copy is kept for backward)."""
         w, b = self.weight, self.bias
-        if self.layout.kv_replicas > 1 and torch.is_grad_enabled() and w.requires_grad:
+        if self.layout.replicated and torch.is_grad_enabled() and w.requires_grad:
             w = SumReplicaGrads.apply(w, self.comm, self.layout, self.q_size)
             b = SumReplicaGrads.apply(b, self.comm, self.layout, self.q_size) if b is not None else None
         return sequence_parallel_linear(x, w, b, self.comm)
@@ -169,8 +176,9 @@ class QKVParallelLinear(nn.Module):
 
 
 class SumReplicaGrads(torch.autograd.Function):
-    """Forward: identity on a replicated KV shard (rows `start:` of t; the rows before pass
-    through). Backward: sum those rows' gradient over the ranks holding that KV head."""
+    """Forward: identity on this rank's k and v rows (rows `start:` of t, laid out as
+    [k heads | v heads]; the rows before pass through). Backward: sum each KV head's rows'
+    gradient over the ranks that hold that head."""
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, comm: Communicator, layout: HeadLayout, start: int = 0) -> torch.Tensor:
@@ -180,13 +188,14 @@ class SumReplicaGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         comm, layout, start = ctx.comm, ctx.layout, ctx.start
-        head = layout.kv_heads(comm.rank).start
-        kv = grad[start:]
-        # One slot per KV head; each rank fills its head's slot, and the all-reduce sums
-        # the replicas of every head at once, using the tp group itself.
-        slots = kv.new_zeros((layout.num_kv_heads, *kv.shape))
-        slots[head] = kv
-        summed = comm.all_reduce(slots)[head]
+        heads = layout.kv_heads(comm.rank)
+        kv = grad[start:]  # (2 * local_kv * hd, ...)
+        # One slot per KV head, for k and for v; each rank fills its heads' slots, and the
+        # all-reduce sums the replicas of every head at once, using the tp group itself.
+        local = kv.view(2, len(heads), -1, *kv.shape[1:])  # (2, local_kv, hd, ...)
+        slots = kv.new_zeros((2, layout.num_kv_heads, *local.shape[2:]))
+        slots[:, heads.start : heads.stop] = local
+        summed = comm.all_reduce(slots)[:, heads.start : heads.stop].reshape(kv.shape)
         return (torch.cat([grad[:start], summed]) if start else summed), None, None, None
 
 
@@ -215,7 +224,9 @@ class MergedColumnParallelLinear(nn.Module):
         super().__init__()
         self.comm = comm
         self.in_features, self.output_sizes = in_features, list(output_sizes)
-        self.local_sizes = [divide(s, comm.size, what=f"output_sizes[{k}]") for k, s in enumerate(output_sizes)]
+        self.ranges = [split_ranges(s, comm.size, what=f"output_sizes[{k}]") for k, s in enumerate(output_sizes)]
+        """Per part, every rank's [start, end) of it (uneven when tp does not divide the part)."""
+        self.local_sizes = [r[comm.rank][1] - r[comm.rank][0] for r in self.ranges]
         rows = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(rows, in_features, device=device, dtype=dtype))  # (sum out/p, in)
         self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
@@ -251,7 +262,7 @@ class MergedColumnParallelLinear(nn.Module):
         layer = cls(in_features, sizes, comm=comm, bias=b is not None, device="meta", dtype=w[0].dtype)
         if w[0].is_meta:  # NOTE: a model built on meta (models.meta): its meta parameters are the shard
             return layer
-        ranges = [shard_range(s, comm.size, comm.rank, what=f"output_sizes[{k}]") for k, s in enumerate(sizes)]
+        ranges = [r[comm.rank] for r in layer.ranges]
         layer.weight = nn.Parameter(torch.cat([p[s:e] for p, (s, e) in zip(w, ranges, strict=True)]).clone())
         if b is not None:
             layer.bias = nn.Parameter(torch.cat([p[s:e] for p, (s, e) in zip(b, ranges, strict=True)]).clone())
@@ -260,8 +271,8 @@ class MergedColumnParallelLinear(nn.Module):
     def shard_specs(self) -> dict[str, ShardSpec]:
         """Rows of the unsharded [part_1 | part_2 | ...] tensor: this rank's slice of each part."""
         pieces, offset = [], 0
-        for k, size in enumerate(self.output_sizes):
-            s, e = shard_range(size, self.comm.size, self.comm.rank, what=f"output_sizes[{k}]")
+        for size, ranges in zip(self.output_sizes, self.ranges, strict=True):
+            s, e = ranges[self.comm.rank]
             pieces.append((offset + s, e - s))
             offset += size
         specs = {"weight": ShardSpec((offset, self.in_features), 0, tuple(pieces))}

@@ -9,6 +9,11 @@ Row parallel splits A by input rows,  A = [A_1; ...; A_p], X = [X_1 ... X_p]:
 
 Weights keep nn.Linear's (out_features, in_features) layout, so a rank's shard is a
 slice of dim 0 (column) or dim 1 (row) of the full weight.
+
+The slices need not be equal (layers.partition.split_ranges): a width tp does not divide is
+dealt out in whole units (`unit`: a head's columns, or an automatic block), the first ranks
+taking one more. Nothing else changes: the all-reduce sums equal-shaped partial products,
+and a gathered output is all-gathered with per-rank sizes.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region, gather_from_region, reduce_from_region
 from shardwise.comm.regions import reduce_scatter_to_sequence
-from shardwise.layers.partition import divide, shard_range
+from shardwise.layers.partition import split_ranges
 from shardwise.layers.sequence import sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec
 
@@ -58,6 +63,7 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = True,
         gather_output: bool = False,
         sequence_parallel: bool = False,
+        unit: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -66,7 +72,11 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
-        local_out = divide(out_features, comm.size, what="out_features")
+        self.unit = unit
+        self.ranges = split_ranges(out_features, comm.size, unit=unit, what="out_features")
+        """Every rank's [start, end) of the output features (uneven when tp does not divide them)."""
+        start, end = self.ranges[comm.rank]
+        local_out = end - start
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))  # (out/p, in)
         self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
         if self.weight.device.type != "meta":
@@ -74,7 +84,13 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, *, comm: Communicator, gather_output: bool = False, sequence_parallel: bool = False
+        cls,
+        linear: nn.Linear,
+        *,
+        comm: Communicator,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        unit: int | None = None,
     ) -> ColumnParallelLinear:
         """This rank's column slice of an existing nn.Linear (its rows of `weight`)."""
         layer = cls(
@@ -84,19 +100,20 @@ class ColumnParallelLinear(nn.Module):
             bias=linear.bias is not None,
             gather_output=gather_output,
             sequence_parallel=sequence_parallel,
+            unit=unit,
             device="meta",
             dtype=linear.weight.dtype,
         )
         if linear.weight.is_meta:  # NOTE: a model built on meta (models.meta): its meta parameters are the shard
             return layer
-        start, end = shard_range(linear.out_features, comm.size, comm.rank, what="out_features")
+        start, end = layer.ranges[comm.rank]
         layer.weight = nn.Parameter(linear.weight.detach()[start:end].clone())
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach()[start:end].clone())
         return layer
 
     def shard_specs(self) -> dict[str, ShardSpec]:
-        s, e = shard_range(self.out_features, self.comm.size, self.comm.rank, what="out_features")
+        s, e = self.ranges[self.comm.rank]
         pieces = ((s, e - s),)
         specs = {"weight": ShardSpec((self.out_features, self.in_features), 0, pieces)}
         if self.bias is not None:
@@ -110,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
             x = copy_to_region(x, self.comm)  # (..., in)        identity fwd, all-reduce bwd
             y = F.linear(x, self.weight, self.bias)  # (..., out/p)
         if self.gather_output:
-            y = gather_from_region(y, self.comm)  # (..., out)
+            y = gather_from_region(y, self.comm, sizes=[e - s for s, e in self.ranges])  # (..., out)
         return y
 
     def extra_repr(self) -> str:
@@ -137,6 +154,7 @@ class RowParallelLinear(nn.Module):
         comm: Communicator,
         bias: bool = True,
         sequence_parallel: bool = False,
+        unit: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -144,7 +162,11 @@ class RowParallelLinear(nn.Module):
         self.comm = comm
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = sequence_parallel
-        local_in = divide(in_features, comm.size, what="in_features")
+        self.unit = unit
+        self.ranges = split_ranges(in_features, comm.size, unit=unit, what="in_features")
+        """Every rank's [start, end) of the input features (uneven when tp does not divide them)."""
+        start, end = self.ranges[comm.rank]
+        local_in = end - start
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))  # (out, in/p)
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         if self.weight.device.type != "meta":
@@ -152,7 +174,7 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, *, comm: Communicator, sequence_parallel: bool = False
+        cls, linear: nn.Linear, *, comm: Communicator, sequence_parallel: bool = False, unit: int | None = None
     ) -> RowParallelLinear:
         """This rank's row slice of an existing nn.Linear (its columns of `weight`)."""
         layer = cls(
@@ -161,19 +183,20 @@ class RowParallelLinear(nn.Module):
             comm=comm,
             bias=linear.bias is not None,
             sequence_parallel=sequence_parallel,
+            unit=unit,
             device="meta",
             dtype=linear.weight.dtype,
         )
         if linear.weight.is_meta:  # NOTE: a model built on meta (models.meta): its meta parameters are the shard
             return layer
-        start, end = shard_range(linear.in_features, comm.size, comm.rank, what="in_features")
+        start, end = layer.ranges[comm.rank]
         layer.weight = nn.Parameter(linear.weight.detach()[:, start:end].clone())
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone())
         return layer
 
     def shard_specs(self) -> dict[str, ShardSpec]:
-        s, e = shard_range(self.in_features, self.comm.size, self.comm.rank, what="in_features")
+        s, e = self.ranges[self.comm.rank]
         specs = {"weight": ShardSpec((self.out_features, self.in_features), 1, ((s, e - s),))}
         if self.bias is not None:
             specs["bias"] = ShardSpec.replicated((self.out_features,))

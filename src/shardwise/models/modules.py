@@ -1,7 +1,10 @@
 """Building blocks shared by every family: norms, rotary embeddings, attention, MLP.
 
 Plain single-device modules. Local head counts come from tensor shapes (o's input
-width and qkv's output width), so a tensor-parallel shard runs the same code.
+width and qkv's output width), so a tensor-parallel shard runs the same code. One thing
+a shard may add: a tensor-parallel qkv whose heads were split unevenly can hold KV heads
+that serve different numbers of its query heads; it says so in `qkv.kv_groups`, and
+attention then runs one KV head's group at a time.
 """
 
 from __future__ import annotations
@@ -185,14 +188,29 @@ class Attention(nn.Module):
             q, k = qk.split([nq, nkv], dim=1)  # (B, nq, T, hd), (B, nkv, T, hd)
         if cache is not None:
             k, v = cache.update(start, k, v)  # (B, nkv, start + T, hd)
-        y = self.core(q, k, v, mask)  # (B, nq, T, hd)
+        groups = getattr(self.qkv, "kv_groups", None)  # None: plain GQA (see the module docstring)
+        y = self.core(q, k, v, mask) if groups is None else self.core(q, k, v, mask, groups=groups)  # (B, nq, T, hd)
         return self.o(y.transpose(1, 2).reshape(B, T, nq * hd))  # (B, T, hidden)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        groups: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd), masked) v: the attention core, which selective activation
         recomputation recomputes in backward (shardwise.train.recompute).
-        q: (B, nq, T, hd); k, v: (B, nkv, S, hd); returns (B, nq, T, hd)."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        q: (B, nq, T, hd); k, v: (B, nkv, S, hd); returns (B, nq, T, hd).
+        groups: query heads per KV head when they differ (sum(groups) == nq)."""
+        if groups is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        out = [
+            F.scaled_dot_product_attention(qg, k[:, h : h + 1], v[:, h : h + 1], attn_mask=mask, enable_gqa=True)
+            for h, qg in enumerate(q.split(list(groups), dim=1))  # (B, g_h, T, hd) with KV head h
+        ]
+        return torch.cat(out, dim=1)
 
 
 class MLP(nn.Module):

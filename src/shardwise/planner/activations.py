@@ -41,7 +41,7 @@ mode with saved-tensor hooks and prints both beside `paper_layer_bytes`.
 
 from __future__ import annotations
 
-from shardwise.layers.partition import HeadLayout
+from shardwise.layers.partition import HeadLayout, largest_share
 from shardwise.models.config import ModelConfig
 
 __all__ = ["RECOMPUTE", "recompute_mode", "layer_activation_terms", "layer_activation_bytes", "paper_layer_bytes"]
@@ -78,7 +78,7 @@ def layer_activation_terms(
     if recompute == "full":
         return {"layer input": sb * h * f / shard}
     heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)
-    a, kv, inter = heads.local_heads, heads.local_kv_heads, cfg.intermediate_size / tp
+    a, kv, inter = heads.max_heads, heads.max_kv_heads, largest_share(cfg.intermediate_size, tp)  # busiest rank
     # RMSNorm (models.modules.Norm) computes in fp32: it keeps fp32 copies of its input and of
     # the normalized input, and one statistic; LayerNorm keeps its input and two statistics
     norm = sb * (2 * h * 4 + 4) if cfg.norm == "rms" else sb * (h * f + 8)

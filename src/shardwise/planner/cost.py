@@ -58,7 +58,7 @@ def layer_flops_per_token(cfg: ModelConfig, context: int, tp: int = 1) -> float:
 def attention_core_flops_per_token(cfg: ModelConfig, context: int, tp: int = 1) -> float:
     """The attention core's forward FLOPs for one token on one rank, 4 x context x query
     heads x head_dim (QK^T and AV): what selective recomputation repeats in backward."""
-    heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp).local_heads
+    heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp).max_heads  # the busiest rank's
     return 4.0 * context * heads * cfg.head_dim
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.layers.partition import HeadLayout, padded_size
+from shardwise.layers.partition import HeadLayout, largest_share, padded_size
 from shardwise.models.config import ModelConfig
 from shardwise.planner.activations import layer_activation_bytes, recompute_mode
 
@@ -61,12 +61,13 @@ def _norm_params(cfg: ModelConfig, size: int) -> int:
 
 
 def layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int]:
-    """(parameters of one layer on one rank, of which matmul weights)."""
+    """(parameters of one layer on one rank, of which matmul weights): the busiest rank's,
+    when tp splits the heads or the MLP width unevenly."""
     heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)
-    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // tp
-    qkv_out = (heads.local_heads + 2 * heads.local_kv_heads) * hd
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, largest_share(cfg.intermediate_size, tp)
+    qkv_out = (heads.max_heads + 2 * heads.max_kv_heads) * hd
     up_out = (2 if cfg.gated_mlp else 1) * inter
-    matmul = h * qkv_out + heads.local_heads * hd * h + h * up_out + inter * h
+    matmul = h * qkv_out + heads.max_heads * hd * h + h * up_out + inter * h
     biases = (qkv_out if cfg.qkv_bias else 0) + (h if cfg.o_bias else 0) + ((up_out + h) if cfg.mlp_bias else 0)
     norms = 2 * _norm_params(cfg, h) + (2 * hd if cfg.qk_norm else 0)
     return matmul + biases + norms, matmul
@@ -107,7 +108,7 @@ def streamed_params(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0, *, l
 
 def kv_bytes_per_token(cfg: ModelConfig, tp: int, width: int, layers: int | None = None) -> int:
     """K and V of one token, all layers (or `layers`), on one rank: 2 * L * local KV heads * head_dim * width."""
-    local_kv = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp).local_kv_heads
+    local_kv = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp).max_kv_heads  # the busiest rank's
     return 2 * (cfg.num_layers if layers is None else layers) * local_kv * cfg.head_dim * width
 
 
@@ -145,13 +146,13 @@ def inference_memory(
     """The busiest stage: weights, KV cache for prompt + output tokens, and the transient
     activations of a prefill (one layer's intermediates and the logits)."""
     heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)
-    inter = cfg.intermediate_size // tp
-    qkv_out = (heads.local_heads + 2 * heads.local_kv_heads) * cfg.head_dim
+    inter = largest_share(cfg.intermediate_size, tp)
+    qkv_out = (heads.max_heads + 2 * heads.max_kv_heads) * cfg.head_dim
     bs = batch * prompt_len
     act = bs * (3 * cfg.hidden_size + qkv_out + (3 if cfg.gated_mlp else 2) * inter) * width
     act += batch * padded_size(cfg.vocab_size, tp) * 4  # logits of the last position, gathered, fp32
     if not flash:
-        act += batch * heads.local_heads * prompt_len * prompt_len * width
+        act += batch * heads.max_heads * prompt_len * prompt_len * width
     kv = kv_cache_bytes(cfg, tp, pp, batch, prompt_len + output_len, width)
     weights = max(stage_params(cfg, tp, pp, s) for s in {0, pp - 1}) * width
     return Footprint(weights, kv, act, 0.0, 0.0, budget)

@@ -10,6 +10,10 @@ meets the latency target, if any), the fastest of those: with pp = 1 that is the
 tp that fits. Training: every layout uses all devices; best is the smallest tp that fits,
 with the best throughput among its layouts.
 
+Any tp up to the query heads is a candidate, even where it splits the heads or the MLP
+unevenly: the busiest rank's share sets its memory and time (footprint, cost), and an
+uneven tp is ranked ahead of the even layouts only where it is faster than all of them.
+
 Training layouts are the ones `shardwise train` runs: tp a size the model splits into, pp
 at most the number of layers (the runtime's balanced split when pp does not divide them),
 m = global_batch / (micro_batch x dp) micro-batches, and for pp > 1 a schedule the runtime
@@ -22,7 +26,7 @@ it can run; recommend.py says when one of them would win.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardwise.models.config import ModelConfig
 from shardwise.planner.footprint import Footprint, inference_memory, training_memory
@@ -35,7 +39,7 @@ from shardwise.planner.predict import (
 )
 from shardwise.planner.schedule import PipelineSchedule, schedule_options
 from shardwise.planner.specs import DTYPE_BYTES, GIB, Cluster, InferenceWorkload, PlannerError, TrainingWorkload
-from shardwise.sharding.plans import model_tp_sizes
+from shardwise.sharding.plans import Balance, balance, model_tp_sizes
 
 __all__ = ["Candidate", "evaluate", "compute_dtype", "model_key", "NOT_RUNNABLE"]
 
@@ -58,6 +62,10 @@ class Candidate:
     meets_target: bool | None = None
     why_not: str | None = None
     """Why shardwise cannot run this layout (NOT_RUNNABLE), or None."""
+    balance: Balance | None = None
+    """How evenly tp splits the model (None at tp=1)."""
+    outrun: bool = False
+    """An uneven tp that a fitting even layout is at least as fast as: ranked after the even ones."""
 
     @property
     def time_s(self) -> float:
@@ -185,10 +193,11 @@ def _training_candidate(
 
 
 def model_key(c: Candidate) -> tuple:
-    """The cost model's order, best first, whether shardwise can run the layout or not."""
+    """The cost model's order, best first, whether shardwise can run the layout or not.
+    An uneven tp goes first only where it is faster than every fitting even layout."""
     if c.inference is not None:
-        return (not c.fits, c.meets_target is False, c.layout.replica, c.time_s, c.layout.tp)
-    return (not c.fits, c.layout.tp, c.time_s, c.layout.pp)
+        return (not c.fits, c.meets_target is False, c.outrun, c.layout.replica, c.time_s, c.layout.tp)
+    return (not c.fits, c.outrun, c.layout.tp, c.time_s, c.layout.pp)
 
 
 def rank_key(c: Candidate) -> tuple:
@@ -203,5 +212,13 @@ def evaluate(
     shardwise can run before those it cannot), and the layouts left out, with why."""
     check_inputs(cfg, wl, headroom)
     layouts, skipped = _layouts(cfg, wl, cluster, allow_cross_node_tp)
-    ranked = sorted((_candidate(cfg, wl, cluster, lay, headroom) for lay in layouts), key=rank_key)
-    return ranked, skipped
+    cands = [_candidate(cfg, wl, cluster, lay, headroom) for lay in layouts]
+    cands = [replace(c, balance=balance(cfg, c.layout.tp)) if c.layout.tp > 1 else c for c in cands]
+    even = [c.time_s for c in cands if c.fits and c.runnable and (c.balance is None or c.balance.even)]
+    fastest_even = min(even, default=float("inf"))
+    cands = [replace(c, outrun=True) if _uneven(c) and c.time_s >= fastest_even else c for c in cands]
+    return sorted(cands, key=rank_key), skipped
+
+
+def _uneven(c: Candidate) -> bool:
+    return c.balance is not None and not c.balance.even

@@ -33,7 +33,6 @@ from shardwise.layers import (
     ShardError,
     VocabParallelEmbedding,
     VocabParallelLMHead,
-    valid_tp_sizes,
 )
 
 __all__ = [
@@ -58,13 +57,14 @@ def _require(path: str, module: nn.Module, kinds: tuple[type, ...], style: Style
 
 
 def _split(path: str, what: str, size: int, tp: int, unit: int = 1, unit_name: str = "") -> None:
-    """Raise unless `size` splits over tp in whole units (e.g. whole heads of `unit` columns)."""
+    """Raise unless `size` splits over tp in whole units (e.g. whole heads of `unit` columns),
+    each rank getting at least one. The shares may differ by a unit (an uneven split)."""
     if size % unit:
         raise ShardError(f"{path}: {what}={size} is not a multiple of {unit_name}={unit}")
-    if (size // unit) % tp:
-        count = f"{what}={size}" if unit == 1 else f"{what}={size} ({size // unit} heads of {unit_name}={unit})"
-        valid = ", ".join(map(str, valid_tp_sizes(size // unit)))
-        raise ShardError(f"{path}.weight: {count} cannot be split over tp={tp}; valid tp sizes: {valid}")
+    units = size // unit
+    if units < tp:
+        count = f"{what}={size}" if unit == 1 else f"{what}={size} ({units} heads of {unit_name}={unit})"
+        raise ShardError(f"{path}.weight: {count} cannot give each of tp={tp} ranks a share; valid tp sizes: 1-{units}")
 
 
 class Style(ABC):
@@ -108,13 +108,18 @@ class Colwise(Style):
 
     def apply(self, module, comm):
         return ColumnParallelLinear.from_linear(
-            module, comm=comm, gather_output=self.gather_output, sequence_parallel=self.sequence_parallel
+            module,
+            comm=comm,
+            gather_output=self.gather_output,
+            sequence_parallel=self.sequence_parallel,
+            unit=self.head_dim,
         )
 
 
 @dataclass(frozen=True)
 class Rowwise(Style):
-    """nn.Linear split by input features; its input must be the output of a colwise split."""
+    """nn.Linear split by input features; its input must be the output of a colwise split
+    (with the same head_dim, so that both cut the same heads)."""
 
     name: ClassVar[str] = "rowwise"
     head_dim: int | None = None
@@ -126,7 +131,9 @@ class Rowwise(Style):
         _split(path, "in_features", module.in_features, tp, self.head_dim or 1, "head_dim")
 
     def apply(self, module, comm):
-        return RowParallelLinear.from_linear(module, comm=comm, sequence_parallel=self.sequence_parallel)
+        return RowParallelLinear.from_linear(
+            module, comm=comm, sequence_parallel=self.sequence_parallel, unit=self.head_dim
+        )
 
     def partial_grads(self, module):
         return ["bias"] if self.sequence_parallel and module.bias is not None else []

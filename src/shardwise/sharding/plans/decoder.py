@@ -20,10 +20,10 @@ __all__ = ["attention_plan", "mlp_plan", "layer_plan", "decoder_plan"]
 
 
 def attention_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: bool = False) -> Plan:
-    """An Attention (models/modules.py): the fused qkv by whole heads, o by rows."""
+    """An Attention (models/modules.py): the fused qkv by whole heads, o by rows of the same heads."""
     sp = sequence_parallel
     qkv = QKV(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, sequence_parallel=sp)
-    return {f"{prefix}qkv": qkv, f"{prefix}o": Rowwise(sequence_parallel=sp) if sp else "rowwise"}
+    return {f"{prefix}qkv": qkv, f"{prefix}o": Rowwise(head_dim=cfg.head_dim, sequence_parallel=sp)}
 
 
 def mlp_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: bool = False) -> Plan:

@@ -1,36 +1,101 @@
 """The tp sizes the plans here can split a model by: the one answer that loading, the
 CLI, the planner and the demo all use (the arithmetic is in shardwise.layers.partition).
 
-Query heads are split, key/value heads are split or evenly replicated (see HeadLayout),
-the MLP's intermediate dim is split; the vocabulary is padded, so it never refuses a tp.
+Any tp from 1 to the number of query heads works. Query heads are dealt out contiguously
+and as evenly as possible, each rank holding the KV heads its query heads use (see
+HeadLayout); the MLP's intermediate dim is split in blocks, unevenly when tp does not
+divide it; the vocabulary is padded. `balance` says how uneven a tp is and what it costs.
 """
 
 from __future__ import annotations
 
-from shardwise.layers.partition import HeadLayout, ShardError
+from dataclasses import dataclass
+
+from shardwise.layers.partition import HeadLayout, ShardError, split_ranges
 from shardwise.models.config import ModelConfig
 
-__all__ = ["model_tp_sizes", "check_tp"]
+__all__ = ["model_tp_sizes", "even_tp_sizes", "check_tp", "Balance", "balance"]
 
 
 def model_tp_sizes(cfg: ModelConfig) -> list[int]:
-    """Every tp size that can split this model, in increasing order."""
-    heads = HeadLayout.valid_tp_sizes(cfg.num_heads, cfg.num_kv_heads)
+    """Every tp size that can split this model, in increasing order: 1 to its query heads."""
+    return [t for t in HeadLayout.valid_tp_sizes(cfg.num_heads, cfg.num_kv_heads) if t <= cfg.intermediate_size]
+
+
+def even_tp_sizes(cfg: ModelConfig) -> list[int]:
+    """The tp sizes that split heads and MLP width evenly, with no KV head shared by two
+    ranks' query groups unless every KV head is replicated alike (the classic layouts)."""
+    heads = HeadLayout.even_tp_sizes(cfg.num_heads, cfg.num_kv_heads)
     return [t for t in heads if cfg.intermediate_size % t == 0]
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Refuse a tp that cannot split this model: a ShardError naming the first size it
-    cannot split, the numbers, and the valid tp sizes."""
-    valid = model_tp_sizes(cfg)
-    if tp in valid:
-        return
+    """Refuse a tp that cannot split this model: a ShardError naming the numbers and the valid sizes."""
     if tp < 1:
         raise ShardError(f"tp must be >= 1, got {tp}")
-    if cfg.num_heads % tp:
-        what = f"num_attention_heads={cfg.num_heads}"
-    elif cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
-        what = f"num_key_value_heads={cfg.num_kv_heads}"
-    else:
-        what = f"intermediate_size={cfg.intermediate_size}"
-    raise ShardError(f"{what} cannot be split over tp={tp}; valid tp sizes: {', '.join(map(str, valid))}")
+    HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)  # raises for tp > num_heads, naming the valid sizes
+    if tp > cfg.intermediate_size:
+        raise ShardError(
+            f"tp={tp} is more than intermediate_size={cfg.intermediate_size}; "
+            f"valid tp sizes: 1-{min(cfg.num_heads, cfg.intermediate_size)}"
+        )
+
+
+@dataclass(frozen=True)
+class Balance:
+    """How evenly one tp size splits a model: each share is largest rank / even share."""
+
+    tp: int
+    heads: tuple[int, ...]
+    """Query heads per rank."""
+    kv_heads: tuple[int, ...]
+    """KV heads held per rank (replicas included)."""
+    attention: float
+    """Largest rank's query heads / num_heads * tp."""
+    mlp: float
+    """Largest rank's MLP width / intermediate_size * tp."""
+    kv_cache: float
+    """Largest rank's KV heads / num_kv_heads * tp: its KV cache against the even share
+    (above 1 also where every KV head is replicated alike, as at tp > num_kv_heads)."""
+    even: bool
+    """One of the classic layouts (even_tp_sizes): equal shares everywhere."""
+
+    slowdown: float
+    """The busiest rank's layer weights (so its matmul time) / the unsharded layer's / tp: what
+    the slowest rank costs a step against a perfect split (replicated KV rows included)."""
+
+    def describe(self) -> str:
+        """One line, e.g. 'uneven: query heads 5/4 per rank (largest 1.11x the even share) ...'."""
+        if self.even:
+            return f"even: {self.heads[0]} query heads per rank"
+        heads = "/".join(map(str, self.heads))
+        return (
+            f"uneven: query heads {heads} per rank (largest {self.attention:.2f}x the even share), "
+            f"MLP width largest {self.mlp:.2f}x, KV heads {'/'.join(map(str, self.kv_heads))} per rank; "
+            f"the busiest rank does {self.slowdown:.2f}x a perfect share of each layer's matmuls"
+        )
+
+
+def balance(cfg: ModelConfig, tp: int) -> Balance:
+    """How evenly tp splits this model (check_tp first)."""
+    lay = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)
+    hd, h = cfg.head_dim, cfg.hidden_size
+    widths = [e - s for s, e in split_ranges(cfg.intermediate_size, tp)]
+    mats = 3 if cfg.gated_mlp else 2
+
+    def layer(q: int, kv: int, inter: int) -> int:  # matmul weights: qkv, o, MLP
+        return (2 * q + 2 * kv) * hd * h + mats * inter * h
+
+    heads = tuple(len(lay.q_heads(r)) for r in range(tp))
+    kv_heads = tuple(len(lay.kv_heads(r)) for r in range(tp))
+    busiest = max(layer(q, kv, w) for q, kv, w in zip(heads, kv_heads, widths, strict=True))
+    return Balance(
+        tp=tp,
+        heads=heads,
+        kv_heads=kv_heads,
+        attention=lay.imbalance,
+        mlp=max(widths) * tp / cfg.intermediate_size,
+        kv_cache=lay.max_kv_heads * tp / cfg.num_kv_heads,
+        even=tp in even_tp_sizes(cfg),
+        slowdown=busiest * tp / layer(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size),
+    )
