@@ -205,3 +205,37 @@ def test_calibration_carries_the_training_terms():
     assert Calibration.from_json(cal.to_json()).cluster().device == d
     assert VERSION >= 3  # files without the training terms (version 2) are measured again
     assert FAKE.cluster().device.train_layer_overhead_us is None  # not measured: the decode overheads
+
+
+def test_an_uneven_tp_is_recommended_where_it_wins_and_says_what_it_costs():
+    # Qwen2-7B: 28 query heads / 4 KV heads, so 8 devices split it unevenly (4 or 3 heads a rank)
+    wl = InferenceWorkload(prompt_len=2048, output_len=256, target_latency_ms=815)
+    p = plan("qwen2-7b", "dgx-h100", wl)
+    best = p.recommended
+    assert best.layout.tp == 8 and not best.balance.even and best.balance.heads == (4, 3) * 4
+    evens = [c for c in p.candidates if c.fits and c.runnable and (c.balance is None or c.balance.even)]
+    assert evens and all(best.time_s < c.time_s for c in evens), "an uneven tp must beat every fitting even one"
+    text = render_text(p)
+    assert "tp=8 does not divide the 28 query heads: query heads 4/3/4/3/4/3/4/3 per rank" in text
+    assert "(uneven: 4/3 heads per rank)" in text
+    row = next(c for c in to_json(p)["layouts"] if c["layout"] == best.layout.arg())
+    assert row["uneven"]["query_heads"] == [4, 3] * 4 and row["uneven"]["outrun"] is False
+
+
+def test_an_uneven_tp_that_fits_on_fewer_devices_but_is_slower_is_not_recommended():
+    p = plan("llama-3-70b", "pcie-8x-rtx4090")  # 64 heads: tp=7 fits (10/9 heads a rank), tp=8 is faster
+    seven = next(c for c in p.candidates if c.layout.tp == 7 and c.layout.pp == 1)
+    assert seven.fits and seven.outrun and seven.time_s > p.recommended.time_s
+    assert p.recommended.layout.tp == 8
+    assert "tp=7 would fit on fewer devices but splits unevenly" in render_text(p)
+
+
+def test_uneven_memory_is_the_busiest_ranks():
+    from shardwise.planner.footprint import layer_params
+
+    cfg = model_preset("qwen2-7b")
+    total = layer_params(cfg, 1)[1]
+    # tp=8: the busiest rank holds 4 of 28 query heads, 1 KV head, 1/8 of the MLP (18944 = 8 x 2368)
+    hd, h = cfg.head_dim, cfg.hidden_size
+    busiest = (4 + 2 * 1) * hd * h + 4 * hd * h + 3 * 2368 * h
+    assert layer_params(cfg, 8)[1] == busiest and busiest > total / 8

@@ -17,6 +17,7 @@ from shardwise.comm.dryrun import DryRunCommunicator
 from shardwise.layers import ShardSpec, model_shard_specs
 from shardwise.models.meta import on_meta
 from shardwise.sharding import parallelize
+from shardwise.sharding.plans import balance
 
 __all__ = ["add_parser", "run", "describe"]
 
@@ -61,6 +62,14 @@ def describe(model_dir, cfg, tp: int, prompt_len: int = 128, dtype: str | None =
         for name, spec in specs.items()
     ]
     full = width * sum(torch.Size(s.global_shape).numel() for s in specs.values())
+    bal = balance(cfg, tp) if tp > 1 else None
+    per_rank = [sum(t["bytes_per_rank"] for t in tensors)]
+    if bal is not None and not bal.even:  # ranks differ: each one's bytes, from its own plan
+        for r in range(1, tp):
+            with on_meta():
+                other = family.model(cfg)
+            parallelize(other, family.plan(cfg), comm=DryRunCommunicator(tp, r))
+            per_rank.append(width * sum(torch.Size(s.local_shape).numel() for s in model_shard_specs(other).values()))
     counts = {}
     if hasattr(model, "new_caches"):
         caches = model.new_caches(1, prompt_len + 1)
@@ -77,8 +86,20 @@ def describe(model_dir, cfg, tp: int, prompt_len: int = 128, dtype: str | None =
         "tp": tp,
         "dtype": dtype,
         "tensors": tensors,
-        "bytes_per_rank": sum(t["bytes_per_rank"] for t in tensors),
+        "bytes_per_rank": per_rank[0],
+        "bytes_by_rank": per_rank if len(per_rank) == tp else per_rank * tp,
         "bytes_unsharded": full,
+        "balance": None
+        if bal is None
+        else {
+            "even": bal.even,
+            "query_heads": list(bal.heads),
+            "kv_heads": list(bal.kv_heads),
+            "attention": bal.attention,
+            "mlp": bal.mlp,
+            "slowdown": bal.slowdown,
+            "text": bal.describe(),
+        },
         "collectives": counts,
     }
 
@@ -100,6 +121,11 @@ def run(args: argparse.Namespace) -> int:
         f"\nparameters per rank: {info['bytes_per_rank'] / mib:.2f} MiB of {info['bytes_unsharded'] / mib:.2f} MiB "
         f"unsharded ({info['bytes_per_rank'] / info['bytes_unsharded']:.0%})"
     )
+    if info["balance"] is not None:
+        print(f"split over tp={args.tp}: {info['balance']['text']}")
+        if not info["balance"]["even"]:
+            sizes = ", ".join(f"rank {r} {b / mib:.2f}" for r, b in enumerate(info["bytes_by_rank"]))
+            print(f"parameters by rank (MiB): {sizes}")
     for step, snap in info["collectives"].items():
         text = ", ".join(f"{op} x{c['calls']} ({c['bytes'] / 1024:.1f} KiB)" for op, c in snap.items()) or "none"
         print(f"collectives per {step.replace('_', ' ')} (model forward, batch 1): {text}")

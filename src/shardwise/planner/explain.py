@@ -48,10 +48,16 @@ def explain(rec) -> tuple[list[str], list[str]]:
             f"It fits on one device ({_gib(mem.total)} of {usable}, {_gib(mem.free)} free), so tp=1: "
             "no tensor parallelism is needed for memory."
         )
+    elif one and one[0].fits and rec.workload.target_latency_ms is not None:
+        why.append(
+            f"It fits on one device ({_gib(one[0].memory.total)}), but the latency target of "
+            f"{rec.workload.target_latency_ms:g} ms needs more: the fewest devices that meet it: "
+            f"{lay.tp} x {lay.pp} = {lay.replica} per replica ({_gib(mem.total)} of {usable}, {_gib(mem.free)} free)."
+        )
     else:
         need = f" (one device would need {_gib(one[0].memory.total)})" if one else ""
         why.append(
-            f"It does not fit on one device{need}. The fewest devices that fit with {rec.headroom:.0%} headroom: "
+            f"It does not fit on one device{need}. The fewest devices that fit{_evenly(rec)} with {rec.headroom:.0%} headroom: "
             f"{lay.tp} x {lay.pp} = {lay.replica} per replica ({_gib(mem.total)} of {usable}, {_gib(mem.free)} free)."
         )
     warn = [f"tp={lay.tp} crosses a node boundary: its collectives go over {cl.inter.name}."] if r.cross_node_tp else []
@@ -59,6 +65,7 @@ def explain(rec) -> tuple[list[str], list[str]]:
         warn.append(
             f"a replica spans {lay.replica // cl.devices_per_node} nodes: pipeline sends cross {cl.inter.name}."
         )
+    why += _uneven(rec)
     if isinstance(rec.workload, InferenceWorkload):
         _inference(rec, why, warn)
     else:
@@ -66,6 +73,37 @@ def explain(rec) -> tuple[list[str], list[str]]:
     if rec.pipeline is not None:
         warn.append(_pipeline_would_win(rec))
     return why, warn
+
+
+def _lost(rec) -> list:
+    """Uneven layouts that fit on a smaller replica than the recommendation's but are slower."""
+    r = rec.recommended
+    return [c for c in rec.candidates if c.fits and c.runnable and c.outrun and c.layout.replica < r.layout.replica]
+
+
+def _evenly(rec) -> str:
+    b = rec.recommended.balance
+    return " with an even split" if _lost(rec) and (b is None or b.even) else ""
+
+
+def _uneven(rec) -> list[str]:
+    """What the recommendation's uneven split costs, or which uneven tp fitted but lost."""
+    r, cfg = rec.recommended, rec.cfg
+    if r.balance is not None and not r.balance.even:
+        return [
+            f"tp={r.layout.tp} does not divide the {cfg.num_heads} query heads: "
+            f"{r.balance.describe().removeprefix('uneven: ')}. "
+            "It is still faster than every even layout that fits."
+        ]
+    lost = _lost(rec)
+    if not lost:
+        return []
+    c = min(lost, key=lambda c: c.time_s)
+    return [
+        f"tp={c.layout.tp} would fit on fewer devices but splits unevenly ({c.balance.describe().removeprefix('uneven: ')}); "
+        f"it is slower than {r.layout} ({_ms(c.time_s)} against {_ms(r.time_s)} per "
+        f"{'request' if c.inference is not None else 'step'}), and an uneven tp is recommended only where it wins."
+    ]
 
 
 def _pipeline_would_win(rec) -> str:
@@ -136,7 +174,7 @@ def _inference(rec, why: list[str], warn: list[str]) -> None:
             f"{lay} with {c.layout.replica / lay.replica:g}x the devices; communication is {share:.0%} of its decode "
             "step. Run replicas (dp) instead."
         )
-    elif lay.tp > 1 and lay.pp == 1:
+    elif lay.tp > 1 and lay.pp == 1 and not (wl.target_latency_ms is not None and r.meets_target):
         why.append(f"tp={lay.tp} is needed for memory, not chosen for speed.")
     if wl.target_latency_ms is not None:
         if r.meets_target:

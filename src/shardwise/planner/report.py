@@ -112,8 +112,16 @@ def render_text(rec: Recommendation, *, top: int = 12) -> str:
                 f" {m.free / GIB:>7.2f}            | {_ms(s.total_s):>9} = {_ms(s.compute_s):>8} + {_ms(s.comm_s):>7}"
                 f" + {_ms(s.bubble_s):>7} | {t.tokens_per_s:>9.4g} | {t.mfu:>3.0%} | {_pipeline(c)}"
             )
+        uneven = c.balance is not None and not c.balance.even
         out.append(
-            row + ("  (tp crosses nodes)" if c.cross_node_tp else "") + ("" if c.runnable else f"  ({NOT_RUNNABLE})")
+            row
+            + ("  (tp crosses nodes)" if c.cross_node_tp else "")
+            + (
+                f"  (uneven: {'/'.join(map(str, sorted(set(c.balance.heads), reverse=True)))} heads per rank)"
+                if uneven
+                else ""
+            )
+            + ("" if c.runnable else f"  ({NOT_RUNNABLE})")
         )
     if len(rec.candidates) > top:
         out.append(f"  ... {len(rec.candidates) - top} more layouts (--top N, or --json for all)")
@@ -179,6 +187,9 @@ def _cand_json(c: Candidate, cfg, wl) -> dict:
         "cross_node_tp": c.cross_node_tp,
         "runnable": c.runnable,
         "why_not": c.why_not,
+        "uneven": None
+        if c.balance is None or c.balance.even
+        else {"query_heads": list(c.balance.heads), "slowdown": c.balance.slowdown, "outrun": c.outrun},
         "memory_gib": {
             k: getattr(m, k) / GIB
             for k in ("weights", "kv_cache", "activations", "grads", "optimizer", "total", "free")
