@@ -29,15 +29,24 @@ from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator
 from shardwise.launch import board as boards
 from shardwise.launch.env import ExternalRank, external_rank, resolve_backend
 from shardwise.launch.failfast import RankFailedError, hang_failure, hang_of
+from shardwise.launch.hosts import ALLOW_FLAG, HostLayoutError, gather_hosts
 from shardwise.launch.local import launch_local
 from shardwise.launch.mpi import launch_mpi
+from shardwise.log import get_logger
 
 __all__ = ["launch", "run_job", "LaunchError"]
 
+log = get_logger("launch")
+
 
 class LaunchError(ValueError):
-    """The ranks an external launcher started do not fit the job (their number, or no
-    rendezvous address); nothing ran."""
+    """The ranks an external launcher started do not fit the job (their number, no
+    rendezvous address, a tp group across hosts); nothing ran. `quiet`: every rank raises
+    it, and this one need not print it (it is not the first rank of its host)."""
+
+    def __init__(self, message: str, *, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
 
 
 def launch(
@@ -73,6 +82,8 @@ def run_job(
     backend: str = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     job_timeout_s: float | None = None,
+    tp: int | None = None,
+    allow_cross_host_tp: bool = False,
 ) -> Any | None:
     """fn(world, *args) on `world_size` ranks: ours (`launch`), or torchrun's / mpiexec's
     when they started this process. Rank 0's result (None on an external launcher's
@@ -80,6 +91,12 @@ def run_job(
 
     job_timeout_s bounds the job on ranks we start (see `launch`; math.inf for a server);
     an external launcher's ranks are its own to stop.
+
+    tp (default world_size: the whole world is one tp group) is the job's tensor-parallel
+    size, its groups blocks of tp consecutive ranks (shardwise.comm.dims). Under an
+    external launcher the ranks' hosts are gathered right after the rendezvous
+    (shardwise.launch.hosts), and a tp group that spans hosts is refused (LaunchError, on
+    every rank, before fn runs) unless allow_cross_host_tp. Ranks we start share this host.
     """
     backend = resolve_backend(backend)
     ext = external_rank()
@@ -91,6 +108,7 @@ def run_job(
         from shardwise.comm.mpi import init_mpi
 
         comm = init_mpi(timeout_s)
+        _check_hosts(comm, ext, tp or world_size, allow_cross_host_tp)
         return _run(fn, comm, args, ext)
     if ext.master_addr is None or ext.master_port is None:
         raise LaunchError(
@@ -108,7 +126,27 @@ def run_job(
         timeout_s=timeout_s,
         init_method="env://" if ext.launcher == "torchrun" else None,
     )
+    _check_hosts(comm, ext, tp or world_size, allow_cross_host_tp)
     return _run(fn, comm, args, ext)
+
+
+def _check_hosts(comm: Communicator, ext: ExternalRank, tp: int, allow: bool) -> None:
+    """Gather every rank's host and refuse a tp group across hosts (LaunchError on every rank,
+    printed by the first rank of each host), unless `allow`; rank 0 logs the hosts."""
+    hosts = gather_hosts(comm, ext.host)
+    if len(hosts.names) == 1:
+        return
+    try:
+        hosts.check_tp(tp)
+    except HostLayoutError as e:
+        if not allow:
+            comm.close()
+            raise LaunchError(str(e), quiet=hosts.ranks(ext.host)[0] != ext.rank) from None
+        if ext.rank == 0:
+            log.warning("tp groups span hosts (%s): %s", ALLOW_FLAG, hosts.summary())
+        return
+    if ext.rank == 0:
+        log.info("%s; every tp=%d group inside one host", hosts.summary(), tp)
 
 
 def _run(fn, comm: Communicator, args: tuple, ext: ExternalRank) -> Any | None:
