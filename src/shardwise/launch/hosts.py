@@ -69,7 +69,7 @@ class Hosts:
             return
         group = bad[0]
         where = " and ".join(
-            f"{h} (rank {_span([r for r in group if self.labels[r] == h])})" for h in _hosts_of(self, group)
+            f"{h} ({_ranks([r for r in group if self.labels[r] == h])})" for h in _hosts_of(self, group)
         )
         counts = ", ".join(self._count(h) for h in self.names[:8]) + (", ..." if len(self.names) > 8 else "")
         fits = ", ".join(map(str, self.tp_sizes()))
@@ -97,6 +97,11 @@ def gather_hosts(comm: Communicator, label: str) -> Hosts:
 
 def _hosts_of(hosts: Hosts, group: list[int]) -> list[str]:
     return list(dict.fromkeys(hosts.labels[r] for r in group))
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3' or 'ranks 0-1'."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
 
 
 def _span(ranks: list[int]) -> str:

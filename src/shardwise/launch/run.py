@@ -41,8 +41,8 @@ log = get_logger("launch")
 
 class LaunchError(ValueError):
     """The ranks an external launcher started do not fit the job (their number, no
-    rendezvous address, a tp group across hosts); nothing ran. `quiet`: every rank raises
-    it, and this one need not print it (it is not the first rank of its host)."""
+    rendezvous address, a tp group across hosts); nothing ran. `quiet`: already printed
+    (where the user sees it), a command need not print it again."""
 
     def __init__(self, message: str, *, quiet: bool = False) -> None:
         super().__init__(message)
@@ -131,8 +131,13 @@ def run_job(
 
 
 def _check_hosts(comm: Communicator, ext: ExternalRank, tp: int, allow: bool) -> None:
-    """Gather every rank's host and refuse a tp group across hosts (LaunchError on every rank,
-    printed by the first rank of each host), unless `allow`; rank 0 logs the hosts."""
+    """Gather every rank's host and refuse a tp group across hosts, unless `allow`; rank 0
+    logs the hosts.
+
+    A refusal is printed once on each terminal: by rank 0 under mpiexec (which gathers every
+    rank's output), by the first rank of each host under torchrun (one agent per host); then
+    a barrier, so no rank exits (and has its launcher kill the others) before the printing
+    ones have printed, and every rank raises LaunchError (quiet: already printed)."""
     hosts = gather_hosts(comm, ext.host)
     if len(hosts.names) == 1:
         return
@@ -140,8 +145,12 @@ def _check_hosts(comm: Communicator, ext: ExternalRank, tp: int, allow: bool) ->
         hosts.check_tp(tp)
     except HostLayoutError as e:
         if not allow:
+            printer = ext.rank == 0 if ext.launcher == "mpiexec" else hosts.ranks(ext.host)[0] == ext.rank
+            if printer:
+                print(f"shardwise: error: {e}", file=sys.stderr, flush=True)
+            comm.barrier()
             comm.close()
-            raise LaunchError(str(e), quiet=hosts.ranks(ext.host)[0] != ext.rank) from None
+            raise LaunchError(str(e), quiet=True) from None
         if ext.rank == 0:
             log.warning("tp groups span hosts (%s): %s", ALLOW_FLAG, hosts.summary())
         return
