@@ -33,6 +33,7 @@ def test_tp_groups_inside_hosts_pass_and_pp_dp_may_span_them():
         assert all(len({hosts.labels[r] for r in g}) == 1 for g in dims.tp_groups())  # the same blocks
         assert hosts.cross_host_groups(dims.tp) == []
     assert hosts.summary() == "2 hosts: a (ranks 0-1), b (ranks 2-3)"
+    assert Hosts(("a", "b")).summary() == "2 hosts: a (rank 0), b (rank 1)"
 
 
 @pytest.mark.parametrize(

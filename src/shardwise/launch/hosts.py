@@ -47,7 +47,7 @@ class Hosts:
 
     def summary(self) -> str:
         """'2 hosts: vm:node0 (ranks 0-1), vm:node1 (ranks 2-3)'."""
-        parts = [f"{h} (ranks {_span(self.ranks(h))})" for h in self.names]
+        parts = [f"{h} ({_ranks(self.ranks(h))})" for h in self.names]
         return f"{len(parts)} host{'s' if len(parts) != 1 else ''}: " + ", ".join(parts)
 
     def cross_host_groups(self, tp: int) -> list[list[int]]:
