@@ -22,6 +22,8 @@ def test_the_launchers_word_names_the_host_else_the_hostname():
     assert host_label({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}) == name
     assert external_rank(_TORCHRUN).host == f"{name}:node1"
     assert (external_rank(_HYDRA).rank, external_rank(_HYDRA).host) == (2, "gpu-b")
+    assert external_rank(_TORCHRUN).local_world_size == 2  # of 4: more than one host, gather
+    assert external_rank({**_HYDRA, "MPI_LOCALNRANKS": "4"}).local_world_size == 4  # all here: nothing to gather
 
 
 def test_tp_groups_inside_hosts_pass_and_pp_dp_may_span_them():

@@ -43,6 +43,9 @@ class ExternalRank:
     host: str = ""
     """The host this rank runs on, as the launcher names it (see `host_label`); ranks with
     the same label share a host."""
+    local_world_size: int | None = None
+    """Ranks on this host, where the launcher says (torchrun, hydra, Open MPI): equal to
+    world_size, every rank is on one host and there is nothing to gather."""
 
 
 def host_label(environ: dict[str, str] | None = None) -> str:
@@ -85,5 +88,13 @@ def external_rank(environ: dict[str, str] | None = None) -> ExternalRank | None:
                 int(port) if port else None,
                 launcher,
                 host_label(env),
+                _local_world_size(env),
             )
+    return None
+
+
+def _local_world_size(env) -> int | None:
+    for key in ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):  # torchrun, hydra, Open MPI
+        if env.get(key, "").isdigit():
+            return int(env[key])
     return None

@@ -138,6 +138,8 @@ def _check_hosts(comm: Communicator, ext: ExternalRank, tp: int, allow: bool) ->
     rank's output), by the first rank of each host under torchrun (one agent per host); then
     a barrier, so no rank exits (and has its launcher kill the others) before the printing
     ones have printed, and every rank raises LaunchError (quiet: already printed)."""
+    if ext.local_world_size == ext.world_size:  # the launcher says: one host
+        return
     hosts = gather_hosts(comm, ext.host)
     if len(hosts.names) == 1:
         return
