@@ -18,6 +18,7 @@ answers by killing every rank): mpiexec waits for every rank, a stopped one incl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -150,7 +151,8 @@ def _check_hosts(comm: Communicator, ext: ExternalRank, tp: int, allow: bool) ->
             printer = ext.rank == 0 if ext.launcher == "mpiexec" else hosts.ranks(ext.host)[0] == ext.rank
             if printer:
                 print(f"shardwise: error: {e}", file=sys.stderr, flush=True)
-            comm.barrier()
+            with contextlib.suppress(Exception):  # a peer gone already: the refusal still stands
+                comm.barrier()
             comm.close()
             raise LaunchError(str(e), quiet=True) from None
         if ext.rank == 0:
