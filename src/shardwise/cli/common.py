@@ -12,9 +12,10 @@ from typing import Any
 from shardwise.comm import DEFAULT_TIMEOUT_S
 from shardwise.engine.text import DEFAULT_MODEL
 from shardwise.launch import JobTimeoutError, LaunchError, RankFailedError, run_job
+from shardwise.launch.hosts import ALLOW_FLAG
 from shardwise.log import setup_logging
 
-__all__ = ["add_model_args", "add_run_args", "resolve_model", "fail", "job", "CliError"]
+__all__ = ["add_model_args", "add_run_args", "add_host_args", "resolve_model", "fail", "job", "CliError"]
 
 
 class CliError(SystemExit):
@@ -47,6 +48,14 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
+def add_host_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        ALLOW_FLAG,
+        action="store_true",
+        help="under torchrun / mpiexec on several hosts, run even if a tp group spans hosts (slow; see docs/multihost.md)",
+    )
+
+
 def resolve_model(model: Path | None, tp: int, *, auto: bool = False):
     """(model dir, ModelConfig) after checking the directory and the tp size (shardwise.hf.resolve_model);
     exits with a one-line error. auto=True also accepts a model for the automatic plan (ModelConfig None)."""
@@ -74,13 +83,25 @@ def job(
     backend: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     job_timeout_s: float | None = None,
+    tp: int | None = None,
+    allow_cross_host_tp: bool = False,
 ) -> Any:
     """Run fn(world, opts) on `world_size` ranks (ours, or torchrun's / mpiexec's); rank 0's
     result, None on an external launcher's other ranks. A failed rank, or ranks that do not
-    fit the job, end the command with the error (CliError). See shardwise.launch.run_job."""
+    fit the job (a tp group across hosts among them: tp defaults to world_size), end the
+    command with the error (CliError). See shardwise.launch.run_job."""
     setup_logging()
     try:
-        return run_job(fn, world_size, args=(opts,), backend=backend, timeout_s=timeout_s, job_timeout_s=job_timeout_s)
+        return run_job(
+            fn,
+            world_size,
+            args=(opts,),
+            backend=backend,
+            timeout_s=timeout_s,
+            job_timeout_s=job_timeout_s,
+            tp=tp,
+            allow_cross_host_tp=allow_cross_host_tp,
+        )
     except RankFailedError as e:
         print(f"shardwise: error: rank {e.rank} failed: {e.summary}", file=sys.stderr)
         print(e.detail, file=sys.stderr)
@@ -89,4 +110,4 @@ def job(
         print(f"shardwise: error: {e}", file=sys.stderr)
         raise CliError(1) from None
     except LaunchError as e:
-        raise CliError(fail(str(e))) from None
+        raise CliError(2 if e.quiet else fail(str(e))) from None

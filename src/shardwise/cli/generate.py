@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.cli.common import add_model_args, add_run_args, fail, job, resolve_model
+from shardwise.cli.common import add_host_args, add_model_args, add_run_args, fail, job, resolve_model
 from shardwise.comm import Communicator, tp_only
 from shardwise.engine import PromptError, SamplingParams, generate, validate_prompts
 from shardwise.engine.text import DEFAULT_MODEL, StreamDecoder, load_tokenizer, stop_ids
@@ -43,6 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-tp1", action="store_true", help="also run at tp=1 and report whether the tokens match")
     p.add_argument("--debug-fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     add_run_args(p)
+    add_host_args(p)
 
 
 def _prompts(args, model_dir: Path) -> list[list[int]]:
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             print("model: the default model shipped with shardwise, trained on Jane Austen's novels (see its README)\n")
         if len(prompts) == 1 and args.prompt_ids is None:  # rank 0 streams the continuation after it
             print(args.prompt[0] if args.prompt else DEFAULT_PROMPT, end="", flush=True)
-    run_opts = {"backend": args.backend, "timeout_s": args.timeout}
+    run_opts = {"backend": args.backend, "timeout_s": args.timeout, "allow_cross_host_tp": args.allow_cross_host_tp}
     result = job(_generate_rank, args.tp, opts, **run_opts)
     if result is None:  # a non-zero rank under an external launcher
         return 0

@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from shardwise.cli.common import fail, job
+from shardwise.cli.common import add_host_args, fail, job
 from shardwise.comm import Communicator
 
 __all__ = [
@@ -81,6 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["auto", "mpi", "gloo", "nccl"], default=None, help="override parallel.backend")
     p.add_argument("--timeout", type=float, default=None, help="override parallel.timeout_s")
     p.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
+    add_host_args(p)
 
 
 def _train_rank(world: Communicator, cfg, p2p_check: bool = False) -> dict:
@@ -269,7 +270,9 @@ def prepare(cfg) -> tuple:
     return model_cfg, token_file(cfg), backend
 
 
-def run_training(cfg, *, timeout_s: float | None = None, p2p_check: bool = False) -> dict | None:
+def run_training(
+    cfg, *, timeout_s: float | None = None, p2p_check: bool = False, allow_cross_host_tp: bool = False
+) -> dict | None:
     """The Python API of `shardwise train`: check the config and tokenize the text here
     (`prepare`), then train on tp * pp * dp ranks started here (or joined: torchrun, mpiexec).
 
@@ -280,13 +283,22 @@ def run_training(cfg, *, timeout_s: float | None = None, p2p_check: bool = False
     (see pipeline_summary), p2p_check (None on an external launcher's other ranks).
     timeout_s (default parallel.timeout_s) bounds each collective and point-to-point
     message; p2p_check sends a (shape, dtype) header with each stage-to-stage message.
-    Raises on bad input before any rank starts, RankFailedError if a rank fails.
+    Raises on bad input before any rank starts, RankFailedError if a rank fails; under
+    torchrun / mpiexec, LaunchError if a tp group spans hosts, unless allow_cross_host_tp.
     """
     from shardwise.launch import run_job
 
     _, _, backend = prepare(cfg)
     timeout = timeout_s if timeout_s is not None else cfg.parallel.timeout_s
-    return run_job(_train_rank, cfg.parallel.world_size, args=(cfg, p2p_check), backend=backend, timeout_s=timeout)
+    return run_job(
+        _train_rank,
+        cfg.parallel.world_size,
+        args=(cfg, p2p_check),
+        backend=backend,
+        timeout_s=timeout,
+        tp=cfg.parallel.tp,
+        allow_cross_host_tp=allow_cross_host_tp,
+    )
 
 
 def summary_lines(result: dict, cfg) -> list[str]:
@@ -346,7 +358,15 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(startup_line(cfg, model_cfg, tokens, backend), flush=True)
     fn = _train_rank_p2p_check if args.p2p_check else _train_rank
-    result = job(fn, cfg.parallel.world_size, cfg, backend=backend, timeout_s=cfg.parallel.timeout_s)
+    result = job(
+        fn,
+        cfg.parallel.world_size,
+        cfg,
+        backend=backend,
+        timeout_s=cfg.parallel.timeout_s,
+        tp=cfg.parallel.tp,
+        allow_cross_host_tp=args.allow_cross_host_tp,
+    )
     if result is None:  # a non-zero rank under an external launcher
         return 0
     if args.json:

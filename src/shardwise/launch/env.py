@@ -7,9 +7,10 @@ environment variables; library code only ever receives a Communicator.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
-__all__ = ["ExternalRank", "external_rank", "resolve_backend"]
+__all__ = ["ExternalRank", "external_rank", "host_label", "resolve_backend"]
 
 
 def resolve_backend(name: str) -> str:
@@ -39,6 +40,29 @@ class ExternalRank:
     """Rendezvous for gloo/NCCL (torchrun sets it; mpiexec users pass it). MPI needs none."""
     master_port: int | None
     launcher: str
+    host: str = ""
+    """The host this rank runs on, as the launcher names it (see `host_label`); ranks with
+    the same label share a host."""
+    local_world_size: int | None = None
+    """Ranks on this host, where the launcher says (torchrun, hydra, Open MPI): equal to
+    world_size, every rank is on one host and there is nothing to gather."""
+
+
+def host_label(environ: dict[str, str] | None = None) -> str:
+    """This rank's host, as its launcher says: torchrun's node (GROUP_RANK, the agent
+    that started it), MPICH hydra's host entry (PMI_HOSTNAME), else the hostname.
+
+    NOTE: the launcher's word comes first so that two torchrun agents, or two hydra host
+    entries, on one machine are two hosts (how the tests simulate a cluster), and so that
+    the label is the same on every rank of a host whatever its hostname resolves to.
+    """
+    env = os.environ if environ is None else environ
+    name = socket.gethostname()
+    if "GROUP_RANK" in env and "LOCAL_WORLD_SIZE" in env:  # torchrun
+        return f"{name}:node{env['GROUP_RANK']}"
+    if env.get("PMI_HOSTNAME"):  # MPICH hydra: the host entry of -hosts / the host file
+        return env["PMI_HOSTNAME"]
+    return name
 
 
 def external_rank(environ: dict[str, str] | None = None) -> ExternalRank | None:
@@ -47,6 +71,7 @@ def external_rank(environ: dict[str, str] | None = None) -> ExternalRank | None:
     torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. mpiexec sets
     PMI_RANK/PMI_SIZE (MPICH) or OMPI_COMM_WORLD_RANK/SIZE (Open MPI); the MPI backend
     needs nothing more, gloo also needs MASTER_ADDR and MASTER_PORT (`mpiexec -genv`/`-x`).
+    Its host is `host_label`.
     """
     env = os.environ if environ is None else environ
     for launcher, rank_key, size_key in (
@@ -57,6 +82,19 @@ def external_rank(environ: dict[str, str] | None = None) -> ExternalRank | None:
         if rank_key in env and size_key in env:
             port = env.get("MASTER_PORT")
             return ExternalRank(
-                int(env[rank_key]), int(env[size_key]), env.get("MASTER_ADDR"), int(port) if port else None, launcher
+                int(env[rank_key]),
+                int(env[size_key]),
+                env.get("MASTER_ADDR"),
+                int(port) if port else None,
+                launcher,
+                host_label(env),
+                _local_world_size(env),
             )
+    return None
+
+
+def _local_world_size(env) -> int | None:
+    for key in ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):  # torchrun, hydra, Open MPI
+        if env.get(key, "").isdigit():
+            return int(env[key])
     return None

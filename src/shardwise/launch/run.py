@@ -18,6 +18,7 @@ answers by killing every rank): mpiexec waits for every rank, a stopped one incl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -29,15 +30,24 @@ from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator
 from shardwise.launch import board as boards
 from shardwise.launch.env import ExternalRank, external_rank, resolve_backend
 from shardwise.launch.failfast import RankFailedError, hang_failure, hang_of
+from shardwise.launch.hosts import ALLOW_FLAG, HostLayoutError, gather_hosts
 from shardwise.launch.local import launch_local
 from shardwise.launch.mpi import launch_mpi
+from shardwise.log import get_logger
 
 __all__ = ["launch", "run_job", "LaunchError"]
 
+log = get_logger("launch")
+
 
 class LaunchError(ValueError):
-    """The ranks an external launcher started do not fit the job (their number, or no
-    rendezvous address); nothing ran."""
+    """The ranks an external launcher started do not fit the job (their number, no
+    rendezvous address, a tp group across hosts); nothing ran. `quiet`: already printed
+    (where the user sees it), a command need not print it again."""
+
+    def __init__(self, message: str, *, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
 
 
 def launch(
@@ -73,6 +83,8 @@ def run_job(
     backend: str = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     job_timeout_s: float | None = None,
+    tp: int | None = None,
+    allow_cross_host_tp: bool = False,
 ) -> Any | None:
     """fn(world, *args) on `world_size` ranks: ours (`launch`), or torchrun's / mpiexec's
     when they started this process. Rank 0's result (None on an external launcher's
@@ -80,6 +92,12 @@ def run_job(
 
     job_timeout_s bounds the job on ranks we start (see `launch`; math.inf for a server);
     an external launcher's ranks are its own to stop.
+
+    tp (default world_size: the whole world is one tp group) is the job's tensor-parallel
+    size, its groups blocks of tp consecutive ranks (shardwise.comm.dims). Under an
+    external launcher the ranks' hosts are gathered right after the rendezvous
+    (shardwise.launch.hosts), and a tp group that spans hosts is refused (LaunchError, on
+    every rank, before fn runs) unless allow_cross_host_tp. Ranks we start share this host.
     """
     backend = resolve_backend(backend)
     ext = external_rank()
@@ -91,6 +109,7 @@ def run_job(
         from shardwise.comm.mpi import init_mpi
 
         comm = init_mpi(timeout_s)
+        _check_hosts(comm, ext, tp or world_size, allow_cross_host_tp)
         return _run(fn, comm, args, ext)
     if ext.master_addr is None or ext.master_port is None:
         raise LaunchError(
@@ -108,7 +127,39 @@ def run_job(
         timeout_s=timeout_s,
         init_method="env://" if ext.launcher == "torchrun" else None,
     )
+    _check_hosts(comm, ext, tp or world_size, allow_cross_host_tp)
     return _run(fn, comm, args, ext)
+
+
+def _check_hosts(comm: Communicator, ext: ExternalRank, tp: int, allow: bool) -> None:
+    """Gather every rank's host and refuse a tp group across hosts, unless `allow`; rank 0
+    logs the hosts.
+
+    A refusal is printed once on each terminal: by rank 0 under mpiexec (which gathers every
+    rank's output), by the first rank of each host under torchrun (one agent per host); then
+    a barrier, so no rank exits (and has its launcher kill the others) before the printing
+    ones have printed, and every rank raises LaunchError (quiet: already printed)."""
+    if ext.local_world_size == ext.world_size:  # the launcher says: one host
+        return
+    hosts = gather_hosts(comm, ext.host)
+    if len(hosts.names) == 1:
+        return
+    try:
+        hosts.check_tp(tp)
+    except HostLayoutError as e:
+        if not allow:
+            printer = ext.rank == 0 if ext.launcher == "mpiexec" else hosts.ranks(ext.host)[0] == ext.rank
+            if printer:
+                print(f"shardwise: error: {e}", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):  # a peer gone already: the refusal still stands
+                comm.barrier()
+            comm.close()
+            raise LaunchError(str(e), quiet=True) from None
+        if ext.rank == 0:
+            log.warning("tp groups span hosts (%s): %s", ALLOW_FLAG, hosts.summary())
+        return
+    if ext.rank == 0:
+        log.info("%s; every tp=%d group inside one host", hosts.summary(), tp)
 
 
 def _run(fn, comm: Communicator, args: tuple, ext: ExternalRank) -> Any | None:
