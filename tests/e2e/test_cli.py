@@ -39,9 +39,9 @@ def test_demo_runs_under_torchrun():
 
 
 def test_demo_refuses_invalid_tp_before_starting_ranks():
-    out = run_cli_inline("demo", "--tp", "3")
+    out = run_cli_inline("demo", "--tp", "9")
     assert out.returncode == 2
-    assert "valid tp sizes: 1, 2, 4, 8" in out.stderr
+    assert "tp=9 is more than the model's num_attention_heads=8" in out.stderr and "valid tp sizes: 1-8" in out.stderr
     assert "PASS" not in out.stdout
 
 
@@ -72,7 +72,8 @@ def test_info_refuses_invalid_tp():
     assert out.returncode == 2
     assert (
         out.stderr.strip()
-        == "shardwise: error: num_attention_heads=8 cannot be split over tp=16; valid tp sizes: 1, 2, 4, 8"
+        == "shardwise: error: tp=16 is more than the model's num_attention_heads=8: every rank needs a query head; "
+        "valid tp sizes: 1-8"
     )
 
 

@@ -46,6 +46,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout, seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_host_args(p)
 
 
 def add_host_args(p: argparse.ArgumentParser) -> None:

@@ -122,7 +122,14 @@ def run(args: argparse.Namespace) -> int:
         check_tp(cfg, args.tp)  # refused here, before any rank starts
     except ShardError as e:
         return fail(f"--tp {args.tp}: the demo model's {e}")
-    r = job(_demo_rank, args.tp, {"cfg": cfg, "seed": args.seed}, backend=args.backend, timeout_s=args.timeout)
+    r = job(
+        _demo_rank,
+        args.tp,
+        {"cfg": cfg, "seed": args.seed},
+        backend=args.backend,
+        timeout_s=args.timeout,
+        allow_cross_host_tp=args.allow_cross_host_tp,
+    )
     if r is None:  # a non-zero rank under torchrun or mpiexec: rank 0 reports
         return 0
     rows = [

@@ -85,7 +85,14 @@ def run(args: argparse.Namespace) -> int:
         if bad:
             return fail(f"--text {i}: token id {bad[0]} is outside the model's vocabulary of {cfg.vocab_size}")
     opts = {"model": str(model_dir), "dtype": args.dtype, "ids": ids, "mask": mask, "normalize": args.normalize}
-    r = job(_embed_rank, args.tp, opts, backend=args.backend, timeout_s=args.timeout)
+    r = job(
+        _embed_rank,
+        args.tp,
+        opts,
+        backend=args.backend,
+        timeout_s=args.timeout,
+        allow_cross_host_tp=args.allow_cross_host_tp,
+    )
     if r is None:  # a non-zero rank under an external launcher
         return 0
     emb = r["embeddings"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.cli.common import add_host_args, add_model_args, add_run_args, fail, job, resolve_model
+from shardwise.cli.common import add_model_args, add_run_args, fail, job, resolve_model
 from shardwise.comm import Communicator, tp_only
 from shardwise.engine import PromptError, SamplingParams, generate, validate_prompts
 from shardwise.engine.text import DEFAULT_MODEL, StreamDecoder, load_tokenizer, stop_ids
@@ -43,7 +43,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-tp1", action="store_true", help="also run at tp=1 and report whether the tokens match")
     p.add_argument("--debug-fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     add_run_args(p)
-    add_host_args(p)
 
 
 def _prompts(args, model_dir: Path) -> list[list[int]]:

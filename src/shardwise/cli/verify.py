@@ -188,7 +188,14 @@ def run(args: argparse.Namespace) -> int:
     if args.tolerance is not None and not args.tolerance >= 0:
         return fail(f"--tolerance must be >= 0, got {args.tolerance}")
     opts = {"model": str(model_dir), "dtype": args.dtype}
-    r = job(_verify_rank, args.tp, opts, backend=args.backend, timeout_s=args.timeout)
+    r = job(
+        _verify_rank,
+        args.tp,
+        opts,
+        backend=args.backend,
+        timeout_s=args.timeout,
+        allow_cross_host_tp=args.allow_cross_host_tp,
+    )
     if r is None:  # a non-zero rank under an external launcher
         return 0
     tol = args.tolerance if args.tolerance is not None else TOLERANCE[r["dtype"]]
