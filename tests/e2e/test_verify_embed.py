@@ -146,10 +146,13 @@ def test_verify_corrupted_layer_is_the_first_diverging_one(ckpts):
 
 
 def test_verify_refuses_a_tp_the_model_cannot_split(ckpts):
-    out = run_cli_inline("verify", "--model", ckpts["llama3"], "--tp", "3")
+    out = run_cli_inline("verify", "--model", ckpts["llama3"], "--tp", "9")
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0, out.stderr  # one line
-    assert "cannot be split over tp=3; valid tp sizes: 1, 2, 4, 8" in out.stderr
+    assert (
+        "tp=9 is more than the model's num_attention_heads=8: every rank needs a query head; valid tp sizes: 1-8"
+        in out.stderr
+    )
     assert out.stdout == ""
 
 
