@@ -1,14 +1,15 @@
 """Uneven tensor parallelism: decode and prefill at tp=2 on a model whose 9 heads 2 does not
 divide, against tp=1 and against the same model padded to an even layout, side by side in ONE run.
 
-The model: Llama-shaped, random weights, hidden 1152, 6 layers, 9 query heads of 128, 3 KV
-heads, intermediate 3073 (odd), vocab 16000, fp32 (122M parameters). At tp=2 shardwise deals
-the query heads 5/4 (rank 0 holds KV heads 0-1, rank 1 holds 1-2: KV head 1 is replicated)
-and the MLP width 1537/1536.
+The model: Llama-shaped, random weights, hidden 2304, 4 layers, 9 query heads of 256, 3 KV
+heads, intermediate 6145 (odd), vocab 16000, fp32 (300M parameters: large enough that a decode
+step's matmuls dwarf its fixed per-step costs). At tp=2 shardwise deals the query heads 5/4
+(rank 0 holds KV heads 0-1, rank 1 holds 1-2: KV head 1 is replicated) and the MLP width
+3073/3072.
 
 The padded twin is what a system that only splits evenly needs: 9 query heads / 3 KV heads
 cannot be padded to 10 (query heads must be a multiple of the KV heads), so the smallest
-even layout is 12 query heads / 4 KV heads, one whole zero group, and intermediate 3074.
+even layout is 12 query heads / 4 KV heads, one whole zero group, and intermediate 6146.
 The added rows and columns are zero, so it computes the same function (the run checks that
 every row produces the same greedy tokens).
 
@@ -37,17 +38,17 @@ import torch
 
 ROOT = Path("/tmp/shardwise-bench")
 CONFIG = dict(
-    hidden_size=1152,
-    num_hidden_layers=6,
+    hidden_size=2304,
+    num_hidden_layers=4,
     num_attention_heads=9,
     num_key_value_heads=3,
-    head_dim=128,
-    intermediate_size=3073,
+    head_dim=256,
+    intermediate_size=6145,
     vocab_size=16000,
     max_position_embeddings=2048,
     tie_word_embeddings=False,
 )
-PADDED = dict(CONFIG, num_attention_heads=12, num_key_value_heads=4, intermediate_size=3074)
+PADDED = dict(CONFIG, num_attention_heads=12, num_key_value_heads=4, intermediate_size=CONFIG["intermediate_size"] + 1)
 PROMPT, NEW = 512, 32
 ROWS = ("tp=1", "tp=2 uneven (9 heads)", "tp=2 padded (12 heads)")
 
@@ -62,7 +63,7 @@ def _pad(w: torch.Tensor, rows: int | None = None, cols: int | None = None) -> t
 
 def ensure_models(root: Path = ROOT) -> tuple[Path, Path]:
     """The 9-head checkpoint and its zero-padded 12-head twin under `root` (written once)."""
-    nine, twelve = root / "llama-9h", root / "llama-9h-padded12"
+    nine, twelve = root / "llama-9h-300m", root / "llama-9h-300m-padded12"
     if all((p / "config.json").exists() and (p / "model.safetensors").exists() for p in (nine, twelve)):
         return nine, twelve
     import transformers
@@ -70,7 +71,9 @@ def ensure_models(root: Path = ROOT) -> tuple[Path, Path]:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, initializer_range=0.02))
     padded = transformers.LlamaForCausalLM(transformers.LlamaConfig(**PADDED, initializer_range=0.02))
-    hd, q, kv, inter = CONFIG["head_dim"], PADDED["num_attention_heads"], PADDED["num_key_value_heads"], 3074
+    hd, q, kv, inter = (
+        PADDED[k] for k in ("head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+    )
     new = {}
     for name, w in model.state_dict().items():
         if name.endswith("q_proj.weight"):
@@ -125,7 +128,7 @@ def _rank(world, path: str, repeats: int) -> dict:
     )
     tp = tp_only(world)
     model, report = load_pretrained(path, comm=tp)
-    prompt = [(31 * i + 3) % 16000 for i in range(64)]
+    prompt = [(31 * i + 3) % CONFIG["vocab_size"] for i in range(64)]
     return {
         "prefill_ms": statistics.median(gen["prefill_ms"]),
         "decode_ms": statistics.median(gen["decode_ms"]),
@@ -281,7 +284,7 @@ def _plot(data: dict, png: Path) -> None:
         ax.legend(loc="lower right", fontsize=8)
     for ax in axes[1:]:
         ax.set_yticklabels([])
-    fig.suptitle("9-head Llama-shaped model (122M, fp32), MPI, 1 thread per rank (higher is better)")
+    fig.suptitle("9-head Llama-shaped model (300M, fp32), MPI, 1 thread per rank (higher is better)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
