@@ -1,15 +1,18 @@
 """Uneven tensor parallelism: decode and prefill at tp=2 on a model whose 9 heads 2 does not
 divide, against tp=1 and against the same model padded to an even layout, side by side in ONE run.
 
-The model: Llama-shaped, random weights, hidden 2304, 4 layers, 9 query heads of 256, 3 KV
-heads, intermediate 6145 (odd), vocab 16000, fp32 (300M parameters: large enough that a decode
-step's matmuls dwarf its fixed per-step costs). At tp=2 shardwise deals the query heads 5/4
-(rank 0 holds KV heads 0-1, rank 1 holds 1-2: KV head 1 is replicated) and the MLP width
-3073/3072.
+The model (`--size`): Llama-shaped, random weights, 9 query heads, 3 KV heads, an odd
+intermediate size, vocab 16000, fp32:
+    122m (default): hidden 1152, 6 layers, heads of 128, intermediate 3073;
+    300m: hidden 2304, 4 layers, heads of 256, intermediate 6145 (a decode step's matmuls
+          dwarf its fixed per-step costs even more; a round takes 3x as long).
+At tp=2 shardwise deals the query heads 5/4 (rank 0 holds KV heads 0-1, rank 1 holds 1-2:
+KV head 1 is replicated) and the MLP width in two near-halves (1537/1536, 3073/3072).
 
 The padded twin is what a system that only splits evenly needs: 9 query heads / 3 KV heads
 cannot be padded to 10 (query heads must be a multiple of the KV heads), so the smallest
-even layout is 12 query heads / 4 KV heads, one whole zero group, and intermediate 6146.
+even layout is 12 query heads / 4 KV heads, one whole zero group, and the intermediate
+size plus one.
 The added rows and columns are zero, so it computes the same function (the run checks that
 every row produces the same greedy tokens).
 
@@ -21,7 +24,8 @@ of the weights this rank holds, every rank at once, with 1 row (a decode step: t
 memory-bus bound) and with 512 rows (a prefill: the compute bound). floor(tp=1) /
 floor(busiest tp=2 rank) is the most any tp=2 step of that layout can gain on this machine.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_uneven.py [--rounds 7] [--quick]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_uneven.py [--size 122m|300m] [--rounds 7] [--quick]
+    .venv/bin/python benchmarks/bench_uneven.py --render docs/bench_uneven.json   # table and plot again
 """
 
 from __future__ import annotations
@@ -37,18 +41,18 @@ from pathlib import Path
 import torch
 
 ROOT = Path("/tmp/shardwise-bench")
-CONFIG = dict(
-    hidden_size=2304,
-    num_hidden_layers=4,
+_LLAMA9 = dict(
     num_attention_heads=9,
     num_key_value_heads=3,
-    head_dim=256,
-    intermediate_size=6145,
     vocab_size=16000,
     max_position_embeddings=2048,
     tie_word_embeddings=False,
 )
-PADDED = dict(CONFIG, num_attention_heads=12, num_key_value_heads=4, intermediate_size=CONFIG["intermediate_size"] + 1)
+SIZES = {
+    "122m": dict(_LLAMA9, hidden_size=1152, num_hidden_layers=6, head_dim=128, intermediate_size=3073),
+    "300m": dict(_LLAMA9, hidden_size=2304, num_hidden_layers=4, head_dim=256, intermediate_size=6145),
+}
+DIRS = {"122m": "llama-9h", "300m": "llama-9h-300m"}
 PROMPT, NEW = 512, 32
 ROWS = ("tp=1", "tp=2 uneven (9 heads)", "tp=2 padded (12 heads)")
 
@@ -61,18 +65,21 @@ def _pad(w: torch.Tensor, rows: int | None = None, cols: int | None = None) -> t
     return out
 
 
-def ensure_models(root: Path = ROOT) -> tuple[Path, Path]:
-    """The 9-head checkpoint and its zero-padded 12-head twin under `root` (written once)."""
-    nine, twelve = root / "llama-9h-300m", root / "llama-9h-300m-padded12"
+def ensure_models(size: str = "122m", root: Path = ROOT) -> tuple[Path, Path]:
+    """The 9-head checkpoint of SIZES[size] and its zero-padded 12-head twin under `root` (written once)."""
+    config = SIZES[size]
+    padded_config = dict(config, num_attention_heads=12, num_key_value_heads=4)
+    padded_config["intermediate_size"] += 1
+    nine, twelve = root / DIRS[size], root / f"{DIRS[size]}-padded12"
     if all((p / "config.json").exists() and (p / "model.safetensors").exists() for p in (nine, twelve)):
         return nine, twelve
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, initializer_range=0.02))
-    padded = transformers.LlamaForCausalLM(transformers.LlamaConfig(**PADDED, initializer_range=0.02))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, initializer_range=0.02))
+    padded = transformers.LlamaForCausalLM(transformers.LlamaConfig(**padded_config, initializer_range=0.02))
     hd, q, kv, inter = (
-        PADDED[k] for k in ("head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+        padded_config[k] for k in ("head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size")
     )
     new = {}
     for name, w in model.state_dict().items():
@@ -128,7 +135,7 @@ def _rank(world, path: str, repeats: int) -> dict:
     )
     tp = tp_only(world)
     model, report = load_pretrained(path, comm=tp)
-    prompt = [(31 * i + 3) % CONFIG["vocab_size"] for i in range(64)]
+    prompt = [(31 * i + 3) % _LLAMA9["vocab_size"] for i in range(64)]
     return {
         "prefill_ms": statistics.median(gen["prefill_ms"]),
         "decode_ms": statistics.median(gen["decode_ms"]),
@@ -281,17 +288,20 @@ def _plot(data: dict, png: Path) -> None:
         ax.set_title(f"{title}: speed-up over tp=1 (medians)")
         for i, v in enumerate(speed):
             ax.text(v, i, f" {v:.2f}x", va="center", fontsize=8)
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="upper right", fontsize=8)
     for ax in axes[1:]:
         ax.set_yticklabels([])
-    fig.suptitle("9-head Llama-shaped model (300M, fp32), MPI, 1 thread per rank (higher is better)")
+    size = data.get("size", "122m").upper()
+    fig.suptitle(f"9-head Llama-shaped model ({size}, fp32), MPI, 1 thread per rank (higher is better)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="122m", help="the model (see above)")
     ap.add_argument("--root", type=Path, default=ROOT, help="where the two checkpoints are written (once)")
+    ap.add_argument("--render", type=Path, help="print the table and redraw --png from this JSON; measure nothing")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeats", type=int, default=2, help="prefills and 32-token decodes per launch")
     ap.add_argument("--quick", action="store_true", help="1 round of 1 repeat, to check the script works")
@@ -299,13 +309,19 @@ def main() -> None:
     ap.add_argument("--png", type=Path, default=Path("docs/bench_uneven.png"))
     args = ap.parse_args()
     rounds, repeats = (1, 1) if args.quick else (args.rounds, args.repeats)
+    if args.render:
+        data = json.loads(args.render.read_text())
+        if args.png:
+            _plot(data, args.png)
+        return print(render(data))
 
-    nine, twelve = ensure_models(args.root)
+    nine, twelve = ensure_models(args.size, args.root)
     runs = _measure(nine, twelve, rounds, repeats)
     rows = _summarise(runs)
     data = {
         "rows": rows,
         "ratios": _ratios(rows, nine),
+        "size": args.size,
         "rounds": rounds,
         "repeats": repeats,
         "models": [str(nine), str(twelve)],
