@@ -236,7 +236,8 @@ def _until(cond, seconds: float = 30) -> bool:
 
 
 def test_full_queue_is_429_disconnect_frees_slot_and_killing_server_kills_ranks(tmp_path):
-    s = Server(tmp_path, "--tp", "1", "--max-batch-size", "1", "--max-queue", "1")
+    # tp=2 on the default backend (MPI where installed): no rank, stand-in or mpiexec outlives the server
+    s = Server(tmp_path, "--tp", "2", "--max-batch-size", "1", "--max-queue", "1")
     try:
         long = {"prompt": [5, 6], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
         a = _raw_request(s.port, {**long, "stream": True})
