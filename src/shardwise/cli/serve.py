@@ -54,11 +54,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=MIB, help="request bodies over this get 413 (default 1 MiB)")
     p.add_argument(
         "--backend",
-        choices=["gloo", "mpi", "nccl", "auto"],
-        default="gloo",
-        help="gloo (default: any dead rank turns /health 503 and fails requests with an error), mpi (faster "
-        "on CPU; a rank killed by a signal takes the whole server down at once), nccl, or auto (NCCL on "
-        "CUDA, else MPI when installed, else gloo)",
+        choices=["auto", "mpi", "gloo", "nccl"],
+        default="auto",
+        help="auto (default): NCCL on CUDA, else MPI when installed (the fastest on CPU), else gloo. On "
+        "each, a failed rank turns /health 503 and ends requests with an error before the server exits 1",
     )
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout, seconds")
     p.add_argument(
