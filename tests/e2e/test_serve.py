@@ -96,7 +96,7 @@ def offline():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--tp", "3"], "num_attention_heads=8 cannot be split over tp=3"),
+        (["--tp", "9"], "tp=9 is more than the model's num_attention_heads=8"),
         (["--max-model-len", "4096"], "--max-model-len must be in [1, 512]"),
     ],
 )
