@@ -115,9 +115,9 @@ def test_info_and_bad_input_fail_with_one_line(trained, tmp_path):
     out = run_cli_inline("checkpoint", "info", str(tmp / "run" / "checkpoints"), "--verify")
     assert out.returncode == 0 and "step 8, saved at tp=2 x dp=1" in out.stdout and "verified" in out.stdout
     bad = tmp_path / "bad.toml"
-    bad.write_text("[data]\ntokens = 'x'\n[parallel]\ntp = 3\n")
+    bad.write_text("[data]\ntokens = 'x'\n[parallel]\ntp = 64\n")
     out = run_cli_inline("train", "--config", str(bad))
-    assert out.returncode == 2 and out.stderr.startswith("shardwise: error: ") and "tp=3" in out.stderr
+    assert out.returncode == 2 and out.stderr.startswith("shardwise: error: ") and "tp=64" in out.stderr
     out = run_cli_inline("checkpoint", "reshard", str(tmp_path / "nothing"), str(tmp_path / "x"), "--tp", "2")
     assert out.returncode == 2 and "does not exist" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
