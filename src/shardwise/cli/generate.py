@@ -128,7 +128,7 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
     }
     if mesh is not None:
         out["collectives_per_token_by_stage"] = by_stage
-        out["stages"] = stage[0].describe()
+        out["stages"] = stage[0].describe().replace(", loss", "")  # inference computes no loss
     return out
 
 
