@@ -264,9 +264,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0 if passed else 1
-    where = f"tp={r['tp']}" if r["pp"] == 1 else f"tp={r['tp']} x pp={r['pp']}"
+    layout = f"tp={r['tp']}" if r["pp"] == 1 else f"tp={r['tp']} x pp={r['pp']}"
     print(
-        f"verify: {r['family']} model at {model_dir}, {where} ({r['backend']}), {r['dtype']}, "
+        f"verify: {r['family']} model at {model_dir}, {layout} ({r['backend']}), {r['dtype']}, "
         f"2 prompts of {' and '.join(map(str, r['lengths']))} tokens, real tokens only"
     )
     print(f"\n{'':<10} {'sharded vs unsharded':>23}   {'sharded vs transformers':>23}")
@@ -285,8 +285,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"\ntransformers: {seen}")
     if passed:
-        print(f"PASS: {where} matches within {tol:g} relative error")
+        print(f"PASS: {layout} matches within {tol:g} relative error")
     else:
         where = f"first diverging layer: {first}" if first is not None else f"the final {final['output']} diverge"
-        print(f"FAIL: {where} exceeds {tol:g} relative error; {where}")
+        print(f"FAIL: {layout} exceeds {tol:g} relative error; {where}")
     return 0 if passed else 1
