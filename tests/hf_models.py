@@ -169,9 +169,6 @@ TINY: dict[str, tuple[str, str, dict, list[int]]] = {
     ),
 }  # fmt: skip
 
-UNEVEN = ("llama_9h3kv", "qwen2_28h4kv", "llama_40h", "qwen2_14h2kv")
-"""The families above whose head counts their tp sizes do not divide."""
-
 INIT_STD = 0.3
 
 
