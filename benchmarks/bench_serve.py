@@ -1,12 +1,14 @@
 """Serving throughput and latency: `shardwise serve` on the benchmark model, N concurrent clients.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_serve.py [--tp 1 2] [--clients 1 4 16] [--backend gloo mpi]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_serve.py [--tp 1 2] [--clients 1 4 16] [--backend auto gloo mpi]
 
-For each tp size one server is started (--max-batch-size 16); for each client count,
+For each tp size (and for tp > 1 each backend; default: `auto`, the server's default, shown
+with what it resolved to) one server is started (--max-batch-size 16); for each client count,
 that many clients each send `--requests` completions one after another (a prompt of
 `--prompt-tokens` random token ids, `--max-tokens` greedy tokens, ignore_eos) and wait
 for each answer. Throughput = generated tokens / wall time of the run; latency = one
-request's wall time. Prints a Markdown table.
+request's wall time. Prints a Markdown table; its last column is the tokens/s against tp=1
+at the same number of clients (tp=1 is measured in the same run).
 
 The benchmark model (benchmarks/bench_model.py) has no tokenizer; its serving copy
 links the weights and borrows the built-in model's tokenizer.json (prompts are token
@@ -33,6 +35,7 @@ from bench_model import DEFAULT_DIR, ensure_bench_model  # noqa: E402
 
 from shardwise.engine.text import DEFAULT_MODEL  # noqa: E402
 from shardwise.launch import free_port  # noqa: E402
+from shardwise.launch.env import resolve_backend  # noqa: E402
 
 
 def serving_copy(src: Path) -> Path:
@@ -46,9 +49,11 @@ def serving_copy(src: Path) -> Path:
 
 
 def start(model: Path, tp: int, backend: str) -> tuple[subprocess.Popen, str]:
+    """A server; backend "auto" passes no --backend (the server's default)."""
     port = free_port()
     cmd = [sys.executable, "-m", "shardwise", "serve", "--model", str(model), "--tp", str(tp), "--port", str(port)]
-    cmd += ["--max-batch-size", "16", "--max-queue", "256", "--health-timeout", "30", "--backend", backend]
+    cmd += ["--max-batch-size", "16", "--max-queue", "256", "--health-timeout", "30"]
+    cmd += [] if backend == "auto" else ["--backend", backend]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -98,7 +103,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--backend", nargs="+", default=["gloo"], help="for tp > 1: gloo, mpi, or both")
+    ap.add_argument("--backend", nargs="+", default=["auto"], help="for tp > 1: auto (the server's default), gloo, mpi")
     ap.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -107,7 +112,7 @@ def main() -> int:
     rows = []
     configs = [(tp, b) for tp in args.tp for b in (["-"] if tp == 1 else args.backend)]
     for tp, backend in configs:
-        proc, url = start(model, tp, "gloo" if backend == "-" else backend)
+        proc, url = start(model, tp, "auto" if backend == "-" else backend)
         try:
             run(url, 1, 1, args.prompt_tokens, 4)  # warm-up
             for c in args.clients:
@@ -117,13 +122,19 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(30)
-    print("| tp | backend | clients | requests | tokens/s | p50 latency s | p99 latency s | tokens/s vs 1 client |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| tp | backend | clients | requests | tokens/s | p50 latency s | p99 latency s | tokens/s vs 1 client "
+        "| tokens/s vs tp=1 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for tp, backend, c, r in rows:
         base = next(x for t, b, k, x in rows if (t, b) == (tp, backend) and k == min(args.clients))["tokens_per_s"]
+        tp1 = next((x for t, _, k, x in rows if t == 1 and k == c), None)
+        vs_tp1 = f"{r['tokens_per_s'] / tp1['tokens_per_s']:.2f}x" if tp1 else "-"
+        shown = f"auto ({resolve_backend('auto')})" if backend == "auto" else backend
         print(
-            f"| {tp} | {backend} | {c} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['p50']:.2f} "
-            f"| {r['p99']:.2f} | {r['tokens_per_s'] / base:.2f}x |"
+            f"| {tp} | {shown} | {c} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['p50']:.2f} "
+            f"| {r['p99']:.2f} | {r['tokens_per_s'] / base:.2f}x | {vs_tp1} |"
         )
     return 0
 

@@ -137,7 +137,37 @@ TINY: dict[str, tuple[str, str, dict, list[int]]] = {
         ),
         [1, 2, 4],
     ),
-}
+    # Head counts and MLP widths tp does not divide (issue 15): uneven head and width splits,
+    # KV heads shared by two ranks, irregular GQA groups on a rank. head_dim 4, 2 layers.
+    "llama_9h3kv": (  # tp=2: q heads 5/4, KV heads 0-1 / 1-2 (KV head 1 on both); MLP 37 -> 19/18
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(hidden_size=36, intermediate_size=37, num_hidden_layers=2, num_attention_heads=9,
+             num_key_value_heads=3, vocab_size=97),
+        [2, 4],
+    ),
+    "qwen2_28h4kv": (  # tp=8: q heads 4/3/4/3/..., each rank within one KV group; MLP 100
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(hidden_size=112, intermediate_size=100, num_hidden_layers=2, num_attention_heads=28,
+             num_key_value_heads=4, vocab_size=131),
+        [8],
+    ),
+    "llama_40h": (  # MHA, tp=3: q heads 14/13/13; MLP 100
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(hidden_size=160, intermediate_size=100, num_hidden_layers=2, num_attention_heads=40,
+             num_key_value_heads=40, vocab_size=89),
+        [3],
+    ),
+    "qwen2_14h2kv": (  # tp=4: q heads 4/3/4/3, KV head 0 on ranks 0-1; tp=3: 5/5/4, rank 1 has groups (2, 3)
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(hidden_size=56, intermediate_size=37, num_hidden_layers=2, num_attention_heads=14,
+             num_key_value_heads=2, vocab_size=113),
+        [3, 4],
+    ),
+}  # fmt: skip
 
 INIT_STD = 0.3
 

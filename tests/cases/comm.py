@@ -15,7 +15,7 @@ from shardwise.comm import (
     scatter_to_region,
 )
 
-__all__ = ["collectives_case", "regions_case"]
+__all__ = ["collectives_case", "regions_case", "uneven_case"]
 
 
 def collectives_case(comm, tp: int) -> dict:
@@ -101,3 +101,33 @@ def regions_case(world) -> None:
     if p == 1:  # size-1 groups short-circuit: no autograd node, no collective
         assert copy_to_region(x, comm) is x and reduce_from_region(x, comm) is x
         assert comm.stats.calls() == 0
+
+
+def uneven_case(world) -> dict:
+    """All-gather and reduce-scatter of parts of different lengths (an uneven tp split):
+    exact results, the padded bytes in the accounting, and the region functions' gradients."""
+    comm = tp_group(world)
+    p, r = comm.size, comm.rank
+    sizes = [3 + (k % 2) * 2 for k in range(p)]  # 3, 5, 3, 5: no two neighbours alike
+    offsets = [sum(sizes[:k]) for k in range(p)]
+    full = torch.arange(2.0 * sum(sizes)).view(2, sum(sizes))  # the same tensor on every rank
+    mine = full[:, offsets[r] : offsets[r] + sizes[r]]
+    with comm.stats.track() as gathered:
+        got = comm.all_gather(mine.contiguous(), dim=1, sizes=sizes)
+    assert torch.equal(got, full), (got, full)
+    with comm.stats.track() as scattered:
+        got = comm.reduce_scatter(full * (r + 1), dim=1, sizes=sizes)
+    assert torch.equal(got, mine * sum(range(1, p + 1))), got
+
+    # regions: gather forward / own slice backward, scatter forward / gather backward
+    ls = mine.clone().requires_grad_()
+    y = gather_from_region(ls, comm, sizes=sizes)
+    assert torch.equal(y, full)
+    y.backward(full * 3)
+    assert torch.equal(ls.grad, mine * 3)
+    xs = full.clone().requires_grad_()
+    y = scatter_to_region(xs, comm, sizes=sizes)
+    assert torch.equal(y, mine)
+    y.backward(mine * 2)
+    assert torch.equal(xs.grad, full * 2)
+    return {"gather": gathered.snapshot(), "scatter": scattered.snapshot(), "sizes": sizes}

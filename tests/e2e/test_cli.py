@@ -65,6 +65,10 @@ def test_info_describes_the_plan_without_starting_ranks():
     assert info["collectives"]["decode_step"]["all_reduce/tp"]["calls"] == 9  # 4 layers x 2 + embedding
     human = run_cli_inline("info", "--tp", "4")
     assert human.returncode == 0 and "parameters per rank:" in human.stdout
+    uneven = json.loads(run_cli_inline("info", "--tp", "3", "--json").stdout)  # 8 / 4 KV heads over 3 ranks
+    qkv = {t["name"]: t for t in uneven["tensors"]}["layers.0.attn.qkv.weight"]
+    assert qkv["split"] == "dim 0: [0:96] + [256:320] + [384:448]"  # q heads 0-2 and the KV heads 0-1 they use
+    assert uneven["balance"]["query_heads"] == [3, 3, 2] and uneven["balance"]["even"] is False
 
 
 def test_info_refuses_invalid_tp():

@@ -57,8 +57,9 @@ def tiny_llama(tmp_path_factory):
 
 
 def test_batch_of_prompt_ids_matches_transformers(tiny_llama):
+    """At tp=3: 8 query heads / 2 KV heads split 3/3/2, rank 1 with irregular groups (1, 2)."""
     path, lists, ref = tiny_llama
-    args = ["generate", "--model", str(path), "--tp", "2", "--max-new-tokens", "10", "--json", "--ignore-eos"]
+    args = ["generate", "--model", str(path), "--tp", "3", "--max-new-tokens", "10", "--json", "--ignore-eos"]
     for p in lists:
         args += ["--prompt-ids", ",".join(map(str, p))]
     out = run_cli(*args)

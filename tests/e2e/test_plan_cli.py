@@ -24,7 +24,8 @@ def test_plan_a_preset_as_json_and_bad_input():
     assert plan["recommended"]["layout"] == plan["layout"] == "tp=1,pp=1,dp=8"
     assert plan["schedule"] is None and plan["microbatches"] is None and plan["command"] is None
     assert plan["model"]["parameters"] == 8_030_261_248  # Llama-3-8B
-    assert {c["tp"] for c in plan["layouts"]} == {1, 2, 4, 8}
+    assert {c["tp"] for c in plan["layouts"]} == set(range(1, 9))  # any tp up to the 8 devices (32 heads)
+    assert {c["tp"] for c in plan["layouts"] if c["uneven"] is None} == {1, 2, 4, 8}
     bad = _plan("--model", "llama-3-9b", "--cluster", "dgx-a100-80gb")
     assert bad.returncode == 2 and "unknown model preset 'llama-3-9b' (did you mean 'llama-3-8b'?)" in bad.stderr
     none = _plan("--model", "gpt3-175b", "--cluster", "pcie-8x-rtx4090")

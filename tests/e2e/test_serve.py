@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -95,7 +96,7 @@ def offline():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--tp", "3"], "num_attention_heads=8 cannot be split over tp=3"),
+        (["--tp", "9"], "tp=9 is more than the model's num_attention_heads=8"),
         (["--max-model-len", "4096"], "--max-model-len must be in [1, 512]"),
     ],
 )
@@ -235,7 +236,8 @@ def _until(cond, seconds: float = 30) -> bool:
 
 
 def test_full_queue_is_429_disconnect_frees_slot_and_killing_server_kills_ranks(tmp_path):
-    s = Server(tmp_path, "--tp", "1", "--max-batch-size", "1", "--max-queue", "1")
+    # tp=2 on the default backend (MPI where installed): no rank, stand-in or mpiexec outlives the server
+    s = Server(tmp_path, "--tp", "2", "--max-batch-size", "1", "--max-queue", "1")
     try:
         long = {"prompt": [5, 6], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
         a = _raw_request(s.port, {**long, "stream": True})
@@ -292,17 +294,48 @@ def _fault_case(s: Server, trigger) -> None:
     assert s.proc.wait(20) == 1  # within the 10 s collective timeout (plus start-up slack)
 
 
-def test_worker_killed_mid_generation(tmp_path):
-    s = Server(tmp_path, "--tp", "2", "--timeout", "10")
+def _backend(name: str) -> str:
+    if name == "mpi":
+        pytest.importorskip("mpi4py")
+        from shardwise.launch.mpi import find_mpiexec
+
+        try:
+            find_mpiexec()
+        except RuntimeError:
+            pytest.skip("mpiexec not installed (pip install mpich)")
+    return name
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_worker_killed_mid_generation(tmp_path, backend):
+    # MPI: mpiexec's proxy would SIGKILL rank 0 too; the rank runs out of its reach (launch.mpi_rank)
+    s = Server(tmp_path, "--tp", "2", "--timeout", "10", "--backend", _backend(backend))
     try:
         pids = httpx.get(f"{s.url}/health", timeout=10).json()["pids"]
         _fault_case(s, lambda: os.kill(pids[1], signal.SIGKILL))
-        assert "rank 1 failed: process" in s.log.read_text() and "SIGKILL" in s.log.read_text()
+        log = s.log.read_text()
+        assert f"shardwise: error: rank 1 failed: process {pids[1]} " in log, log[-2000:]
+        assert backend != "gloo" or "killed by signal SIGKILL" in log
     finally:
         s.stop()
 
 
+def test_worker_stopped_mid_generation_on_mpi(tmp_path):
+    # The same on gloo: tests/e2e/test_hang_cli.py. Here the heartbeat turns /health 503 (after
+    # --health-timeout 1) long before the collective times out (--timeout 6) and ends the server.
+    s = Server(tmp_path, "--tp", "2", "--timeout", "6", "--health-timeout", "1", "--backend", _backend("mpi"))
+    try:
+        pids = httpx.get(f"{s.url}/health", timeout=10).json()["pids"]
+        _fault_case(s, lambda: os.kill(pids[1], signal.SIGSTOP))
+        log = s.log.read_text()
+        assert re.search(r"shardwise: error: rank 1 failed: stuck: never arrived at \w+/tp #", log), log[-2000:]
+        assert f"stopped (process {pids[1]}, state T; " in log
+    finally:
+        s.stop()  # asserts that no rank process remains: the stopped one was killed
+
+
 def test_worker_raising_mid_generation(tmp_path):
+    # the default backend: MPI where installed
     s = Server(tmp_path, "--tp", "2", "--timeout", "10", "--debug-fail-rank", "1", "--debug-fail-after", "60")
     try:
         _fault_case(s, lambda: None)

@@ -40,7 +40,7 @@ def test_run_training_at_tp2_returns_the_summary_and_matches_one_process(tokens,
 
 
 def test_run_training_refuses_a_tp_the_model_cannot_split(tokens, tmp_path):
-    cfg = tiny_config(tokens, tmp_path / "run", tp=3, steps=STEPS, parallel={"backend": "gloo"})
-    with pytest.raises(ShardError, match="tp=3"):
+    cfg = tiny_config(tokens, tmp_path / "run", tp=5, steps=STEPS, parallel={"backend": "gloo"})
+    with pytest.raises(ShardError, match="tp=5 is more than the model's num_attention_heads=4"):
         run_training(cfg)
     assert not (tmp_path / "run").exists(), "nothing may run before the tp size is checked"

@@ -1,7 +1,7 @@
 """`shardwise train` and `shardwise checkpoint` end to end, in subprocesses, as a user runs
-them: train at tp=2 on the shipped corpus, reshard the checkpoint to tp=4, export it to a
-Hugging Face directory that transformers loads (same logits as the trained weights) and
-that `shardwise generate` runs; train in two pipeline stages from `--layout`, losses equal
+them: train at tp=3 on the shipped corpus (4 heads: split 2/1/1, one KV head on two ranks),
+reshard the checkpoint to tp=4, export it to a Hugging Face directory that transformers loads
+(the same bytes as the tp=3 checkpoint's own export) and that `shardwise generate` runs at tp=3; train in two pipeline stages from `--layout`, losses equal
 to one process's; and bad input, pipeline input included, fails with one line before any
 rank starts."""
 
@@ -38,7 +38,7 @@ lr = 1e-2
 warmup_steps = 2
 
 [parallel]
-tp = 2
+tp = 3  # uneven: 4 heads, 2 KV heads, vocabulary 515
 backend = "gloo"  # the default ("auto") picks MPI where installed; tests/multiproc covers MPI
 
 [run]
@@ -61,7 +61,7 @@ def trained(tmp_path_factory):
 
 def test_train_prints_progress_summary_checkpoint_and_plot(trained):
     tmp, out = trained
-    assert "tp=2 x pp=1 x dp=1 (gloo), steps to 8" in out.stdout
+    assert "tp=3 x pp=1 x dp=1 (gloo), steps to 8" in out.stdout
     assert "trained steps 1..8: loss " in out.stdout and "tokens/s" in out.stdout
     assert "step 4/8  loss " in out.stderr and "tok/s" in out.stderr  # the log line (and tqdm) on stderr
     ckpt = tmp / "run" / "checkpoints" / "step-00000008"
@@ -79,7 +79,7 @@ def test_reshard_export_transformers_and_generate(trained):
     out = run_cli("checkpoint", "reshard", str(src), str(dst), "--tp", "4", "--json")
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
-    assert (stats["tp_from"], stats["tp_to"]) == (2, 4) and stats["peak_chunk_bytes"] < stats["total_tensor_bytes"]
+    assert (stats["tp_from"], stats["tp_to"]) == (3, 4) and stats["peak_chunk_bytes"] < stats["total_tensor_bytes"]
     assert CheckpointReader(dst).manifest.layout == {"tp": 4, "pp": 1, "dp": 1}
 
     out = run_cli("checkpoint", "export-hf", str(dst), str(hf))
@@ -90,6 +90,10 @@ def test_reshard_export_transformers_and_generate(trained):
         "model.safetensors",
         "tokenizer.json",
     }
+    from shardwise.checkpoint.export import export_hf
+
+    own = export_hf(src, tmp / "hf-tp3")  # the uneven checkpoint's own export: the same bytes
+    assert (own / "model.safetensors").read_bytes() == (hf / "model.safetensors").read_bytes()
     model = transformers.LlamaForCausalLM.from_pretrained(hf).eval()
     reader = CheckpointReader(src)
     from shardwise.layers import ShardSpec
@@ -103,21 +107,21 @@ def test_reshard_export_transformers_and_generate(trained):
     assert torch.equal(model.model.layers[1].self_attn.q_proj.weight, weight("layers.1.attn.qkv.weight")[:q_rows])
 
     out = run_cli(
-        "generate", "--model", str(hf), "--tp", "2", "--prompt", "It is a truth", "--max-new-tokens", "6", "--json"
+        "generate", "--model", str(hf), "--tp", "3", "--prompt", "It is a truth", "--max-new-tokens", "6", "--json"
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["tp"] == 2 and len(result["tokens"][0]) >= 1
+    assert result["tp"] == 3 and len(result["tokens"][0]) >= 1
 
 
 def test_info_and_bad_input_fail_with_one_line(trained, tmp_path):
     tmp, _ = trained
     out = run_cli_inline("checkpoint", "info", str(tmp / "run" / "checkpoints"), "--verify")
-    assert out.returncode == 0 and "step 8, saved at tp=2 x dp=1" in out.stdout and "verified" in out.stdout
+    assert out.returncode == 0 and "step 8, saved at tp=3 x dp=1" in out.stdout and "verified" in out.stdout
     bad = tmp_path / "bad.toml"
-    bad.write_text("[data]\ntokens = 'x'\n[parallel]\ntp = 3\n")
+    bad.write_text("[data]\ntokens = 'x'\n[parallel]\ntp = 64\n")
     out = run_cli_inline("train", "--config", str(bad))
-    assert out.returncode == 2 and out.stderr.startswith("shardwise: error: ") and "tp=3" in out.stderr
+    assert out.returncode == 2 and out.stderr.startswith("shardwise: error: ") and "tp=64" in out.stderr
     out = run_cli_inline("checkpoint", "reshard", str(tmp_path / "nothing"), str(tmp_path / "x"), "--tp", "2")
     assert out.returncode == 2 and "does not exist" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 

@@ -59,9 +59,9 @@ def _save_bert(path: Path) -> Path:
     cfg = transformers.BertConfig(
         vocab_size=tok.get_vocab_size(),
         hidden_size=48,
-        intermediate_size=96,
+        intermediate_size=100,  # 8 heads and 100 at tp=3: split 3/3/2 heads, 36/32/32 columns
         num_hidden_layers=2,
-        num_attention_heads=12,
+        num_attention_heads=8,
         max_position_embeddings=32,
         initializer_range=0.3,
     )
@@ -94,11 +94,12 @@ def _reference_embeddings(path: Path, texts: list[str], normalize: bool) -> torc
 
 @pytest.mark.parametrize("family", ["llama3", "bert"])
 def test_verify_json_passes_against_unsharded_and_transformers(ckpts, family):
-    out = run_cli("verify", "--model", ckpts[family], "--tp", "2", "--json")
+    """At tp=3, which divides neither model's heads (llama3: 8 / 2 KV heads, bert: 8 heads)."""
+    out = run_cli("verify", "--model", ckpts[family], "--tp", "3", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     r = _json(out)
     assert r["passed"] and r["first_diverging_layer"] is None
-    assert r["tp"] == 2 and r["backend"] == resolve_backend("auto") and r["transformers_compared"] is True
+    assert r["tp"] == 3 and r["backend"] == resolve_backend("auto") and r["transformers_compared"] is True
     assert [x["layer"] for x in r["layers"]] == [0, 1]
     for x in [*r["layers"], r["final"]]:
         assert x["vs_unsharded"]["max_rel"] < 1e-5, x
@@ -156,7 +157,7 @@ def test_verify_refuses_a_tp_the_model_cannot_split(ckpts):
     assert out.stdout == ""
 
 
-@pytest.mark.parametrize("tp,normalize", [(1, False), (2, True)])
+@pytest.mark.parametrize("tp,normalize", [(1, False), (3, True)])  # tp=3: 8 heads split 3/3/2
 def test_embed_json_matches_transformers_mean_pooled(ckpts, tp, normalize):
     out = run_cli(
         "embed", "--model", ckpts["bert"], "--tp", str(tp), *(["--normalize"] if normalize else []), "--json",

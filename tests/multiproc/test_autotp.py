@@ -1,6 +1,7 @@
 """The automatic plan: architectures without shardwise model code (OPT, Granite), loaded
 sharded through load_pretrained, against transformers on the same checkpoint: logits on
-2 unequal-length left-padded prompts and 16 greedy tokens, at tp = 1, 2, 4. And the
+2 unequal-length left-padded prompts and 16 greedy tokens, at tp = 1, 2, 4, and OPT (MHA)
+at tp=3, which splits its 4 heads unevenly. And the
 refusals: structures the plan cannot shard safely, and indivisible KV heads."""
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _auto_case(world, path: str, vocab: int) -> dict:
     return {"logits": logits, "tokens": tokens, "family": report.family, "bytes_read": report.bytes_read}
 
 
-CASES = [(arch, tp) for arch in ("opt", "granite") for tp in (1, 2, 4)]
+CASES = [(arch, tp) for arch in ("opt", "granite") for tp in (1, 2, 4)] + [("opt", 3)]  # MHA: 4 heads, 2/1/1 at tp=3
 
 
 @pytest.mark.parametrize("arch,tp", CASES, ids=[f"{a}-tp{t}" for a, t in CASES])

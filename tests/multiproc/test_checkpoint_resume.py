@@ -1,6 +1,8 @@
 """Checkpoints across device counts: train 10 steps at tp=2, save, resume at tp=1 and at
 tp=4 (2 KV heads replicated on 2 ranks each, padded vocabulary), train 10 more, and match
-an uninterrupted run; the offline resharder's output loads the same; a damaged checkpoint
+an uninterrupted run; resume at the uneven tp=3 (query heads 2/1/1, KV head 1 on two ranks)
+for 5 steps, save, and finish at tp=2 from that checkpoint, matching too (weights and AdamW
+state go even -> uneven -> even); the offline resharder's output loads the same, at tp=4 and 3; a damaged checkpoint
 raises the same CheckpointError, naming the file, on every rank, with none left waiting."""
 
 from __future__ import annotations
@@ -67,10 +69,24 @@ def test_resume_at_tp4_matches_uninterrupted_run(rank_pool, run):
     _check_resumed(rank_pool.run(_train_with_state, 4, args=(cfg,))[0], run, "tp2 -> tp4")
 
 
-def test_offline_reshard_to_tp4_loads_the_same_state(run):
-    resharded = run["tmp"] / "tp4-ckpt"
-    stats = reshard_checkpoint(run["half"].checkpoint, resharded, tp=4)
-    assert (stats.tp_from, stats.tp_to, stats.tensors) == (2, 4, 45)
+def test_resume_at_uneven_tp3_and_back_to_tp2_matches_uninterrupted_run(rank_pool, run):
+    """tp=2 -> tp=3 (steps 11-15) -> tp=2 (steps 16-20): the history and the final weights
+    match the uninterrupted run, so the tp=3 leg read and wrote every shard and AdamW moment."""
+    tmp, cfg = run["tmp"], run["cfg"]
+    uneven = cfg.replace(
+        parallel={"tp": 3}, run={"steps": 15, "resume": run["half"].checkpoint, "out_dir": str(tmp / "tp3")}
+    )
+    mid = rank_pool.run(_train_with_state, 3, args=(uneven,))[0]
+    assert mid.checkpoint.endswith("step-00000015")
+    back = cfg.replace(parallel={"tp": 2}, run={"resume": mid.checkpoint, "out_dir": str(tmp / "tp3-tp2")})
+    _check_resumed(rank_pool.run(_train_with_state, 2, args=(back,))[0], run, "tp2 -> tp3 -> tp2")
+
+
+@pytest.mark.parametrize("tp", [4, 3])
+def test_offline_reshard_loads_the_same_state(run, tp):
+    resharded = run["tmp"] / f"tp{tp}-ckpt"
+    stats = reshard_checkpoint(run["half"].checkpoint, resharded, tp=tp)
+    assert (stats.tp_from, stats.tp_to, stats.tensors) == (2, tp, 45)
     assert stats.peak_chunk_bytes < stats.total_tensor_bytes / 8, "streams chunk by chunk"
     states = []
     for source in (run["half"].checkpoint, str(resharded)):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cases.comm import collectives_case, regions_case
+from cases.comm import collectives_case, regions_case, uneven_case
 from shardwise.comm import ParallelDims
 from shardwise.launch import launch
 
@@ -43,3 +43,12 @@ def test_build_rejects_a_mesh_of_the_wrong_size():
 @pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.smoke), 3, 4])
 def test_region_functions_forward_and_backward(rank_pool, world_size):
     rank_pool.run(regions_case, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_uneven_all_gather_and_reduce_scatter(rank_pool, world_size):
+    out = rank_pool.run(uneven_case, world_size)[0]
+    widest = max(out["sizes"])
+    # pad-and-trim: every rank sends its part padded to the widest; the accounting counts that
+    assert out["gather"]["all_gather/tp"] == {"calls": 1, "bytes": 2 * widest * 4}
+    assert out["scatter"]["reduce_scatter/tp"] == {"calls": 1, "bytes": 2 * widest * world_size * 4}

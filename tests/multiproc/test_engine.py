@@ -1,4 +1,5 @@
-"""The engine: KV-cached batched generation at tp = 1, 2, 4 equals transformers' generate;
+"""The engine: KV-cached batched generation at tp = 1, 2, 4 (and 3 and 2 with uneven heads)
+equals transformers' generate;
 sampling is decided on rank 0 and broadcast, so ranks with different random states
 still agree; stop tokens and bad prompts."""
 
@@ -50,6 +51,7 @@ def _generate_case(world, path, prompt_lists, sampling, stop_ids, rank_seeds):
 
 
 CASES = [("llama3", 1), ("llama3", 2), ("llama3", 4), ("gpt2", 3), ("mistral", 2), ("gpt_neox", 4), ("gemma", 2)]
+CASES += [("llama3", 3), ("llama_9h3kv", 2)]  # uneven heads: 8 / 2 KV at tp 3, 9 / 3 KV at tp 2 (irregular groups)
 
 
 SMOKE = ("llama3", 2)  # in `make test-fast`

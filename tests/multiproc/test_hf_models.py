@@ -1,6 +1,8 @@
 """Every supported family, loaded sharded from a checkpoint that transformers wrote,
 against transformers itself: logits on 2 unequal-length prompts, and 16 greedy tokens,
-at tp = 1, 2, 4 (3 where the shapes allow)."""
+at tp = 1, 2, 4 (3 where the shapes allow); and at tp sizes that divide neither the heads nor
+the MLP width (9 heads / 3 KV at tp 2 and 4, 28 / 4 at tp 8, 40 MHA at tp 3, 14 / 2 at tp 3
+and 4: hf_models.TINY's last four families)."""
 
 from __future__ import annotations
 

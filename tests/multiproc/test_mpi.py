@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cases.blocks import TINY, TINY3, block_case, tiny_lm_case
-from cases.comm import collectives_case, regions_case
+from cases.comm import collectives_case, regions_case, uneven_case
 from cases.failure import one_rank_never_arrives, raise_on_rank
 from cases.layers import linear_case, merged_case, qkv_case, vocab_case
 from cases.p2p import mesh_case, mismatch_case, p2p_case, peer_never_sends
@@ -39,13 +39,14 @@ def _all_checks(world, hf_path: str | None) -> dict:
         merged_case(world, dtype)
         vocab_case(world, 50, dtype)
         done += [f"linear/{dtype}", f"merged/{dtype}", f"vocab/{dtype}"]
-    heads = [(12, 12), (12, 6)] if ws == 3 else [(8, 2), (4, 1), (12, 12)]
+    heads = [(12, 12), (12, 6), (9, 3)] if ws == 3 else [(8, 2), (4, 1), (12, 12), (14, 2)]
     for nh, nkv in heads:
         qkv_case(world, nh, nkv, "fp32", False)
         done.append(f"qkv/{nh}/{nkv}")
     regions_case(world)
     collectives_case(world, ws)
-    done += ["regions", "collectives"]
+    uneven_case(world)
+    done += ["regions", "collectives", "uneven"]
     counts = block_case(
         world, ModelConfig.debug(hidden_size=24, num_heads=12, num_kv_heads=12, intermediate_size=48), "block"
     )
@@ -92,7 +93,7 @@ def llama(tmp_path_factory):
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_parity_on_mpi(world_size, llama):
     path, ref_logits, ref_gen, mask = llama
-    hf_path = None if world_size == 3 else str(path)  # the tiny llama's 2 KV heads do not split over 3
+    hf_path = str(path)  # at 3 ranks: 8 query heads split 3/3/2, the 2 KV heads shared (uneven)
     results = launch(_all_checks, world_size, args=(hf_path,), backend="mpi", timeout_s=120)
     both = "point-to-point mismatch on group 'pp': rank 0 sends float32 (2, 3) to rank 1, which expects bfloat16 (2, 4)"
     for rank, r in enumerate(results):

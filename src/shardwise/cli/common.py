@@ -11,11 +11,21 @@ from typing import Any
 
 from shardwise.comm import DEFAULT_TIMEOUT_S
 from shardwise.engine.text import DEFAULT_MODEL
-from shardwise.launch import JobTimeoutError, LaunchError, RankFailedError, run_job
+from shardwise.launch import JobTimeoutError, LaunchError, RankFailedError, external_rank, run_job
 from shardwise.launch.hosts import ALLOW_FLAG
 from shardwise.log import setup_logging
 
-__all__ = ["add_model_args", "add_run_args", "add_host_args", "resolve_model", "fail", "job", "CliError"]
+__all__ = [
+    "add_model_args",
+    "add_run_args",
+    "add_host_args",
+    "add_pp_arg",
+    "resolve_model",
+    "resolve_stages",
+    "fail",
+    "job",
+    "CliError",
+]
 
 
 class CliError(SystemExit):
@@ -55,6 +65,31 @@ def add_host_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="under torchrun / mpiexec on several hosts, run even if a tp group spans hosts (slow; see docs/multihost.md)",
     )
+
+
+def add_pp_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages, each holding a run of the layers: tp * pp ranks (default 1)"
+    )
+
+
+def resolve_stages(cfg, tp: int, pp: int):
+    """The StageLayout of `pp` inference stages (None at pp 1), after checking pp against the
+    model's layers and tp * pp against an external launcher's world; exits with a one-line error."""
+    from shardwise.pipeline.stage import StageError, StageLayout
+
+    if pp == 1:
+        return None
+    try:
+        if pp < 1:
+            raise StageError(f"--pp must be >= 1, got {pp}")
+        layout = StageLayout.build(cfg.num_layers, pp)
+    except StageError as e:
+        raise CliError(fail(str(e))) from None
+    ext = external_rank()
+    if ext is not None and ext.world_size != tp * pp:
+        raise CliError(fail(f"tp({tp}) * pp({pp}) = {tp * pp} but {ext.launcher} started {ext.world_size} ranks"))
+    return layout
 
 
 def resolve_model(model: Path | None, tp: int, *, auto: bool = False):

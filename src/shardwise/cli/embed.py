@@ -15,7 +15,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from shardwise.cli.common import add_model_args, add_run_args, fail, job, resolve_model
+from shardwise.cli.common import add_model_args, add_pp_arg, add_run_args, fail, job, resolve_model
 from shardwise.comm import Communicator, tp_only
 from shardwise.engine.text import load_tokenizer
 from shardwise.models.pooling import mean_pool
@@ -28,6 +28,7 @@ SHOWN = 8  # values of each embedding printed in the human output
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("embed", help="mean-pooled sentence embeddings from an encoder (BERT) on N ranks")
     add_model_args(p)
+    add_pp_arg(p)
     p.add_argument("--text", action="append", required=True, help="text to embed (repeat for a batch)")
     p.add_argument("--normalize", action="store_true", help="scale each embedding to unit L2 norm")
     add_run_args(p)
@@ -63,6 +64,8 @@ def _embed_rank(world: Communicator, opts: dict) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     model_dir, cfg = resolve_model(args.model, args.tp)
+    if args.pp != 1:  # NOTE: stages are cut from a DecoderLM (shardwise.pipeline.stage); BertEncoder has none
+        return fail(f"--pp {args.pp}: pipeline stages need a decoder family; embed's encoders (bert) run at --pp 1")
     if cfg.causal:
         return fail(
             f"{model_dir}: a {cfg.family} model is a decoder; embed needs an encoder (supported: bert), "

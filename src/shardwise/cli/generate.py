@@ -1,4 +1,4 @@
-"""`shardwise generate`: text generation on N tensor-parallel ranks.
+"""`shardwise generate`: text generation on N tensor-parallel ranks (times --pp pipeline stages).
 
 Everything that can be wrong with the input (model directory, tp size, prompts) is
 checked here, in the parent, before any rank starts; then the ranks are started
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from shardwise.cli.common import add_model_args, add_run_args, fail, job, resolve_model
-from shardwise.comm import Communicator, tp_only
-from shardwise.engine import PromptError, SamplingParams, generate, validate_prompts
+from shardwise.cli.common import add_model_args, add_pp_arg, add_run_args, fail, job, resolve_model, resolve_stages
+from shardwise.comm import Communicator, ParallelDims, tp_only
+from shardwise.engine import PromptError, SamplingParams, StageForward, generate, stage_layout, validate_prompts
+from shardwise.engine.pipeline import gather_snapshots
 from shardwise.engine.text import DEFAULT_MODEL, StreamDecoder, load_tokenizer, stop_ids
 from shardwise.log import get_logger, setup_logging
 from shardwise.memory import PeakAnonMemory
@@ -31,6 +32,7 @@ log = get_logger("generate")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text on N tensor-parallel ranks")
     add_model_args(p)
+    add_pp_arg(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     src.add_argument("--prompt-ids", action="append", help="prompt token ids, comma-separated (repeat for a batch)")
@@ -60,19 +62,26 @@ def _prompts(args, model_dir: Path) -> list[list[int]]:
 
 def _generate_rank(world: Communicator, opts: dict) -> dict:
     setup_logging(world.rank, world.size)
-    tp = tp_only(world)
     from shardwise.hf import load_pretrained
 
+    pp = opts.get("pp", 1)
+    mesh = stage = None
+    if pp == 1:
+        tp = tp_only(world)
+    else:
+        mesh = ParallelDims(world_size=world.size, tp=world.size // pp, pp=pp).build(world)
+        tp, stage = mesh.tp, (stage_layout(opts["num_layers"], pp), mesh.pp_rank)
     with PeakAnonMemory() as mem:
         model, report = load_pretrained(
-            opts["model"], comm=tp, dtype=opts["dtype"], progress=tp.rank == 0 and opts["progress"]
+            opts["model"], comm=tp, dtype=opts["dtype"], progress=world.rank == 0 and opts["progress"], stage=stage
         )
-    log.debug("rank %d/%d holds %.1f MiB of parameters", tp.rank, tp.size, report.param_bytes / 2**20)
-    if opts["fail_rank"] == tp.rank:  # after loading, so the others are already in a collective
-        raise RuntimeError(f"injected failure on rank {tp.rank} (--debug-fail-rank)")
+    log.debug("rank %d/%d holds %.1f MiB of parameters", world.rank, world.size, report.param_bytes / 2**20)
+    if opts["fail_rank"] == world.rank:  # after loading, so the others are already in a collective
+        raise RuntimeError(f"injected failure on rank {world.rank} (--debug-fail-rank)")
+    stages = StageForward(model, mesh) if mesh is not None else None
     tokenizer = load_tokenizer(opts["model"])
     stream = None
-    if tp.rank == 0 and opts["stream"] and tokenizer is not None and len(opts["prompts"]) == 1:
+    if world.rank == 0 and opts["stream"] and tokenizer is not None and len(opts["prompts"]) == 1:
         decoder = StreamDecoder(tokenizer)
 
         def stream(step_tokens):
@@ -88,13 +97,26 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
         sampling=SamplingParams(**opts["sampling"]),
         stop_ids=opts["stop_ids"],
         on_tokens=stream,
+        stages=stages,
     )
-    per_rank = tp.all_gather(torch.tensor([report.param_bytes, mem.peak_above_baseline]), dim=0).view(-1, 2)
-    return {
+    per_rank = world.all_gather(torch.tensor([report.param_bytes, mem.peak_above_baseline]), dim=0).view(-1, 2)
+    per_token = res.comm_per_step
+    by_stage = None
+    if mesh is not None:  # one token along the pipeline: tp rank 0's collectives on every stage, added up
+        by_stage = gather_snapshots(mesh.pp, per_token)
+        per_token = {}
+        for snap in by_stage:
+            for key, c in snap.items():
+                total = per_token.setdefault(key, {"calls": 0, "bytes": 0})
+                total["calls"] += c["calls"]
+                total["bytes"] += c["bytes"]
+        per_token = dict(sorted(per_token.items()))
+    out = {
         "tokens": res.tokens,
         "text": [tokenizer.decode(t) for t in res.tokens] if tokenizer is not None else None,
         "finish_reasons": res.finish_reasons,
         "tp": tp.size,
+        "pp": pp,
         "backend": tp.backend,
         "model": opts["model_name"],
         "dtype": report.config.dtype,
@@ -102,12 +124,17 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
         "decode_ms_per_token": round(statistics.median(res.decode_ms), 3) if res.decode_ms else None,
         "param_bytes_per_rank": per_rank[:, 0].tolist(),
         "peak_load_anon_bytes_per_rank": per_rank[:, 1].tolist(),
-        "collectives_per_token": res.comm_per_step,
+        "collectives_per_token": per_token,
     }
+    if mesh is not None:
+        out["collectives_per_token_by_stage"] = by_stage
+        out["stages"] = stage[0].describe().replace(", loss", "")  # inference computes no loss
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     model_dir, cfg = resolve_model(args.model, args.tp)
+    resolve_stages(cfg, args.tp, args.pp)
     try:
         prompts = _prompts(args, model_dir)
         validate_prompts(prompts, cfg.vocab_size, cfg.max_positions, args.max_new_tokens)
@@ -130,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
         "stream": not args.json,
         "progress": not args.json,
         "fail_rank": args.debug_fail_rank,
+        "pp": args.pp,
+        "num_layers": cfg.num_layers,
     }
     if not args.json:
         if model_dir == DEFAULT_MODEL:
@@ -137,11 +166,11 @@ def run(args: argparse.Namespace) -> int:
         if len(prompts) == 1 and args.prompt_ids is None:  # rank 0 streams the continuation after it
             print(args.prompt[0] if args.prompt else DEFAULT_PROMPT, end="", flush=True)
     run_opts = {"backend": args.backend, "timeout_s": args.timeout, "allow_cross_host_tp": args.allow_cross_host_tp}
-    result = job(_generate_rank, args.tp, opts, **run_opts)
+    result = job(_generate_rank, args.tp * args.pp, opts, tp=args.tp, **run_opts)
     if result is None:  # a non-zero rank under an external launcher
         return 0
     if args.compare_tp1:
-        ref = job(_generate_rank, 1, {**opts, "stream": False, "progress": False}, **run_opts)
+        ref = job(_generate_rank, 1, {**opts, "stream": False, "progress": False, "pp": 1}, **run_opts)
         result["matches_tp1"] = ref["tokens"] == result["tokens"]
     if args.json:
         print(json.dumps(result))
@@ -154,11 +183,16 @@ def run(args: argparse.Namespace) -> int:
     ar = result["collectives_per_token"]
     calls = sum(v["calls"] for v in ar.values())
     n = sum(len(t) for t in result["tokens"])
+    where = f"tp={result['tp']}" if result["pp"] == 1 else f"tp={result['tp']} x pp={result['pp']}"
     print(
-        f"tp={result['tp']} ({result['backend']}), {result['dtype']}: {n} tokens, "
+        f"{where} ({result['backend']}), {result['dtype']}: {n} tokens, "
         f"prefill {result['prefill_ms']:.1f} ms, decode {result['decode_ms_per_token'] or 0:.2f} ms/token (median), "
-        f"{calls} collectives/token"
+        f"{calls} collectives/token" + (" along the pipeline" if result["pp"] > 1 else "")
     )
+    if result["pp"] > 1:
+        print(f"stages: {result['stages']}")
+        p2p = {k: v for k, v in ar.items() if k.endswith("/pp")}
+        print("point-to-point per token: " + ", ".join(f"{k} x{v['calls']} ({v['bytes']} B)" for k, v in p2p.items()))
     mib = 2**20
     params = ", ".join(f"{b / mib:.1f}" for b in result["param_bytes_per_rank"])
     peaks = ", ".join(f"{b / mib:.1f}" for b in result["peak_load_anon_bytes_per_rank"])

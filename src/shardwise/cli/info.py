@@ -3,6 +3,11 @@
 The model is built on the meta device and sharded by its plan with a dry-run
 communicator, so every tensor's split and size, and the collectives of one decode
 step and of a prefill, come from the real code path at no cost.
+
+With --pp P, each stage is built the same way and cut to its layers
+(shardwise.pipeline.stage.keep_stage), and one decode step runs through the inference
+pipeline (shardwise.engine.pipeline) on dry-run tp, pp and world groups: each stage's
+layers, bytes per rank, and collectives, point-to-point included.
 """
 
 from __future__ import annotations
@@ -12,14 +17,18 @@ import json
 
 import torch
 
-from shardwise.cli.common import add_model_args, resolve_model
+from shardwise.cli.common import add_model_args, add_pp_arg, resolve_model, resolve_stages
+from shardwise.comm import ParallelDims
 from shardwise.comm.dryrun import DryRunCommunicator
+from shardwise.engine.pipeline import StageForward
+from shardwise.engine.sampling import SamplingParams
 from shardwise.layers import ShardSpec, model_shard_specs
 from shardwise.models.meta import on_meta
+from shardwise.pipeline.stage import StageLayout, keep_stage
 from shardwise.sharding import parallelize
 from shardwise.sharding.plans import balance
 
-__all__ = ["add_parser", "run", "describe"]
+__all__ = ["add_parser", "run", "describe", "describe_stages"]
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -27,6 +36,7 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="show how a model is split at a tp size (no ranks are started)")
     add_model_args(p)
+    add_pp_arg(p)
     p.add_argument("--prompt-len", type=int, default=128, help="prompt length for the prefill collective count")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -104,9 +114,66 @@ def describe(model_dir, cfg, tp: int, prompt_len: int = 128, dtype: str | None =
     }
 
 
+def describe_stages(cfg, tp: int, layout: StageLayout, prompt_len: int = 128, dtype: str | None = None) -> list[dict]:
+    """Per pipeline stage (its tp rank 0): layers, embedding / head, parameter bytes per rank,
+    and the collectives of one decode step at batch 1 through the inference pipeline."""
+    from shardwise.hf import FAMILIES
+
+    family = FAMILIES[cfg.family]
+    width = _BYTES[dtype or cfg.dtype]
+    dims = ParallelDims(world_size=tp * layout.pp, tp=tp, pp=layout.pp)
+    out = []
+    for s in range(layout.pp):
+        mesh = dims.build(DryRunCommunicator(dims.world_size, dims.rank_of(pp=s), name="world"))
+        with on_meta():
+            model = family.model(cfg)
+        parallelize(model, family.plan(cfg), comm=mesh.tp)
+        keep_stage(model, layout, s)
+        stages = StageForward(model, mesh)
+        caches = stages.new_caches(1, prompt_len + 1)
+        ids = torch.zeros(1, 1, dtype=torch.long, device="meta")
+        with mesh.world.stats.track() as decode:
+            logits = stages.forward(ids, None, caches, prompt_len)
+            stages.choose(logits[:, -1] if logits is not None else None, 1, SamplingParams(), None)
+        specs = model_shard_specs(model)
+        out.append(
+            {
+                "stage": s,
+                "layers": model.layer_indices(),
+                "embedding": model.embed is not None,
+                "head": model.lm_head is not None,
+                "tensors": len(specs),
+                "bytes_per_rank": width * sum(torch.Size(t.local_shape).numel() for t in specs.values()),
+                "decode_step": decode.snapshot(),
+            }
+        )
+    return out
+
+
+def _stage_table(stages: list[dict], tp: int) -> None:
+    mib = 2**20
+    print(f"\npipeline: {len(stages)} stages x tp={tp} = {len(stages) * tp} ranks (tp rank 0 of each stage shown)")
+    print(f"{'stage':<6} {'layers':<10} {'holds':<18} {'MiB/rank':>9}   collectives per decode step (batch 1)")
+    for st in stages:
+        layers = st["layers"]
+        text = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+        holds = ", ".join(["embed"] * (st["embedding"] and st["stage"] == 0) + ["norm, head"] * st["head"]) or "-"
+        if st["embedding"] and st["stage"] != 0:
+            holds += " (+ tied embed)"
+        ops = ", ".join(f"{op} x{c['calls']} ({c['bytes']} B)" for op, c in st["decode_step"].items()) or "none"
+        print(f"{st['stage']:<6} {text:<10} {holds:<18} {st['bytes_per_rank'] / mib:>9.3f}   {ops}")
+
+
 def run(args: argparse.Namespace) -> int:
     model_dir, cfg = resolve_model(args.model, args.tp)
+    layout = resolve_stages(cfg, args.tp, args.pp) if cfg.causal or args.pp == 1 else None
+    if args.pp != 1 and layout is None:
+        print(f"shardwise: error: --pp {args.pp}: pipeline stages need a decoder family, not {cfg.family}")
+        return 2
     info = describe(model_dir, cfg, args.tp, args.prompt_len, args.dtype)
+    if layout is not None:
+        info["pp"] = args.pp
+        info["stages"] = describe_stages(cfg, args.tp, layout, args.prompt_len, args.dtype)
     if args.json:
         print(json.dumps(info))
         return 0
@@ -129,4 +196,6 @@ def run(args: argparse.Namespace) -> int:
     for step, snap in info["collectives"].items():
         text = ", ".join(f"{op} x{c['calls']} ({c['bytes'] / 1024:.1f} KiB)" for op, c in snap.items()) or "none"
         print(f"collectives per {step.replace('_', ' ')} (model forward, batch 1): {text}")
+    if layout is not None:
+        _stage_table(info["stages"], args.tp)
     return 0

@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from shardwise.cli.common import fail, job, resolve_model
+from shardwise.cli.common import add_host_args, fail, job, resolve_model
 from shardwise.comm import DEFAULT_TIMEOUT_S
 from shardwise.engine.text import DEFAULT_MODEL
 
@@ -54,16 +54,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=MIB, help="request bodies over this get 413 (default 1 MiB)")
     p.add_argument(
         "--backend",
-        choices=["gloo", "mpi", "nccl", "auto"],
-        default="gloo",
-        help="gloo (default: any dead rank turns /health 503 and fails requests with an error), mpi (faster "
-        "on CPU; a rank killed by a signal takes the whole server down at once), nccl, or auto (NCCL on "
-        "CUDA, else MPI when installed, else gloo)",
+        choices=["auto", "mpi", "gloo", "nccl"],
+        default="auto",
+        help="auto (default): NCCL on CUDA, else MPI when installed (the fastest on CPU), else gloo. On "
+        "each, a failed rank turns /health 503 and ends requests with an error before the server exits 1",
     )
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="collective timeout, seconds")
     p.add_argument(
         "--health-timeout", type=float, default=3.0, help="/health is 503 when no step completed for this long (s)"
     )
+    add_host_args(p)
     p.add_argument("--debug-fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     p.add_argument("--debug-fail-after", type=int, default=0, help=argparse.SUPPRESS)
 
@@ -140,7 +140,15 @@ def run(args: argparse.Namespace) -> int:
         )
     signal.signal(signal.SIGTERM, _stop)
     try:  # a server has no job deadline
-        job(serve_rank, args.tp, opts, backend=args.backend, timeout_s=args.timeout, job_timeout_s=math.inf)
+        job(
+            serve_rank,
+            args.tp,
+            opts,
+            backend=args.backend,
+            timeout_s=args.timeout,
+            job_timeout_s=math.inf,
+            allow_cross_host_tp=args.allow_cross_host_tp,
+        )
     except KeyboardInterrupt:
         print("shardwise serve: stopped", file=sys.stderr)
     return 0

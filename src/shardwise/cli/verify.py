@@ -9,6 +9,9 @@ or last hidden state (BERT) on the real, non-pad tokens.
 verify therefore needs the whole model in rank 0's memory: its shard plus one full copy at
 a time (the unsharded model, then transformers'). Exit status: 0 when every relative error
 is within --tolerance, 1 when one is not, 2 for bad input.
+
+With --pp P (decoders) the N * P ranks run the model across P stages (shardwise.engine.pipeline);
+each stage's tp rank 0 sends its layers' outputs (and the last stage its logits) to rank 0.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import math
 import torch
 from torch import nn
 
-from shardwise.cli.common import add_model_args, add_run_args, fail, job, resolve_model
-from shardwise.comm import Communicator, LocalCommunicator, tp_only
+from shardwise.cli.common import add_model_args, add_pp_arg, add_run_args, fail, job, resolve_model, resolve_stages
+from shardwise.comm import Communicator, LocalCommunicator, ParallelDims, tp_only
+from shardwise.engine.pipeline import StageForward, stage_layout
 
 __all__ = ["add_parser", "run"]
 
@@ -39,6 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(rank 0 needs memory for the whole model)",
     )
     add_model_args(p)
+    add_pp_arg(p)
     p.add_argument(
         "--tolerance", type=float, default=None, help="max relative error (default 1e-4 fp32, 2e-2 bf16/fp16)"
     )
@@ -121,18 +126,62 @@ def _err(actual: torch.Tensor, ref: torch.Tensor, real: torch.Tensor) -> dict:
     return {k: v if math.isfinite(v) else None for k, v in (("max_abs", abs_err), ("max_rel", rel))}
 
 
+def _staged(world: Communicator, opts: dict):
+    """The sharded forward across pipeline stages: on rank 0 (model, report, every layer's
+    output, final logits), elsewhere (model, report, None, None)."""
+    from shardwise.hf import load_pretrained
+
+    pp = opts["pp"]
+    mesh = ParallelDims(world_size=world.size, tp=world.size // pp, pp=pp).build(world)
+    layout = stage_layout(opts["num_layers"], pp)
+    model, report = load_pretrained(opts["model"], comm=mesh.tp, dtype=opts["dtype"], stage=(layout, mesh.pp_rank))
+    ids, mask = _inputs(report.config.vocab_size, False)
+    outs: list[torch.Tensor] = []
+    handles = [
+        m.register_forward_hook(lambda _m, _a, out: outs.append(out.detach().float())) for m in model.layers.values()
+    ]
+    try:
+        with torch.no_grad():
+            final = StageForward(model, mesh).forward(ids, mask, None, last_only=False)  # (B, T, V) on the last stage
+    finally:
+        for h in handles:
+            h.remove()
+    if mesh.tp.rank != 0:
+        return model, report, None, None
+    pp_comm, B, T = mesh.pp, *ids.shape
+    if not mesh.is_first_stage:  # this stage's layer outputs (and the logits) to stage 0
+        pp_comm.send(torch.stack(outs), 0)  # (layers, B, T, H)
+        if mesh.is_last_stage:
+            pp_comm.send(final.float(), 0)  # (B, T, V)
+        return model, report, None, None
+    H = report.config.hidden_size
+    for s in range(1, pp):
+        outs.extend(pp_comm.recv((layout.layers[s], B, T, H), torch.float32, s).unbind(0))
+    final = pp_comm.recv((B, T, report.config.vocab_size), torch.float32, pp - 1)
+    return model, report, outs, final
+
+
 def _verify_rank(world: Communicator, opts: dict) -> dict | None:
     from shardwise.hf import load_pretrained
     from shardwise.models.bert import BertEncoder
 
-    tp = tp_only(world)
-    model, report = load_pretrained(opts["model"], comm=tp, dtype=opts["dtype"])
-    encoder, family = isinstance(model, BertEncoder), report.family
-    dtype = next(model.parameters()).dtype
-    ids, mask = _inputs(_text_config(report.config).vocab_size, encoder)
-    sharded, sharded_final = _forward(model, family, ids, mask)
-    if tp.rank != 0:
-        return None
+    if opts["pp"] > 1:
+        tp = None
+        model, report, sharded, sharded_final = _staged(world, opts)
+        encoder, family = False, report.family
+        dtype = next(model.parameters()).dtype
+        ids, mask = _inputs(report.config.vocab_size, False)
+        if sharded is None:
+            return None
+    else:
+        tp = tp_only(world)
+        model, report = load_pretrained(opts["model"], comm=tp, dtype=opts["dtype"])
+        encoder, family = isinstance(model, BertEncoder), report.family
+        dtype = next(model.parameters()).dtype
+        ids, mask = _inputs(_text_config(report.config).vocab_size, encoder)
+        sharded, sharded_final = _forward(model, family, ids, mask)
+        if tp.rank != 0:
+            return None
     del model
     full, _ = load_pretrained(opts["model"], comm=LocalCommunicator(), dtype=opts["dtype"])
     unsharded, unsharded_final = _forward(full, family, ids, mask)
@@ -153,8 +202,9 @@ def _verify_rank(world: Communicator, opts: dict) -> dict | None:
     return {
         "model": opts["model"],
         "family": family,
-        "tp": tp.size,
-        "backend": tp.backend,
+        "tp": tp.size if tp is not None else world.size // opts["pp"],
+        "pp": opts["pp"],
+        "backend": world.backend,
         "dtype": str(dtype).replace("torch.", ""),
         "lengths": list(LENGTHS),
         "layers": layers,
@@ -184,14 +234,20 @@ def _fmt(e: Err, key: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    model_dir, _ = resolve_model(args.model, args.tp, auto=True)  # auto: models without shardwise code
+    model_dir, cfg = resolve_model(args.model, args.tp, auto=True)  # auto: models without shardwise code
     if args.tolerance is not None and not args.tolerance >= 0:
         return fail(f"--tolerance must be >= 0, got {args.tolerance}")
-    opts = {"model": str(model_dir), "dtype": args.dtype}
+    if args.pp != 1:
+        if cfg is None or not cfg.causal:
+            what = "the automatic plan" if cfg is None else "a BERT encoder"
+            return fail(f"--pp {args.pp}: pipeline stages need a decoder family, not {what}; use --pp 1")
+        resolve_stages(cfg, args.tp, args.pp)
+    opts = {"model": str(model_dir), "dtype": args.dtype, "pp": args.pp, "num_layers": cfg.num_layers if cfg else 0}
     r = job(
         _verify_rank,
-        args.tp,
+        args.tp * args.pp,
         opts,
+        tp=args.tp,
         backend=args.backend,
         timeout_s=args.timeout,
         allow_cross_host_tp=args.allow_cross_host_tp,
@@ -208,8 +264,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0 if passed else 1
+    layout = f"tp={r['tp']}" if r["pp"] == 1 else f"tp={r['tp']} x pp={r['pp']}"
     print(
-        f"verify: {r['family']} model at {model_dir}, tp={r['tp']} ({r['backend']}), {r['dtype']}, "
+        f"verify: {r['family']} model at {model_dir}, {layout} ({r['backend']}), {r['dtype']}, "
         f"2 prompts of {' and '.join(map(str, r['lengths']))} tokens, real tokens only"
     )
     print(f"\n{'':<10} {'sharded vs unsharded':>23}   {'sharded vs transformers':>23}")
@@ -228,8 +285,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"\ntransformers: {seen}")
     if passed:
-        print(f"PASS: tp={r['tp']} matches within {tol:g} relative error")
+        print(f"PASS: {layout} matches within {tol:g} relative error")
     else:
         where = f"first diverging layer: {first}" if first is not None else f"the final {final['output']} diverge"
-        print(f"FAIL: tp={r['tp']} exceeds {tol:g} relative error; {where}")
+        print(f"FAIL: {layout} exceeds {tol:g} relative error; {where}")
     return 0 if passed else 1

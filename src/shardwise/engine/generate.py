@@ -6,6 +6,9 @@ the next tokens and broadcasts them, so every rank takes the same decisions.
 
     prefill      prompts (B, L), left-padded  -> KV caches filled, first new token
     decode_step  last tokens (B, 1)           -> next token, one KV slot per step
+
+Across pipeline stages (`stages=`, shardwise.engine.pipeline) the same loop runs on every
+rank; each forward passes stage to stage and the sampled tokens reach every rank.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardwise.comm import Communicator
+from shardwise.engine.pipeline import StageForward
 from shardwise.engine.sampling import SamplingParams, sample_on_rank0
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.modules import KVCache
@@ -83,9 +87,12 @@ def generate(
     sampling: SamplingParams | None = None,
     stop_ids: Sequence[int] = (),
     on_tokens: Callable[[list[int | None]], None] | None = None,
+    stages: StageForward | None = None,
 ) -> GenerationResult:
     """Generate for a batch of prompts of any lengths. on_tokens(step_tokens) is called after
-    every step with each prompt's new token (None once that prompt has finished)."""
+    every step with each prompt's new token (None once that prompt has finished).
+
+    stages: this rank's pipeline stage (model cut to it); `comm` is then its tp group."""
     cfg = model.cfg
     sampling = sampling or SamplingParams()
     validate_prompts(prompts, cfg.vocab_size, cfg.max_positions, max_new_tokens)
@@ -95,12 +102,30 @@ def generate(
     for i, p in enumerate(prompts):  # left padding: every row's last token sits at slot L - 1
         ids[i, L - len(p) :] = torch.tensor(p)
         mask[i, L - len(p) :] = 1
-    caches = model.new_caches(B, L + max_new_tokens)
-    gen = sampling.generator() if comm.rank == 0 else None
+    if stages is None:  # one stage: the whole model on this tp group
+        caches = model.new_caches(B, L + max_new_tokens)
+        gen = sampling.generator() if comm.rank == 0 else None
+
+        def forward(x, m, start):
+            return prefill(model, x, m, caches) if start == 0 else decode_step(model, x, m, caches, start)
+
+        def choose(logits):
+            return sample_on_rank0(logits, sampling, gen, comm)
+    else:
+        caches = stages.new_caches(B, L + max_new_tokens)
+        gen = sampling.generator() if stages.samples else None
+
+        def forward(x, m, start):
+            logits = stages.forward(x, m, caches, start)  # (B, 1, V) on the last stage
+            return logits[:, -1] if logits is not None else None
+
+        def choose(logits):
+            return stages.choose(logits, B, sampling, gen)
+
     stops = set(stop_ids)
 
     t0 = time.perf_counter()
-    tok = sample_on_rank0(prefill(model, ids, mask, caches), sampling, gen, comm)  # (B,)
+    tok = choose(forward(ids, mask, 0))  # (B,)
     result = GenerationResult([[] for _ in prompts], ["length"] * B, (time.perf_counter() - t0) * 1e3)
     done = [False] * B
     padded = bool((mask == 0).any())  # without padding, decode steps need no mask at all
@@ -122,8 +147,7 @@ def generate(
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)  # (B, L + step + 1)
         t0 = time.perf_counter()
         with comm.stats.track() as one_step:
-            logits = decode_step(model, tok.unsqueeze(1), mask if padded else None, caches, L + step)
-            tok = sample_on_rank0(logits, sampling, gen, comm)
+            tok = choose(forward(tok.unsqueeze(1), mask if padded else None, L + step))
         result.decode_ms.append((time.perf_counter() - t0) * 1e3)
         result.comm_per_step = one_step.snapshot()
     return result

@@ -4,11 +4,14 @@ shardwise.launch.failfast, as the local launcher.
 MPI ranks must be started by mpiexec, so they cannot be forked from this process. The
 parent listens on a loopback port (authenticated with a random key), starts
 `mpiexec -n N python -m shardwise.launch.mpi_rank`, and each rank connects back for
-its job and returns its result or its error over that connection. If a rank fails, the
-whole mpiexec session is killed; if the parent dies, each rank sees its connection
-close and exits. On the first failure the ranks still running are told (`_notify`), so
-their collectives fail at once instead of waiting out their timeout. As with the local
-launcher, the ranks publish their progress to a board directory this process creates.
+its job and returns its result or its error over that connection. If a rank fails, every
+rank is killed (by pid) and then the mpiexec session; if the parent dies, each rank sees
+its connection close and exits. On the first failure the ranks still running are told
+(`_notify`), so their collectives fail at once instead of waiting out their timeout, and
+fail with an error of their own: each rank runs in a session of its own, out of reach of
+mpiexec's cleanup, which would otherwise SIGKILL them all at once when one dies by a
+signal (shardwise.launch.mpi_rank). As with the local launcher, the ranks publish their
+progress to a board directory this process creates.
 """
 
 from __future__ import annotations
@@ -62,13 +65,14 @@ def launch_mpi(
         "SHARDWISE_LAUNCH_KEY": key.hex(),
         "OMP_NUM_THREADS": str(threads_per_rank),
     }
-    # -disable-auto-cleanup: when a rank dies, mpiexec leaves the others running, so that they
-    # can be told (_notify) and fail with an error of their own (a server answers 503 and ends
-    # its requests) before this process kills the session.
+    # -disable-auto-cleanup: when a rank dies, mpiexec leaves the others running (mostly: see
+    # shardwise.launch.mpi_rank), so that they can be told (_notify) and fail with an error of
+    # their own (a server answers 503 and ends its requests) before this process kills them.
     cmd = [find_mpiexec(), "-disable-auto-cleanup", "-n", str(world_size), sys.executable]
     cmd += ["-m", "shardwise.launch.mpi_rank"]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     conns: dict[Connection, int] = {}
+    ranks: dict[int, tuple[int, int]] = {}  # rank -> (pid, pidfd): the rank processes, to kill at the end
     accepted: list[Connection] = []
     threading.Thread(
         target=lambda: [accepted.append(listener.accept()) for _ in range(world_size)], daemon=True
@@ -89,15 +93,17 @@ def launch_mpi(
                 raise JobTimeoutError(f"only {len(conns)} of {world_size} MPI ranks started", [proc.pid])
             while accepted:
                 conn = accepted.pop()
-                conns[conn] = pickle.loads(conn.recv_bytes())
+                rank, pid = pickle.loads(conn.recv_bytes())  # in-memory IPC from our own rank process
+                conns[conn] = rank
+                ranks[rank] = (pid, os.pidfd_open(pid))
                 conn.send_bytes(prep)
                 conn.send_bytes(job)
             time.sleep(0.01)
-        results = _collect(proc, conns, world_size, deadline, board_dir)
+        results = _collect(proc, conns, ranks, world_size, deadline, board_dir)
         grace = 5.0
         return results
     finally:
-        _kill(proc, grace)
+        _kill(proc, ranks, grace)
         for conn in conns:
             conn.close()
         listener.close()
@@ -105,9 +111,14 @@ def launch_mpi(
 
 
 def _collect(
-    proc: subprocess.Popen, conns: dict[Connection, int], world_size: int, deadline: float, board_dir: str
+    proc: subprocess.Popen,
+    conns: dict[Connection, int],
+    ranks: dict[int, tuple[int, int]],
+    world_size: int,
+    deadline: float,
+    board_dir: str,
 ) -> list[Any]:
-    outcomes = Outcomes(world_size, [proc.pid])
+    outcomes = Outcomes(world_size, [proc.pid, *(pid for pid, _ in ranks.values())])
     pending = dict(conns)
 
     def poll(seconds: float) -> None:
@@ -119,7 +130,8 @@ def _collect(
                 # NOTE: once one rank exits with an error, mpiexec kills the others; those
                 # silent deaths are consequences, not the cause.
                 after_report = any(f.detail for f in outcomes.failures)
-                outcomes.died(rank, "rank exited without reporting (killed?)", secondary=after_report)
+                how = f"process {ranks[rank][0]} exited without reporting (killed?)"
+                outcomes.died(rank, how, secondary=after_report)
 
     return outcomes.collect(
         poll,
@@ -138,10 +150,14 @@ def _notify(pending: dict[Connection, int], failure: Failure) -> None:
             conn.send_bytes(notice)
 
 
-def _kill(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
+def _kill(proc: subprocess.Popen, ranks: dict[int, tuple[int, int]], grace_s: float = 0.0) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace_s)  # a finished job exits by itself
+    for _, pidfd in ranks.values():  # NOTE: a pidfd: never a later process that reuses the pid
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # a stopped rank too
+        os.close(pidfd)
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank it started
+            os.killpg(proc.pid, signal.SIGKILL)  # mpiexec: its proxy then kills the stand-ins
     proc.wait(timeout=10)

@@ -1,10 +1,22 @@
-"""One MPI rank started by shardwise.launch.mpi: fetch the job, run it, report back."""
+"""One MPI rank started by shardwise.launch.mpi: fetch the job, run it, report back.
+
+The process mpiexec starts forks at once: the child, in a session of its own, is the
+rank; the parent only stands in for it (it waits, and exits with the rank's status).
+mpiexec's proxy (hydra) may SIGKILL the process groups of every process it started when
+one of them dies by a signal, even with -disable-auto-cleanup (it depends on which it
+notices first: the death or the closed PMI socket). That would take a server's rank 0
+down at once, with no 503 and no error for its clients. The rank is out of reach of
+that: it learns of a dead peer from our launcher (`_watch`) and fails with an error of
+its own; the launcher kills every rank by pid when the job ends.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pickle
+import signal
 import sys
 import threading
 from multiprocessing.connection import Client
@@ -32,7 +44,27 @@ def _load_main(path: str) -> None:
     sys.modules["__main__"] = module
 
 
+def _stand_in(rank_pid: int) -> None:
+    """The process mpiexec knows: wait for the rank, exit with its status. Never returns."""
+    fd = os.environ.get("PMI_FD")
+    if fd is not None and fd.isdigit():  # the rank's PMI socket: its closing tells mpiexec the rank ended
+        with contextlib.suppress(OSError):
+            os.close(int(fd))
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # hydra's notice that a peer died: the rank hears it from us
+    _, status = os.waitpid(rank_pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    os._exit(code if code >= 0 else 128 - code)  # NOTE: an exit code, not the signal: see the module doc
+
+
 def main() -> None:
+    rank_pid = os.fork()  # NOTE: before MPI starts (importing mpi4py.MPI does): only the rank joins the job
+    if rank_pid != 0:
+        _stand_in(rank_pid)
+    os.setsid()
+    _rank()
+
+
+def _rank() -> None:
     from mpi4py import MPI
 
     from shardwise.comm.mpi import init_mpi
@@ -41,7 +73,7 @@ def main() -> None:
 
     host, port = os.environ["SHARDWISE_LAUNCH_ADDR"].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["SHARDWISE_LAUNCH_KEY"]))
-    conn.send_bytes(pickle.dumps(MPI.COMM_WORLD.Get_rank()))
+    conn.send_bytes(pickle.dumps((MPI.COMM_WORLD.Get_rank(), os.getpid())))
     sys_path, main_file, board_dir = pickle.loads(conn.recv_bytes())
     job = conn.recv_bytes()
     threading.Thread(target=_watch, args=(conn, board_dir), daemon=True).start()

@@ -192,8 +192,13 @@ def _trace() -> str:
 
 def _end_mpiexec_job(comm: Communicator, failure: RankFailedError) -> None:
     """Print the failure, then take every rank of the mpiexec job down. Never returns."""
-    print(f"shardwise: error: rank {failure.rank} failed: {failure.summary}", file=sys.stderr)
-    print(f"{failure.detail}\nshardwise: ending the mpiexec job", file=sys.stderr, flush=True)
+    # NOTE: one write, flushed: the job may be torn down the moment this rank moves on
+    end = "shardwise: ending the mpiexec job"
+    print(
+        f"shardwise: error: rank {failure.rank} failed: {failure.summary}\n{failure.detail}\n{end}",
+        file=sys.stderr,
+        flush=True,
+    )
     if comm.backend == "mpi":
         from mpi4py import MPI
 

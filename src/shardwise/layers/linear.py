@@ -26,7 +26,7 @@ from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region, gather_from_region, reduce_from_region
 from shardwise.comm.regions import reduce_scatter_to_sequence
-from shardwise.layers.partition import split_ranges
+from shardwise.layers.partition import HeadLayout, split_ranges
 from shardwise.layers.sequence import sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec
 
@@ -155,6 +155,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         sequence_parallel: bool = False,
         unit: int | None = None,
+        num_kv_heads: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -162,8 +163,12 @@ class RowParallelLinear(nn.Module):
         self.comm = comm
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = sequence_parallel
-        self.unit = unit
-        self.ranges = split_ranges(in_features, comm.size, unit=unit, what="in_features")
+        self.unit, self.num_kv_heads = unit, num_kv_heads
+        if num_kv_heads is None:
+            self.ranges = split_ranges(in_features, comm.size, unit=unit, what="in_features")
+        else:  # attention's output projection: the query heads qkv holds (HeadLayout), unit = head_dim
+            lay = HeadLayout(in_features // unit, num_kv_heads, comm.size)
+            self.ranges = [(q.start * unit, q.stop * unit) for q in map(lay.q_heads, range(comm.size))]
         """Every rank's [start, end) of the input features (uneven when tp does not divide them)."""
         start, end = self.ranges[comm.rank]
         local_in = end - start
@@ -174,7 +179,13 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, *, comm: Communicator, sequence_parallel: bool = False, unit: int | None = None
+        cls,
+        linear: nn.Linear,
+        *,
+        comm: Communicator,
+        sequence_parallel: bool = False,
+        unit: int | None = None,
+        num_kv_heads: int | None = None,
     ) -> RowParallelLinear:
         """This rank's row slice of an existing nn.Linear (its columns of `weight`)."""
         layer = cls(
@@ -184,6 +195,7 @@ class RowParallelLinear(nn.Module):
             bias=linear.bias is not None,
             sequence_parallel=sequence_parallel,
             unit=unit,
+            num_kv_heads=num_kv_heads,
             device="meta",
             dtype=linear.weight.dtype,
         )

@@ -125,6 +125,8 @@ class Rowwise(Style):
     head_dim: int | None = None
     sequence_parallel: bool = False
     """The output is reduce-scattered to a sequence shard (and the bias added on it)."""
+    num_kv_heads: int | None = None
+    """Attention's output projection: split by the query heads HeadLayout gives the fused qkv."""
 
     def check(self, path, module, tp):
         _require(path, module, (nn.Linear,), self)
@@ -132,7 +134,11 @@ class Rowwise(Style):
 
     def apply(self, module, comm):
         return RowParallelLinear.from_linear(
-            module, comm=comm, sequence_parallel=self.sequence_parallel, unit=self.head_dim
+            module,
+            comm=comm,
+            sequence_parallel=self.sequence_parallel,
+            unit=self.head_dim,
+            num_kv_heads=self.num_kv_heads,
         )
 
     def partial_grads(self, module):

@@ -57,9 +57,11 @@ class ModelSection:
     num_layers: int = 4
     """Decoder layers."""
     num_heads: int = 8
-    """Query heads; tp must divide it."""
+    """Query heads; any tp from 1 to num_heads splits them (unevenly when tp does not divide
+    them: the first ranks take one more)."""
     num_kv_heads: int = 4
-    """Key/value heads (grouped-query attention); tp must divide it, or be a multiple of it."""
+    """Key/value heads (grouped-query attention). Each rank holds the KV heads its query heads
+    use; a KV head whose query heads span two ranks is held by both, its gradient summed."""
     head_dim: int | None = None
     """Per-head width; None = hidden_size // num_heads."""
     max_positions: int = 512

@@ -23,7 +23,10 @@ def attention_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: boo
     """An Attention (models/modules.py): the fused qkv by whole heads, o by rows of the same heads."""
     sp = sequence_parallel
     qkv = QKV(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, sequence_parallel=sp)
-    return {f"{prefix}qkv": qkv, f"{prefix}o": Rowwise(head_dim=cfg.head_dim, sequence_parallel=sp)}
+    return {
+        f"{prefix}qkv": qkv,
+        f"{prefix}o": Rowwise(head_dim=cfg.head_dim, sequence_parallel=sp, num_kv_heads=cfg.num_kv_heads),
+    }
 
 
 def mlp_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: bool = False) -> Plan:
