@@ -306,13 +306,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="prefills and 32-token decodes per launch")
     ap.add_argument("--quick", action="store_true", help="1 round of 1 repeat, to check the script works")
     ap.add_argument("--out", type=Path, default=Path("docs/bench_uneven.json"))
-    ap.add_argument("--png", type=Path, default=Path("docs/bench_uneven.png"))
+    ap.add_argument("--png", default="docs/bench_uneven.png", help="the plot ('' for none)")
     args = ap.parse_args()
     rounds, repeats = (1, 1) if args.quick else (args.rounds, args.repeats)
     if args.render:
         data = json.loads(args.render.read_text())
         if args.png:
-            _plot(data, args.png)
+            _plot(data, Path(args.png))
         return print(render(data))
 
     nine, twelve = ensure_models(args.size, args.root)
@@ -330,7 +330,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1))
     if args.png:
-        _plot(data, args.png)
+        _plot(data, Path(args.png))
     print(render(data))
 
 
