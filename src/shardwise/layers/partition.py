@@ -9,7 +9,7 @@ of columns) and the units are dealt out as evenly as possible, the first ranks t
 more when tp does not divide them:
 
     split_sizes(9, 2)  -> [5, 4]                  9 heads over 2 ranks
-    shard_range(11008, 3, r), block 128           -> widths 3712, 3712, 3584
+    shard_range(11008, 3, r), blocks of 32        -> widths 3680, 3680, 3648
 
 When tp divides the size the split is the classic equal one, so even layouts (and their
 checkpoints) are unchanged. The slowest rank sets the pace of a tensor-parallel step, so
