@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.engine.pipeline import StageForward
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.modules import KVCache
 
@@ -134,11 +135,14 @@ class SlotCaches:
         self.num_slots, self.max_len = num_slots, max_len
         self.step: _StepIndex | None = None
         self.layers: list[SlotKVCache] = []
-        for layer in model.layers:
+        self.by_layer: dict[int, SlotKVCache] = {}  # global layer index -> cache (a stage holds some layers)
+        modules = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
+        for i, layer in zip(model.layer_indices(), modules, strict=True):
             _, kv_heads = KVCache.local_heads(layer.attn)
             w = layer.attn.qkv.weight
             cache = SlotKVCache(self, num_slots, max_len, kv_heads, model.cfg.head_dim, dtype=w.dtype, device=w.device)
             self.layers.append(cache)
+            self.by_layer[i] = cache
 
     @property
     def nbytes(self) -> int:
@@ -172,3 +176,16 @@ class SlotCaches:
         finally:
             self.step = None
         return logits[:, -1]
+
+    @torch.no_grad()
+    def stage_forward(self, stages: StageForward, batch: StepBatch) -> torch.Tensor | None:
+        """One step through this rank's pipeline stage (every rank of every stage calls it with
+        the same batch) -> logits (B, V) on the last stage, None on the others."""
+        self.check(batch)
+        self.step = ix = _StepIndex.of(batch)
+        T = batch.ids.shape[1]
+        try:
+            logits = stages.forward(batch.ids, ix.key_mask, self.by_layer, ix.K - T, positions=ix.positions)
+        finally:
+            self.step = None
+        return None if logits is None else logits[:, -1]  # (B, V)

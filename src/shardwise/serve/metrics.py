@@ -45,9 +45,9 @@ class Histogram:
 class Metrics:
     """Counters and gauges of one server (rank 0's view)."""
 
-    def __init__(self, *, tp: int, slots: int) -> None:
+    def __init__(self, *, tp: int, slots: int, pp: int = 1) -> None:
         self.lock = threading.Lock()
-        self.tp, self.slots = tp, slots
+        self.tp, self.pp, self.slots = tp, pp, slots
         self.requests: Counter[str] = Counter()  # by outcome
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -117,9 +117,12 @@ class Metrics:
                 op, group = key.split("/", 1)
                 lines.append(f'shardwise_collective_bytes_total{{op="{op}",group="{group}"}} {nbytes}')
             lines += [
-                "# HELP shardwise_tensor_parallel_size Ranks serving the model.",
+                "# HELP shardwise_tensor_parallel_size Ranks each stage's layers are sharded over.",
                 "# TYPE shardwise_tensor_parallel_size gauge",
                 f"shardwise_tensor_parallel_size {self.tp}",
+                "# HELP shardwise_pipeline_parallel_size Pipeline stages (ranks: tp x pp).",
+                "# TYPE shardwise_pipeline_parallel_size gauge",
+                f"shardwise_pipeline_parallel_size {self.pp}",
                 "# HELP shardwise_healthy 1 while every rank is alive and stepping.",
                 "# TYPE shardwise_healthy gauge",
                 f"shardwise_healthy {int(healthy)}",
