@@ -43,7 +43,7 @@ def offline():
     return lambda prompt, n: generate(model, [prompt], comm=LocalCommunicator(), max_new_tokens=n).tokens[0]
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("tp,pp", [(2, 2), (1, 3)])
 def test_concurrent_greedy_equals_tp1_and_disconnect_frees_slots(tmp_path, offline, tp, pp):
     import random
 
@@ -84,8 +84,44 @@ def test_concurrent_greedy_equals_tp1_and_disconnect_frees_slots(tmp_path, offli
             assert text == tok.decode(offline(prompt, n))
         steps = s.metric("shardwise_step_seconds_count") - steps_before
         assert steps < sum(n for _, n in jobs), f"{steps} steps: requests were not batched"
+        for stage in range(pp):  # every stage's compute time reached rank 0 along the pipe
+            assert s.metric(f'shardwise_stage_busy_seconds_total{{stage="{stage}"}}') > 0
+            assert 0 <= s.metric(f'shardwise_stage_idle_fraction{{stage="{stage}"}}') <= 1
     finally:
         s.stop()
+
+
+def test_scheduler_keeps_groups_in_flight_apart():
+    """At pp > 1 a sequence in flight neither steps again nor frees its slot: the running
+    sequences split into groups that take turns through the stages."""
+    import torch
+
+    from shardwise.engine import SamplingParams
+    from shardwise.serve.metrics import Metrics
+    from shardwise.serve.pipelined import InFlight
+    from shardwise.serve.scheduler import Scheduler, Sequence
+
+    sched = Scheduler(num_slots=4, max_queue=4, metrics=Metrics(tp=1, slots=4, pp=2))
+    outs: list = []
+    seqs = [Sequence([i + 1, i + 2], 4, SamplingParams(), frozenset(), outs.append) for i in range(4)]
+    pipe = InFlight(1)  # pp = 2: one item in the pipe while rank 0 starts the next
+    logits = torch.nn.functional.one_hot(torch.tensor([9, 9]), 16).float()  # (2, V): every row samples 9
+    sched.submit(seqs[0])
+    sched.submit(seqs[1])
+    a = sched.next_batch(busy=pipe.busy())  # group A: prefill of 0 and 1
+    assert a.slots.tolist() == [0, 1] and pipe.push(sched.rows()) is None
+    sched.submit(seqs[2])
+    sched.submit(seqs[3])
+    b = sched.next_batch(busy=pipe.busy())  # group B: 2 and 3 join while A is in flight
+    assert b.slots.tolist() == [2, 3]
+    done = pipe.push(sched.rows())  # A leaves the pipe
+    assert [q.slot for q in done] == [0, 1]
+    sched.finish_step(logits, done)
+    sched.cancel(seqs[3])  # its client leaves while B is in flight: slot 3 stays taken
+    again = sched.next_batch(busy=pipe.busy())  # A decodes; B is still in flight
+    assert again.slots.tolist() == [0, 1] and again.past.tolist() == [2, 2] and 3 not in sched.free
+    sched.finish_step(logits, pipe.push(sched.rows()))  # B leaves the pipe
+    assert sched.next_batch(busy=pipe.busy()).slots.tolist() == [2] and 3 in sched.free
 
 
 def test_last_stage_rank_killed_mid_generation(tmp_path):
@@ -96,5 +132,16 @@ def test_last_stage_rank_killed_mid_generation(tmp_path):
         _fault_case(s, lambda: os.kill(pids[1], signal.SIGKILL))
         log = s.log.read_text()
         assert f"shardwise: error: rank 1 failed: process {pids[1]} " in log, log[-2000:]
+    finally:
+        s.stop()
+
+
+def test_middle_stage_rank_raising_mid_generation(tmp_path):
+    # tp=1 x pp=3: rank 1 is the middle stage; it raises at its 61st step
+    args = ("--tp", "1", "--pp", "3", "--timeout", "10", "--debug-fail-rank", "1", "--debug-fail-after", "60")
+    s = Server(tmp_path, *args)
+    try:
+        _fault_case(s, lambda: None)
+        assert "rank 1 failed: RuntimeError: injected failure on rank 1 at step 61" in s.log.read_text()
     finally:
         s.stop()

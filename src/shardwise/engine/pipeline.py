@@ -73,17 +73,15 @@ class StageForward:
         start: int = 0,
         *,
         last_only: bool = True,
-        positions: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """ids: (B, T) at slots [start, start + T); mask: (B, start + T) or None (no padding);
-        positions: (B, T) per-row positions (a server's slots), default derived from the mask.
+        """ids: (B, T) at slots [start, start + T); mask: (B, start + T) or None (no padding).
         -> logits (B, 1 or T, vocab) on the last stage, None on the others."""
         pp, model = self.mesh.pp, self.model
         B, T = ids.shape
         hidden = None
         if not self.mesh.is_first_stage:
             hidden = pp.recv((B, T, self.hidden_size), self.dtype, pp.rank - 1, device=ids.device)
-        x, rope, attn = model.prelude(ids, mask, positions, caches is not None, start, hidden=hidden)
+        x, rope, attn = model.prelude(ids, mask, None, caches is not None, start, hidden=hidden)
         x = model.run_layers(x, rope, attn, caches, start)  # (B, T, hidden)
         if not self.mesh.is_last_stage:
             pp.send(x, pp.rank + 1)

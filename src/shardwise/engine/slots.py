@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.engine.pipeline import StageForward
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.modules import KVCache
 
@@ -178,14 +177,18 @@ class SlotCaches:
         return logits[:, -1]
 
     @torch.no_grad()
-    def stage_forward(self, stages: StageForward, batch: StepBatch) -> torch.Tensor | None:
-        """One step through this rank's pipeline stage (every rank of every stage calls it with
-        the same batch) -> logits (B, V) on the last stage, None on the others."""
+    def stage_step(
+        self, model: DecoderLM, batch: StepBatch, hidden: torch.Tensor | None, *, last: bool
+    ) -> torch.Tensor:
+        """One step through the layers this (stage's) model holds, with no communication:
+        hidden (B, T, hidden) from the previous stage, or None on the first (it embeds ids)
+        -> (B, T, hidden) for the next stage, or logits (B, V) when `last`."""
         self.check(batch)
         self.step = ix = _StepIndex.of(batch)
         T = batch.ids.shape[1]
         try:
-            logits = stages.forward(batch.ids, ix.key_mask, self.by_layer, ix.K - T, positions=ix.positions)
+            x, rope, attn = model.prelude(batch.ids, ix.key_mask, ix.positions, True, ix.K - T, hidden=hidden)
+            x = model.run_layers(x, rope, attn, self.by_layer, ix.K - T)  # type: ignore[arg-type]
         finally:
             self.step = None
-        return None if logits is None else logits[:, -1]  # (B, V)
+        return model.head(x, last_only=True)[:, -1] if last else x

@@ -128,11 +128,12 @@ class Scheduler:
                 self.cond.wait(timeout)
             return bool(self.waiting or self.running)
 
-    def next_batch(self, device=None) -> StepBatch | None:
-        """Free, admit, and build the next step (None when nothing runs)."""
+    def next_batch(self, device=None, busy: frozenset[int] = frozenset()) -> StepBatch | None:
+        """Free, admit, and build the next step (None when nothing runs). busy: ids of sequences
+        in a step still in flight (pp > 1): they neither step nor free their slot."""
         with self.cond:
             for slot, seq in list(self.running.items()):
-                if seq.done:
+                if seq.done and seq.id not in busy:
                     del self.running[slot]
                     self.free.append(slot)
             admitted: list[Sequence] = []
@@ -149,17 +150,22 @@ class Scheduler:
                 admitted.append(seq)
                 longest = max(longest, n)
             self.metrics.queue_depth, self.metrics.running = len(self.waiting), len(self.running)
-            self._rows = admitted or list(self.running.values())
+            self._rows = admitted or [s for s in self.running.values() if s.id not in busy and not s.done]
         if not self._rows:
             return None
         return StepBatch.build([(s.slot, s.cached, s.feed) for s in self._rows], device=device)
 
-    def finish_step(self, logits: torch.Tensor) -> int:
-        """logits: (B, V) of the step built by next_batch -> number of new tokens delivered."""
+    def rows(self) -> list[Sequence]:
+        """The sequences of the step next_batch just built, in row order."""
+        return list(self._rows)
+
+    def finish_step(self, logits: torch.Tensor, rows: list[Sequence] | None = None) -> int:
+        """logits: (B, V) of the step built by next_batch (or of the step of `rows`, built
+        earlier: pp > 1) -> number of new tokens delivered."""
         tokens = logits.argmax(dim=-1).tolist()  # greedy rows; sampled rows are replaced below
         delivered = 0
         with self.cond:
-            for b, seq in enumerate(self._rows):
+            for b, seq in enumerate(self._rows if rows is None else rows):
                 if not seq.sampling.greedy:
                     row = logits[b : b + 1].float().cpu()  # (1, V): the generator lives on the CPU
                     tokens[b] = int(sample(row, seq.sampling, seq.generator)[0])
@@ -176,7 +182,8 @@ class Scheduler:
                 if out.finish is not None:
                     seq.done = True
                 seq.on_output(out)
-            self._rows = []
+            if rows is None:
+                self._rows = []
             self.last_beat = time.monotonic()
         return delivered
 

@@ -1,10 +1,9 @@
 """What each rank of `shardwise serve` runs: load the shard, then step until the job ends.
 
 At pp > 1 (tp x pp ranks) every rank loads only its stage's layers on its tp slice; rank 0
-(stage 0, tp rank 0) still runs HTTP and the scheduler and broadcasts each step over the
-world; every rank runs the step through its stage (hidden states stage to stage, see
-engine/pipeline.py), and tp rank 0 of the last stage sends the logits (B, V) back to rank 0
-over its pp group, where the scheduler samples as at pp 1.
+(stage 0, tp rank 0) still runs HTTP and the scheduler, and the steps travel stage to stage
+with up to pp of them in flight (serve/pipelined.py); the last stage's logits come back to
+rank 0, which samples as at pp 1.
 
     rank 0      HTTP (uvicorn, a daemon thread) and the scheduler; the main thread runs
                 the engine loop: next_batch -> send_step -> forward -> sample -> deliver,
@@ -34,8 +33,9 @@ from shardwise.log import get_logger, setup_logging
 from shardwise.serve.app import ServerState, build_app
 from shardwise.serve.http import bind, start_http
 from shardwise.serve.metrics import Metrics
+from shardwise.serve.pipelined import InFlight, PipelineTicks
 from shardwise.serve.scheduler import Scheduler
-from shardwise.serve.step import Kind, recv_step, send_step
+from shardwise.serve.step import HEADER_LEN, Kind, recv_step, send_step
 from shardwise.serve.text import ChatTemplate
 
 __all__ = ["ServeOptions", "serve_rank", "HEARTBEAT_S"]
@@ -80,8 +80,7 @@ class _Fault:
 
 
 class _Engine:
-    """One step on this rank: the whole model (pp 1) or its stage (pp > 1) -> the logits (B, V)
-    on rank 0 (None on the other ranks at pp > 1)."""
+    """This rank's model (at pp > 1: its stage's layers, run by serve.pipelined) and slot caches."""
 
     def __init__(self, world: Communicator, opts: ServeOptions) -> None:
         from shardwise.hf import load_pretrained
@@ -101,16 +100,9 @@ class _Engine:
         self.caches = SlotCaches(self.model, opts.max_batch_size, opts.max_model_len)
         self.device = self.caches.layers[0].k.device
 
-    def forward(self, batch: StepBatch) -> torch.Tensor | None:
-        if self.stages is None:
-            return self.caches.forward(self.model, batch)  # (B, V) on every rank
-        logits = self.caches.stage_forward(self.stages, batch)  # (B, V) on the last stage
-        pp, V = self.stages.mesh.pp, self.model.cfg.vocab_size
-        if self.stages.samples:
-            pp.send(logits.contiguous(), 0)
-        elif self.world.rank == 0:
-            logits = pp.recv((batch.ids.shape[0], V), self.stages.dtype, pp.size - 1, device=self.device)
-        return logits
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """One step of the whole model (pp 1) -> logits (B, V) on every rank."""
+        return self.caches.forward(self.model, batch)
 
 
 def serve_rank(world: Communicator, opts: ServeOptions) -> None:
@@ -119,8 +111,12 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
     tp, model, caches, device, report = engine.tp, engine.model, engine.caches, engine.device, engine.report
     pids = world.all_gather(torch.tensor([os.getpid()], device=device), dim=0).tolist()
     fault = _Fault(world.rank, opts)
+    ticks = PipelineTicks(engine, fault) if opts.pp > 1 else None
     if world.rank != 0:
-        _follow(world, engine, fault)
+        if ticks is not None:
+            ticks.follow()
+        else:
+            _follow(world, engine, fault)
         return
     metrics = Metrics(tp=tp.size, slots=opts.max_batch_size, pp=opts.pp)
     scheduler = Scheduler(
@@ -153,7 +149,10 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
         "the checkpoint's" if state.chat.own else "fallback (role: content lines)",
     )  # fmt: skip
     try:
-        _lead(world, engine, scheduler, metrics, fault, http_thread)
+        if ticks is not None:
+            _lead_pipelined(ticks, scheduler, metrics, http_thread)
+        else:
+            _lead(world, engine, scheduler, metrics, fault, http_thread)
     except BaseException as e:
         scheduler.fail(f"{type(e).__name__}: {e}")
         if not isinstance(e, KeyboardInterrupt):  # Ctrl-C stops the whole job: no error to report
@@ -182,6 +181,31 @@ def _lead(world, engine: _Engine, scheduler: Scheduler, metrics: Metrics, fault,
         logits = engine.forward(batch)  # (B, V)
         new_tokens = scheduler.finish_step(logits)
         metrics.step(time.perf_counter() - t0, batch.slots.numel(), new_tokens, tp.stats.snapshot())
+
+
+def _lead_pipelined(ticks: PipelineTicks, scheduler: Scheduler, metrics: Metrics, http_thread) -> None:
+    """Rank 0's engine loop at pp > 1: one tick per step, up to pp steps in flight."""
+    inflight = InFlight(ticks.P - 1)
+    while True:
+        if not http_thread.is_alive():
+            raise RuntimeError("the HTTP server stopped")
+        batch = scheduler.next_batch(ticks.device, inflight.busy())
+        if batch is None and inflight.empty():
+            if not scheduler.wait_for_work(HEARTBEAT_S):
+                header, _ = ticks.lead_tick(None)  # a bubble through every stage: the heartbeat
+                metrics.stages([int(x) / 1e6 for x in header[HEADER_LEN:]])
+                scheduler.beat()
+                metrics.heartbeat(ticks.tp.stats.snapshot())
+            continue
+        t0 = time.perf_counter()
+        header, logits = ticks.lead_tick(batch)
+        rows = inflight.push(scheduler.rows() if batch is not None else None)
+        metrics.stages([int(x) / 1e6 for x in header[HEADER_LEN:]])
+        if rows is None:
+            scheduler.beat()
+            continue
+        new_tokens = scheduler.finish_step(logits, rows)
+        metrics.step(time.perf_counter() - t0, len(rows), new_tokens, ticks.tp.stats.snapshot())
 
 
 def _follow(world, engine: _Engine, fault: _Fault) -> None:
