@@ -122,6 +122,11 @@ def test_scheduler_keeps_groups_in_flight_apart():
     assert again.slots.tolist() == [0, 1] and again.past.tolist() == [2, 2] and 3 not in sched.free
     sched.finish_step(logits, pipe.push(sched.rows()))  # B leaves the pipe
     assert sched.next_batch(busy=pipe.busy()).slots.tolist() == [2] and 3 in sched.free
+    sched.finish_step(logits[:1], sched.rows())
+    # 3 running sequences in 2 groups: at most 2 per step, the longest waiting first
+    assert sched.next_batch(groups=2).slots.tolist() == [0, 1]
+    sched.finish_step(logits, sched.rows())
+    assert sched.next_batch(groups=2).slots.tolist() == [2, 0]
 
 
 def test_last_stage_rank_killed_mid_generation(tmp_path):
@@ -137,8 +142,10 @@ def test_last_stage_rank_killed_mid_generation(tmp_path):
 
 
 def test_middle_stage_rank_raising_mid_generation(tmp_path):
-    # tp=1 x pp=3: rank 1 is the middle stage; it raises at its 61st step
-    args = ("--tp", "1", "--pp", "3", "--timeout", "10", "--debug-fail-rank", "1", "--debug-fail-after", "60")
+    # tp=1 x pp=3: rank 1 is the middle stage; it raises at its 61st step. gloo: its peers'
+    # receives fail at once ("connection closed") and rank 0 hears it from the last stage
+    args = ("--tp", "1", "--pp", "3", "--timeout", "10", "--backend", "gloo", "--health-timeout", "1")
+    args += ("--debug-fail-rank", "1", "--debug-fail-after", "60")
     s = Server(tmp_path, *args)
     try:
         _fault_case(s, lambda: None)

@@ -189,7 +189,7 @@ def _lead_pipelined(ticks: PipelineTicks, scheduler: Scheduler, metrics: Metrics
     while True:
         if not http_thread.is_alive():
             raise RuntimeError("the HTTP server stopped")
-        batch = scheduler.next_batch(ticks.device, inflight.busy())
+        batch = scheduler.next_batch(ticks.device, inflight.busy(), groups=ticks.P)
         if batch is None and inflight.empty():
             if not scheduler.wait_for_work(HEARTBEAT_S):
                 header, _ = ticks.lead_tick(None)  # a bubble through every stage: the heartbeat
