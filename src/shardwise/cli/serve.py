@@ -1,6 +1,7 @@
-"""`shardwise serve`: an OpenAI-compatible HTTP server on N tensor-parallel ranks.
+"""`shardwise serve`: an OpenAI-compatible HTTP server on tp x pp ranks (pp pipeline stages,
+each sharded over tp ranks).
 
-Everything that can be wrong with the command line (model directory, tp size, limits,
+Everything that can be wrong with the command line (model directory, tp and pp sizes, limits,
 a port already taken) is refused with one line before any rank starts. Then the ranks
 are started (or joined, under torchrun) and serve until the process is stopped
 (SIGINT/SIGTERM: exit 0) or a rank fails (exit 1, with the failing rank's error).
@@ -14,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from shardwise.cli.common import add_host_args, fail, job, resolve_model
+from shardwise.cli.common import add_host_args, fail, job, resolve_model, resolve_stages
 from shardwise.comm import DEFAULT_TIMEOUT_S
 from shardwise.engine.text import DEFAULT_MODEL
 
@@ -35,6 +36,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=2,
         help="ranks to shard the model over (default 2)",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        "--pp",
+        dest="pp",
+        type=int,
+        default=1,
+        help="pipeline stages, each holding a run of the layers: tp * pp ranks (default 1)",
     )
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: the checkpoint's"
@@ -115,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from shardwise.serve.worker import ServeOptions, serve_rank
 
     model_dir, cfg = resolve_model(args.model, args.tp)
+    resolve_stages(cfg, args.tp, args.pp)
     problems = _check(args, model_dir, cfg)
     if problems:
         return fail(problems[0])
@@ -132,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
         health_timeout=args.health_timeout,
         fail_rank=args.debug_fail_rank,
         fail_after=args.debug_fail_after,
+        pp=args.pp,
+        num_layers=cfg.num_layers,
     )
     if default:
         print(
@@ -142,8 +154,9 @@ def run(args: argparse.Namespace) -> int:
     try:  # a server has no job deadline
         job(
             serve_rank,
-            args.tp,
+            args.tp * args.pp,
             opts,
+            tp=args.tp,
             backend=args.backend,
             timeout_s=args.timeout,
             job_timeout_s=math.inf,

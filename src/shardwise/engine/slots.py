@@ -134,11 +134,14 @@ class SlotCaches:
         self.num_slots, self.max_len = num_slots, max_len
         self.step: _StepIndex | None = None
         self.layers: list[SlotKVCache] = []
-        for layer in model.layers:
+        self.by_layer: dict[int, SlotKVCache] = {}  # global layer index -> cache (a stage holds some layers)
+        modules = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
+        for i, layer in zip(model.layer_indices(), modules, strict=True):
             _, kv_heads = KVCache.local_heads(layer.attn)
             w = layer.attn.qkv.weight
             cache = SlotKVCache(self, num_slots, max_len, kv_heads, model.cfg.head_dim, dtype=w.dtype, device=w.device)
             self.layers.append(cache)
+            self.by_layer[i] = cache
 
     @property
     def nbytes(self) -> int:
@@ -172,3 +175,20 @@ class SlotCaches:
         finally:
             self.step = None
         return logits[:, -1]
+
+    @torch.no_grad()
+    def stage_step(
+        self, model: DecoderLM, batch: StepBatch, hidden: torch.Tensor | None, *, last: bool
+    ) -> torch.Tensor:
+        """One step through the layers this (stage's) model holds, with no communication:
+        hidden (B, T, hidden) from the previous stage, or None on the first (it embeds ids)
+        -> (B, T, hidden) for the next stage, or logits (B, V) when `last`."""
+        self.check(batch)
+        self.step = ix = _StepIndex.of(batch)
+        T = batch.ids.shape[1]
+        try:
+            x, rope, attn = model.prelude(batch.ids, ix.key_mask, ix.positions, True, ix.K - T, hidden=hidden)
+            x = model.run_layers(x, rope, attn, self.by_layer, ix.K - T)  # type: ignore[arg-type]
+        finally:
+            self.step = None
+        return model.head(x, last_only=True)[:, -1] if last else x

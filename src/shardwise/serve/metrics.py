@@ -7,6 +7,7 @@ Written by the engine thread (steps, tokens, collectives) and the HTTP thread
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -45,9 +46,9 @@ class Histogram:
 class Metrics:
     """Counters and gauges of one server (rank 0's view)."""
 
-    def __init__(self, *, tp: int, slots: int) -> None:
+    def __init__(self, *, tp: int, slots: int, pp: int = 1) -> None:
         self.lock = threading.Lock()
-        self.tp, self.slots = tp, slots
+        self.tp, self.pp, self.slots = tp, pp, slots
         self.requests: Counter[str] = Counter()  # by outcome
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -56,6 +57,9 @@ class Metrics:
         self.batch_size = 0
         self.step_seconds = Histogram(STEP_BUCKETS)
         self.heartbeats = 0
+        self.stage_busy: list[float] = [0.0] * pp if pp > 1 else []  # seconds of compute of each stage (pp > 1)
+        self.stage_idle: list[float] = [1.0] * pp if pp > 1 else []  # idle fraction of each stage over the last window
+        self._window: tuple[float, list[float]] | None = None
         self.collectives: dict[str, tuple[int, int]] = {}  # "op/group" -> (calls, bytes)
 
     def request_done(self, outcome: str) -> None:
@@ -69,6 +73,22 @@ class Metrics:
             self.batch_size = batch
             self.generation_tokens += new_tokens
             self.collectives = {k: (v["calls"], v["bytes"]) for k, v in collectives.items()}
+
+    def stages(self, busy_s: list[float], window_s: float = 1.0) -> None:
+        """Every stage's cumulative compute seconds (pp > 1); the idle fractions are over the
+        last window of at least `window_s` seconds of wall time."""
+        now = time.monotonic()
+        with self.lock:
+            busy_s = [max(a, b) for a, b in zip(self.stage_busy, busy_s, strict=True)]  # the first ticks lack some
+            self.stage_busy = list(busy_s)
+            if self._window is None:
+                self._window = now, list(busy_s)
+            elif now - self._window[0] >= window_s:
+                t0, b0 = self._window
+                self.stage_idle = [
+                    min(1.0, max(0.0, 1 - (b - a) / (now - t0))) for a, b in zip(b0, busy_s, strict=True)
+                ]
+                self._window = now, list(busy_s)
 
     def heartbeat(self, collectives: dict[str, dict[str, int]]) -> None:
         with self.lock:
@@ -117,9 +137,18 @@ class Metrics:
                 op, group = key.split("/", 1)
                 lines.append(f'shardwise_collective_bytes_total{{op="{op}",group="{group}"}} {nbytes}')
             lines += [
-                "# HELP shardwise_tensor_parallel_size Ranks serving the model.",
+                "# HELP shardwise_tensor_parallel_size Ranks each stage's layers are sharded over.",
                 "# TYPE shardwise_tensor_parallel_size gauge",
                 f"shardwise_tensor_parallel_size {self.tp}",
+                "# HELP shardwise_pipeline_parallel_size Pipeline stages (ranks: tp x pp).",
+                "# TYPE shardwise_pipeline_parallel_size gauge",
+                f"shardwise_pipeline_parallel_size {self.pp}",
+                "# HELP shardwise_stage_busy_seconds_total Compute seconds of each pipeline stage (pp > 1).",
+                "# TYPE shardwise_stage_busy_seconds_total counter",
+                *(f'shardwise_stage_busy_seconds_total{{stage="{i}"}} {b:.6f}' for i, b in enumerate(self.stage_busy)),
+                "# HELP shardwise_stage_idle_fraction Share of the last second(s) each stage did not compute (pp > 1).",
+                "# TYPE shardwise_stage_idle_fraction gauge",
+                *(f'shardwise_stage_idle_fraction{{stage="{i}"}} {f:.4f}' for i, f in enumerate(self.stage_idle)),
                 "# HELP shardwise_healthy 1 while every rank is alive and stepping.",
                 "# TYPE shardwise_healthy gauge",
                 f"shardwise_healthy {int(healthy)}",

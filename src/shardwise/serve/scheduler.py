@@ -72,6 +72,8 @@ class Sequence:
     feed: list[int] = field(default_factory=list)
     """Tokens to feed at the next step: the prompt, then the last sampled token."""
     generated: int = 0
+    last_step: int = -1
+    """The scheduler's step count when this sequence last stepped (pp > 1: the longest waiting go first)."""
     generator: torch.Generator | None = None
     done: bool = False
     """It finished, or its client left: the slot is freed at the next boundary."""
@@ -90,6 +92,7 @@ class Scheduler:
         self.failed: str | None = None
         self.last_beat = time.monotonic()
         self._rows: list[Sequence] = []  # the rows of the step in flight
+        self.steps = 0
 
     # ---- the HTTP thread ----------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -128,11 +131,14 @@ class Scheduler:
                 self.cond.wait(timeout)
             return bool(self.waiting or self.running)
 
-    def next_batch(self, device=None) -> StepBatch | None:
-        """Free, admit, and build the next step (None when nothing runs)."""
+    def next_batch(self, device=None, busy: frozenset[int] = frozenset(), groups: int = 1) -> StepBatch | None:
+        """Free, admit, and build the next step (None when nothing runs). pp > 1: busy are the
+        ids of sequences in a step still in flight (they neither step nor free their slot), and
+        a decode step takes at most 1/groups of the running sequences, the longest waiting
+        first, so that the groups in flight even out."""
         with self.cond:
             for slot, seq in list(self.running.items()):
-                if seq.done:
+                if seq.done and seq.id not in busy:
                     del self.running[slot]
                     self.free.append(slot)
             admitted: list[Sequence] = []
@@ -149,17 +155,29 @@ class Scheduler:
                 admitted.append(seq)
                 longest = max(longest, n)
             self.metrics.queue_depth, self.metrics.running = len(self.waiting), len(self.running)
-            self._rows = admitted or list(self.running.values())
+            self._rows = admitted
+            if not admitted:
+                live = [s for s in self.running.values() if not s.done]
+                ready = sorted((s for s in live if s.id not in busy), key=lambda s: s.last_step)
+                self._rows = ready[: -(-len(live) // groups)]  # ceil(live / groups)
+            self.steps += 1
+            for seq in self._rows:
+                seq.last_step = self.steps
         if not self._rows:
             return None
         return StepBatch.build([(s.slot, s.cached, s.feed) for s in self._rows], device=device)
 
-    def finish_step(self, logits: torch.Tensor) -> int:
-        """logits: (B, V) of the step built by next_batch -> number of new tokens delivered."""
+    def rows(self) -> list[Sequence]:
+        """The sequences of the step next_batch just built, in row order."""
+        return list(self._rows)
+
+    def finish_step(self, logits: torch.Tensor, rows: list[Sequence] | None = None) -> int:
+        """logits: (B, V) of the step built by next_batch (or of the step of `rows`, built
+        earlier: pp > 1) -> number of new tokens delivered."""
         tokens = logits.argmax(dim=-1).tolist()  # greedy rows; sampled rows are replaced below
         delivered = 0
         with self.cond:
-            for b, seq in enumerate(self._rows):
+            for b, seq in enumerate(self._rows if rows is None else rows):
                 if not seq.sampling.greedy:
                     row = logits[b : b + 1].float().cpu()  # (1, V): the generator lives on the CPU
                     tokens[b] = int(sample(row, seq.sampling, seq.generator)[0])
@@ -176,7 +194,8 @@ class Scheduler:
                 if out.finish is not None:
                     seq.done = True
                 seq.on_output(out)
-            self._rows = []
+            if rows is None:
+                self._rows = []
             self.last_beat = time.monotonic()
         return delivered
 

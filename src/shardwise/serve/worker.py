@@ -1,5 +1,10 @@
 """What each rank of `shardwise serve` runs: load the shard, then step until the job ends.
 
+At pp > 1 (tp x pp ranks) every rank loads only its stage's layers on its tp slice; rank 0
+(stage 0, tp rank 0) still runs HTTP and the scheduler, and the steps travel stage to stage
+with up to pp of them in flight (serve/pipelined.py); the last stage's logits come back to
+rank 0, which samples as at pp 1.
+
     rank 0      HTTP (uvicorn, a daemon thread) and the scheduler; the main thread runs
                 the engine loop: next_batch -> send_step -> forward -> sample -> deliver,
                 and when idle a NOOP step and a barrier every HEARTBEAT_S
@@ -20,15 +25,17 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.comm import Communicator, tp_only
-from shardwise.engine.slots import SlotCaches
+from shardwise.comm import Communicator, ParallelDims, tp_only
+from shardwise.engine.pipeline import StageForward, stage_layout
+from shardwise.engine.slots import SlotCaches, StepBatch
 from shardwise.engine.text import load_tokenizer, stop_ids
 from shardwise.log import get_logger, setup_logging
 from shardwise.serve.app import ServerState, build_app
 from shardwise.serve.http import bind, start_http
 from shardwise.serve.metrics import Metrics
+from shardwise.serve.pipelined import InFlight, PipelineTicks
 from shardwise.serve.scheduler import Scheduler
-from shardwise.serve.step import Kind, recv_step, send_step
+from shardwise.serve.step import HEADER_LEN, Kind, recv_step, send_step
 from shardwise.serve.text import ChatTemplate
 
 __all__ = ["ServeOptions", "serve_rank", "HEARTBEAT_S"]
@@ -55,6 +62,9 @@ class ServeOptions:
     health_timeout: float
     fail_rank: int | None = None
     fail_after: int = 0
+    pp: int = 1
+    num_layers: int = 0
+    """The model's decoder layers (for the stage split at pp > 1)."""
 
 
 class _Fault:
@@ -69,20 +79,46 @@ class _Fault:
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.steps} (--debug-fail-rank)")
 
 
+class _Engine:
+    """This rank's model (at pp > 1: its stage's layers, run by serve.pipelined) and slot caches."""
+
+    def __init__(self, world: Communicator, opts: ServeOptions) -> None:
+        from shardwise.hf import load_pretrained
+
+        self.world, self.stages, stage = world, None, None
+        if opts.pp == 1:
+            self.tp = tp_only(world)
+        else:
+            mesh = ParallelDims(world_size=world.size, tp=world.size // opts.pp, pp=opts.pp).build(world)
+            self.tp, stage = mesh.tp, (stage_layout(opts.num_layers, opts.pp), mesh.pp_rank)
+        self.model, self.report = load_pretrained(
+            opts.model, comm=self.tp, dtype=opts.dtype, progress=False, stage=stage
+        )
+        if stage is not None:
+            self.stages = StageForward(self.model, mesh)
+            self.stage_text = stage[0].describe().replace(", loss", "")
+        self.caches = SlotCaches(self.model, opts.max_batch_size, opts.max_model_len)
+        self.device = self.caches.layers[0].k.device
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """One step of the whole model (pp 1) -> logits (B, V) on every rank."""
+        return self.caches.forward(self.model, batch)
+
+
 def serve_rank(world: Communicator, opts: ServeOptions) -> None:
     setup_logging(world.rank, world.size)
-    tp = tp_only(world)
-    from shardwise.hf import load_pretrained
-
-    model, report = load_pretrained(opts.model, comm=tp, dtype=opts.dtype, progress=False)
-    caches = SlotCaches(model, opts.max_batch_size, opts.max_model_len)
-    device = caches.layers[0].k.device
-    pids = tp.all_gather(torch.tensor([os.getpid()], device=device), dim=0).tolist()
-    fault = _Fault(tp.rank, opts)
-    if tp.rank != 0:
-        _follow(tp, model, caches, device, fault)
+    engine = _Engine(world, opts)
+    tp, model, caches, device, report = engine.tp, engine.model, engine.caches, engine.device, engine.report
+    pids = world.all_gather(torch.tensor([os.getpid()], device=device), dim=0).tolist()
+    fault = _Fault(world.rank, opts)
+    ticks = PipelineTicks(engine, fault) if opts.pp > 1 else None
+    if world.rank != 0:
+        if ticks is not None:
+            ticks.follow()
+        else:
+            _follow(world, engine, fault)
         return
-    metrics = Metrics(tp=tp.size, slots=opts.max_batch_size)
+    metrics = Metrics(tp=tp.size, slots=opts.max_batch_size, pp=opts.pp)
     scheduler = Scheduler(
         num_slots=opts.max_batch_size, max_queue=opts.max_queue, metrics=metrics, stale_s=opts.health_timeout
     )
@@ -96,7 +132,7 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
         max_model_len=opts.max_model_len,
         eos_ids=frozenset(stop_ids(opts.model)),
         max_body_bytes=opts.max_body_bytes,
-        info={"tp": tp.size, "backend": tp.backend, "pids": pids},
+        info={"tp": tp.size, "pp": opts.pp, "backend": tp.backend, "pids": pids},
     )
     try:
         sock = bind(opts.host, opts.port)
@@ -104,15 +140,19 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
         raise RuntimeError(f"cannot listen on {opts.host}:{opts.port}: {e}") from None
     http_thread, _ = start_http(build_app(state), sock)
     host, port = sock.getsockname()[:2]
+    layout = f"tp={tp.size}" if opts.pp == 1 else f"tp={tp.size} x pp={opts.pp} ({engine.stage_text})"
     log.info(
-        "serving %s at http://%s:%d/v1 | tp=%d (%s), %s | %d slots x %d tokens, KV cache %.1f MiB per rank | "
+        "serving %s at http://%s:%d/v1 | %s (%s), %s | %d slots x %d tokens, KV cache %.1f MiB per rank | "
         "max queue %d | chat template: %s",
-        opts.model_name, host, port, tp.size, tp.backend, report.config.dtype, opts.max_batch_size,
+        opts.model_name, host, port, layout, tp.backend, report.config.dtype, opts.max_batch_size,
         opts.max_model_len, caches.nbytes / 2**20, opts.max_queue,
         "the checkpoint's" if state.chat.own else "fallback (role: content lines)",
     )  # fmt: skip
     try:
-        _lead(tp, model, caches, scheduler, metrics, device, fault, http_thread)
+        if ticks is not None:
+            _lead_pipelined(ticks, scheduler, metrics, http_thread)
+        else:
+            _lead(world, engine, scheduler, metrics, fault, http_thread)
     except BaseException as e:
         scheduler.fail(f"{type(e).__name__}: {e}")
         if not isinstance(e, KeyboardInterrupt):  # Ctrl-C stops the whole job: no error to report
@@ -121,35 +161,61 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
         raise
 
 
-def _lead(tp, model, caches: SlotCaches, scheduler: Scheduler, metrics: Metrics, device, fault, http_thread) -> None:
+def _lead(world, engine: _Engine, scheduler: Scheduler, metrics: Metrics, fault, http_thread) -> None:
     """Rank 0's engine loop; returns never, raises when a step or the HTTP server fails."""
+    tp, device = engine.tp, engine.device
     while True:
         if not http_thread.is_alive():
             raise RuntimeError("the HTTP server stopped")
         batch = scheduler.next_batch(device)
         if batch is None:
             if not scheduler.wait_for_work(HEARTBEAT_S):
-                send_step(tp, Kind.NOOP, device=device)
-                tp.barrier()
+                send_step(world, Kind.NOOP, device=device)
+                world.barrier()
                 scheduler.beat()
                 metrics.heartbeat(tp.stats.snapshot())
             continue
         t0 = time.perf_counter()
-        send_step(tp, Kind.STEP, batch)
+        send_step(world, Kind.STEP, batch)
         fault.step()
-        logits = caches.forward(model, batch)  # (B, V) on every rank
+        logits = engine.forward(batch)  # (B, V)
         new_tokens = scheduler.finish_step(logits)
         metrics.step(time.perf_counter() - t0, batch.slots.numel(), new_tokens, tp.stats.snapshot())
 
 
-def _follow(tp, model, caches: SlotCaches, device, fault: _Fault) -> None:
+def _lead_pipelined(ticks: PipelineTicks, scheduler: Scheduler, metrics: Metrics, http_thread) -> None:
+    """Rank 0's engine loop at pp > 1: one tick per step, up to pp steps in flight."""
+    inflight = InFlight(ticks.P - 1)
+    while True:
+        if not http_thread.is_alive():
+            raise RuntimeError("the HTTP server stopped")
+        batch = scheduler.next_batch(ticks.device, inflight.busy(), groups=ticks.P)
+        if batch is None and inflight.empty():
+            if not scheduler.wait_for_work(HEARTBEAT_S):
+                header, _ = ticks.lead_tick(None)  # a bubble through every stage: the heartbeat
+                metrics.stages([int(x) / 1e6 for x in header[HEADER_LEN:]])
+                scheduler.beat()
+                metrics.heartbeat(ticks.tp.stats.snapshot())
+            continue
+        t0 = time.perf_counter()
+        header, logits = ticks.lead_tick(batch)
+        rows = inflight.push(scheduler.rows() if batch is not None else None)
+        metrics.stages([int(x) / 1e6 for x in header[HEADER_LEN:]])
+        if rows is None:
+            scheduler.beat()
+            continue
+        new_tokens = scheduler.finish_step(logits, rows)
+        metrics.step(time.perf_counter() - t0, len(rows), new_tokens, ticks.tp.stats.snapshot())
+
+
+def _follow(world, engine: _Engine, fault: _Fault) -> None:
     """Ranks 1..N: run whatever rank 0's steps say, until STOP."""
     while True:
-        kind, batch = recv_step(tp, device)
+        kind, batch = recv_step(world, engine.device)
         if kind == Kind.STOP:
             return
         if kind == Kind.NOOP:
-            tp.barrier()
+            world.barrier()
             continue
         fault.step()
-        caches.forward(model, batch)
+        engine.forward(batch)
