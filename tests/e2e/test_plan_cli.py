@@ -77,7 +77,7 @@ def test_plan_recommends_a_training_pipeline_with_the_line_that_runs_it():
     text = _plan(*args)
     assert "> tp=1 pp=4 dp=2" in text.stdout and "Pipeline: 1f1b schedule, m=32 micro-batches" in text.stdout
     assert f"  {plan['command']}" in text.stdout
-    assert "not runnable" not in text.stdout and "inference does not run" not in text.stdout
+    assert "not runnable" not in text.stdout and "not recommended for inference" not in text.stdout
     # GPipe holds all 32 micro-batches' activations: no pipeline fits, tp=2 without one does
     gpipe = _plan(*args, "--schedule", "gpipe", "--top", "20")
     assert gpipe.returncode == 0, gpipe.stderr
@@ -91,5 +91,5 @@ def test_plan_inference_shows_pipelines_as_not_runnable():
     out = _plan("--model", "llama-3-70b", "--cluster", "dgx-a100-80gb", "--batch", "8", "--top", "20")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "recommended: tp=2 pp=1 dp=4" in out.stdout
-    assert "tp=1 pp=2 dp=4" in out.stdout and "(pp>1: inference does not run pipelines yet)" in out.stdout
+    assert "tp=1 pp=2 dp=4" in out.stdout and "(pp>1: not recommended for inference until validated)" in out.stdout
     assert "shardwise train" not in out.stdout

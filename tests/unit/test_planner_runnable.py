@@ -175,7 +175,9 @@ def test_only_an_inference_pipeline_fits():
     rec = _rec("llama-3-8b", one_per_node, InferenceWorkload())
     assert rec.recommended is None and rec.pipeline.layout.pp == 2
     assert rec.nothing_fits.startswith("nothing fits on 4 x gpu without a pipeline: the smallest footprint, tp=1 pp=1")
-    assert rec.alternatives[0] == f"a pipeline, once inference runs one ({NOT_RUNNABLE}): {rec.pipeline.layout}"
+    assert (
+        rec.alternatives[0] == f"a pipeline, once its prediction is validated ({NOT_RUNNABLE}): {rec.pipeline.layout}"
+    )
     nodes = [a for a in rec.alternatives if " nodes (" in a]
     assert nodes == [] or nodes[0].endswith(f"({NOT_RUNNABLE})"), nodes
     text = render_text(rec)

@@ -13,8 +13,8 @@ never imports bench.
 
 Training layouts with pp > 1 are recommended like any other, with the schedule, m and layer
 split `shardwise train` runs (Recommendation.command). Inference layouts with pp > 1 are
-predicted and shown but never recommended: inference does not run pipelines yet
-(search.NOT_RUNNABLE; Recommendation.pipeline says when one would win).
+predicted and shown but never recommended: `generate --pp` and `serve --pp` run them, but
+the pipeline predictions are not validated yet (search.NOT_RUNNABLE; Recommendation.pipeline says when one would win).
 """
 
 from shardwise.planner.predict import Layout

@@ -117,7 +117,7 @@ def _pipeline_would_win(rec) -> str:
     else:
         better = f"predicted {_ms(p.time_s)} {per} instead of {_ms(r.time_s)}"
     return (
-        f"{p.layout} would be recommended ({better}), but {NOT_RUNNABLE}; "
+        f"{p.layout} would be recommended ({better}), but {NOT_RUNNABLE} (`generate --pp` and `serve --pp` run it); "
         f"{r.layout} is the best layout without a pipeline."
     )
 
@@ -254,7 +254,7 @@ def diagnose(rec, allow_cross: bool) -> tuple[str, list[str]]:
 
     alts = []
     if rec.pipeline is not None:
-        alts.append(f"a pipeline, once inference runs one ({NOT_RUNNABLE}): {rec.pipeline.layout}")
+        alts.append(f"a pipeline, once its prediction is validated ({NOT_RUNNABLE}): {rec.pipeline.layout}")
     if cl.inter is not None:
         for nodes in [*range(cl.nodes + 1, cl.nodes + 16), 32, 64, 128, 256]:
             c = first_fit(wl, replace(cl, devices=nodes * cl.devices_per_node), pipeline=True)

@@ -45,9 +45,10 @@ __all__ = ["Candidate", "evaluate", "compute_dtype", "model_key", "NOT_RUNNABLE"
 
 Workload = InferenceWorkload | TrainingWorkload
 
-NOT_RUNNABLE = "pp>1: inference does not run pipelines yet"
-"""The label of an inference layout with a pipeline: predicted, but shardwise's engine and
-server run pp = 1 only (training runs pipelines)."""
+NOT_RUNNABLE = "pp>1: not recommended for inference until validated"
+"""The label of an inference layout with a pipeline: `generate --pp` and `serve --pp` run it,
+but the planner's pipeline decode and serving predictions have not been checked against
+measurement yet (benchmarks/validate_planner.py), so it is shown and never recommended."""
 
 
 @dataclass(frozen=True)
