@@ -173,13 +173,19 @@ INIT_STD = 0.3
 
 
 def save_tiny(
-    family: str, root: Path, *, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None
+    family: str,
+    root: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+    overrides: dict | None = None,
 ) -> Path:
-    """Build the tiny random model of `family` with transformers and save it under root."""
+    """Build the tiny random model of `family` with transformers (config kwargs updated by
+    `overrides`) and save it under root."""
     import transformers
 
     cfg_cls, model_cls, kwargs, _ = TINY[family]
-    cfg = getattr(transformers, cfg_cls)(**kwargs, initializer_range=INIT_STD)
+    cfg = getattr(transformers, cfg_cls)(**{**kwargs, **(overrides or {})}, initializer_range=INIT_STD)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # norms and biases start at 1 and 0; perturb them so they matter

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_models import INIT_STD, TINY, greedy, prompts
+from hf_models import TINY, greedy, prompts, save_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -16,19 +16,9 @@ LAYOUTS = [(1, 2), (2, 2), (1, 4)]  # (tp, pp)
 
 
 def _save(family: str, root) -> str:
-    """TINY[family] with 4 decoder layers, saved by transformers (as hf_models.save_tiny does)."""
-    cfg_cls, model_cls, kwargs, _ = TINY[family]
-    kwargs = {**kwargs, ("n_layer" if family == "gpt2" else "num_hidden_layers"): 4}
-    cfg = getattr(transformers, cfg_cls)(**kwargs, initializer_range=INIT_STD)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(cfg).eval()
-    with torch.no_grad():  # norms and biases start at 1 and 0; perturb them so they matter
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.2)
-    path = root / family
-    model.save_pretrained(path)
-    return str(path)
+    """TINY[family] with 4 decoder layers, saved by transformers."""
+    layers = "n_layer" if family == "gpt2" else "num_hidden_layers"
+    return str(save_tiny(family, root, overrides={layers: 4}))
 
 
 def _prompt_lists(vocab: int) -> list[list[int]]:

@@ -75,6 +75,7 @@ class ColumnParallelLinear(nn.Module):
         self.unit = unit
         self.ranges = split_ranges(out_features, comm.size, unit=unit, what="out_features")
         """Every rank's [start, end) of the output features (uneven when tp does not divide them)."""
+        self.sizes = [e - s for s, e in self.ranges]
         start, end = self.ranges[comm.rank]
         local_out = end - start
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))  # (out/p, in)
@@ -127,7 +128,7 @@ class ColumnParallelLinear(nn.Module):
             x = copy_to_region(x, self.comm)  # (..., in)        identity fwd, all-reduce bwd
             y = F.linear(x, self.weight, self.bias)  # (..., out/p)
         if self.gather_output:
-            y = gather_from_region(y, self.comm, sizes=[e - s for s, e in self.ranges])  # (..., out)
+            y = gather_from_region(y, self.comm, sizes=self.sizes)  # (..., out)
         return y
 
     def extra_repr(self) -> str:
