@@ -1,6 +1,6 @@
 """Serving throughput and latency: `shardwise serve` on the benchmark model, N concurrent clients.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_serve.py [--tp 1 2] [--clients 1 4 16] [--backend auto gloo mpi]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_serve.py [--layouts 1x1 2x1 1x2 2x1:gloo] [--clients 1 4 16]
 
 For each tp size (and for tp > 1 each backend; default: `auto`, the server's default, shown
 with what it resolved to) one server is started (--max-batch-size 16); for each client count,
@@ -18,8 +18,10 @@ ids, so the tokenizer only turns the output into text).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -48,10 +50,11 @@ def serving_copy(src: Path) -> Path:
     return dst
 
 
-def start(model: Path, tp: int, backend: str) -> tuple[subprocess.Popen, str]:
+def start(model: Path, tp: int, backend: str, pp: int = 1) -> tuple[subprocess.Popen, str]:
     """A server; backend "auto" passes no --backend (the server's default)."""
     port = free_port()
     cmd = [sys.executable, "-m", "shardwise", "serve", "--model", str(model), "--tp", str(tp), "--port", str(port)]
+    cmd += ["--pp", str(pp)] if pp > 1 else []
     cmd += ["--max-batch-size", "16", "--max-queue", "256", "--health-timeout", "30"]
     cmd += [] if backend == "auto" else ["--backend", backend]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
@@ -65,7 +68,14 @@ def start(model: Path, tp: int, backend: str) -> tuple[subprocess.Popen, str]:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"tp={tp}: the server did not start")
+    raise RuntimeError(f"tp={tp} pp={pp}: the server did not start")
+
+
+def stage_busy(url: str) -> list[float]:
+    """Every pipeline stage's cumulative compute seconds, from /metrics (empty at pp=1)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.findall(r'shardwise_stage_busy_seconds_total\{stage="(\d+)"\} ([0-9.]+)', text)
+    return [float(v) for _, v in sorted(found, key=lambda kv: int(kv[0]))]
 
 
 def run(url: str, clients: int, requests: int, prompt_tokens: int, max_tokens: int) -> dict:
@@ -85,12 +95,15 @@ def run(url: str, clients: int, requests: int, prompt_tokens: int, max_tokens: i
                 latencies.append(time.perf_counter() - t0)
                 tokens += r.json()["usage"]["completion_tokens"]
 
+    busy0 = stage_busy(url)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
     wall = time.perf_counter() - t0
+    busy1 = stage_busy(url)
     lat = sorted(latencies)
     return {
+        "stage_idle": [round(1 - (b - a) / wall, 3) for a, b in zip(busy0, busy1, strict=True)],
         "tokens_per_s": tokens / wall,
         "p50": statistics.median(lat),
         "p99": lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))],
@@ -98,43 +111,55 @@ def run(url: str, clients: int, requests: int, prompt_tokens: int, max_tokens: i
     }
 
 
+def parse_layout(text: str) -> tuple[int, int, str]:
+    """'2x1' -> (tp 2, pp 1, backend auto); '2x1:gloo' names the backend."""
+    shape, _, backend = text.partition(":")
+    tp, _, pp = shape.partition("x")
+    return int(tp), int(pp or 1), backend or "auto"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_DIR)
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument(
+        "--layouts", nargs="+", default=["1x1", "2x1", "1x2", "2x1:gloo"],
+        help="tp x pp[:backend] per server; backend auto (the server's default), gloo or mpi",
+    )  # fmt: skip
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--backend", nargs="+", default=["auto"], help="for tp > 1: auto (the server's default), gloo, mpi")
     ap.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
     model = serving_copy(ensure_bench_model(args.model))
     rows = []
-    configs = [(tp, b) for tp in args.tp for b in (["-"] if tp == 1 else args.backend)]
-    for tp, backend in configs:
-        proc, url = start(model, tp, "auto" if backend == "-" else backend)
+    for tp, pp, backend in map(parse_layout, args.layouts):
+        proc, url = start(model, tp, backend, pp)
         try:
             run(url, 1, 1, args.prompt_tokens, 4)  # warm-up
             for c in args.clients:
                 r = run(url, c, args.requests, args.prompt_tokens, args.max_tokens)
-                rows.append((tp, backend, c, r))
-                print(f"tp={tp} backend={backend} clients={c}: {r}", file=sys.stderr)
+                rows.append((tp, pp, backend, c, r))
+                print(f"tp={tp} pp={pp} backend={backend} clients={c}: {r}", file=sys.stderr)
         finally:
             proc.terminate()
             proc.wait(30)
+    if args.json:
+        keys = ("tp", "pp", "backend", "clients")
+        args.json.write_text(json.dumps([dict(zip(keys, row[:4], strict=True), **row[4]) for row in rows], indent=1))
     print(
-        "| tp | backend | clients | requests | tokens/s | p50 latency s | p99 latency s | tokens/s vs 1 client "
+        "| tp | pp | backend | clients | requests | tokens/s | p50 latency s | p99 latency s | stage idle "
         "| tokens/s vs tp=1 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for tp, backend, c, r in rows:
-        base = next(x for t, b, k, x in rows if (t, b) == (tp, backend) and k == min(args.clients))["tokens_per_s"]
-        tp1 = next((x for t, _, k, x in rows if t == 1 and k == c), None)
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for tp, pp, backend, c, r in rows:
+        tp1 = next((x for t, p, _, k, x in rows if (t, p) == (1, 1) and k == c), None)
         vs_tp1 = f"{r['tokens_per_s'] / tp1['tokens_per_s']:.2f}x" if tp1 else "-"
         shown = f"auto ({resolve_backend('auto')})" if backend == "auto" else backend
+        idle = " / ".join(f"{x:.0%}" for x in r["stage_idle"]) or "-"
         print(
-            f"| {tp} | {shown} | {c} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['p50']:.2f} "
-            f"| {r['p99']:.2f} | {r['tokens_per_s'] / base:.2f}x | {vs_tp1} |"
+            f"| {tp} | {pp} | {shown} | {c} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['p50']:.2f} "
+            f"| {r['p99']:.2f} | {idle} | {vs_tp1} |"
         )
     return 0
 

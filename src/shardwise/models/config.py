@@ -60,6 +60,22 @@ class ModelConfig:
     """Token-type (segment) embeddings, BERT only."""
     dtype: str = "float32"
     """The checkpoint's dtype: float32, bfloat16 or float16."""
+    num_experts: int = 0
+    """Mixture of experts: routed experts per MoE layer (0: every MLP is dense)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k)."""
+    expert_size: int = 0
+    """Each routed expert's intermediate size (gated MLP, the model's activation)."""
+    shared_expert_size: int = 0
+    """A shared expert every token goes through (Qwen2-MoE), 0 for none."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(a learned (hidden -> 1) projection)."""
+    norm_topk_prob: bool = True
+    """Renormalize the top-k routing probabilities to sum to 1 (Mixtral: yes)."""
+    moe_layers: tuple[int, ...] | None = None
+    """Layers whose MLP is an MoE block; None: every layer (when num_experts > 0)."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss in training (Switch Transformer; transformers' own)."""
     extra: dict = field(default_factory=dict)
     """Family-specific values carried through from the source config."""
 
@@ -76,6 +92,13 @@ class ModelConfig:
         rot = self.rotary_dim
         if self.positions == "rope" and (rot % 2 or not 0 < rot <= self.head_dim):
             raise ValueError(f"rope_dim={rot} must be even and in (0, head_dim={self.head_dim}]")
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok={self.experts_per_token} must be in [1, num_experts={self.num_experts}]"
+                )
+            if self.expert_size < 1:
+                raise ValueError(f"expert intermediate size must be >= 1, got {self.expert_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -96,6 +119,10 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return self.rope_dim if self.rope_dim is not None else self.head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i's MLP is a mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or i in self.moe_layers)
 
     @property
     def qkv_size(self) -> int:

@@ -2,7 +2,8 @@
 
 The families differ only in ModelConfig switches: norm kind and offset, learned or
 rotary positions (full or partial), gated or plain MLP, biases, q/k norm, a parallel
-residual, an embedding scale, and tied embeddings.
+residual, an embedding scale, tied embeddings, and mixture-of-experts MLPs
+(Mixtral, Qwen2/3-MoE: shardwise.models.moe) in some or all layers.
 """
 
 from __future__ import annotations
@@ -13,18 +14,19 @@ from torch import nn
 from shardwise.models.config import ModelConfig
 from shardwise.models.modules import MLP, Attention, KVCache, Norm, rope_cos_sin, rope_inv_freq
 from shardwise.models.modules import attention_mask as build_mask
+from shardwise.models.moe import MoE
 
 __all__ = ["DecoderLayer", "DecoderLM"]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.parallel_residual = cfg.parallel_residual
         self.attn_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, cfg.norm_offset)
         self.attn = Attention(cfg)
         self.mlp_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, cfg.norm_offset)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)  # (B, T, hidden) -> same
 
     def forward(self, x, rope, mask, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
         if self.parallel_residual:  # GPT-NeoX: both sublayers read the same x
@@ -41,7 +43,7 @@ class DecoderLM(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos_embed = nn.Embedding(cfg.max_positions, cfg.hidden_size) if cfg.positions == "learned" else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, cfg.norm_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
