@@ -49,13 +49,14 @@ def models(tmp_path_factory) -> dict[str, tuple[str, int, torch.Tensor, list[lis
 def _generate_staged(world, cases: list[tuple[str, str, int]], tp: int, pp: int) -> dict:
     """Every family's greedy tokens at tp x pp, and this rank's stage layers and accounting."""
     from shardwise.comm import ParallelDims
-    from shardwise.engine import StageForward, generate, stage_layout
+    from shardwise.engine import StageForward, generate
     from shardwise.hf import load_pretrained
+    from shardwise.pipeline.stage import StageLayout
 
     mesh = ParallelDims(world_size=world.size, tp=tp, pp=pp).build(world)
     out = {}
     for family, path, vocab in cases:
-        model, report = load_pretrained(path, comm=mesh.tp, stage=(stage_layout(4, pp), mesh.pp_rank))
+        model, report = load_pretrained(path, comm=mesh.tp, stage=(StageLayout.build(4, pp), mesh.pp_rank))
         res = generate(
             model,
             _prompt_lists(vocab),

@@ -6,9 +6,12 @@ one line naming the numbers."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardwise.models import ModelConfig
 from shardwise.models.decoder import DecoderLM
@@ -271,3 +274,53 @@ def test_microbatches_set_the_micro_batch_size():
     assert cfg.check_stages(4).layers == (2, 2)
     split = _config({"pp": 2, "pp_layers": [3, 1]})
     assert split.check_stages(4).describe() == "stage 0: layers 0-2 + embed; stage 1: layers 3 + norm, head, loss"
+
+
+def _best_by_brute_force(costs, pp, first, last):
+    """The smallest largest-stage cost over every contiguous split (for the weighted split)."""
+    import itertools
+
+    n, best = len(costs), None
+    for cuts in itertools.combinations(range(1, n), pp - 1):
+        bounds = (0, *cuts, n)
+        stage = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+        stage[0] += first
+        stage[-1] += last
+        best = max(stage) if best is None else min(best, max(stage))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    costs=st.lists(st.integers(1, 20), min_size=1, max_size=9),
+    pp=st.integers(1, 4),
+    first=st.integers(0, 30),
+    last=st.integers(0, 60),
+)
+def test_weighted_split_minimizes_the_largest_stage(costs, pp, first, last):
+    if pp > len(costs):
+        with pytest.raises(StageError, match=f"pp={pp} is more than the model's {len(costs)} layers"):
+            StageLayout.weighted(costs, pp, first, last)
+        return
+    layout = StageLayout.weighted(costs, pp, first, last)
+    assert sum(layout.layers) == len(costs) and len(layout.layers) == pp and min(layout.layers) >= 1
+    bounds = [0, *itertools.accumulate(layout.layers)]
+    stage = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+    stage[0] += first
+    stage[-1] += last
+    assert max(stage) == _best_by_brute_force(costs, pp, first, last)
+
+
+def test_the_inference_split_counts_the_head_on_the_last_stage():
+    from shardwise.engine.pipeline import stage_layout
+    from shardwise.pipeline.stage import layer_weights
+
+    # the benchmark model's shape: the 32000 x 1024 head weighs about 2.9 of its layers
+    cfg = ModelConfig.debug(
+        hidden_size=1024, num_heads=16, num_kv_heads=4, intermediate_size=2816, num_layers=8, vocab_size=32000
+    )
+    assert 2.5 < cfg.vocab_size * cfg.hidden_size / layer_weights(cfg, 0) < 3.5
+    assert stage_layout(cfg, 2).layers == (5, 3)
+    assert stage_layout(cfg, 2, [4, 4]).layers == (4, 4)  # --pp-layers as given
+    tiny_vocab = ModelConfig.debug(num_layers=8, vocab_size=8)
+    assert stage_layout(tiny_vocab, 2).layers == (4, 4)

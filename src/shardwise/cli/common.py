@@ -67,23 +67,37 @@ def add_host_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_pp_arg(p: argparse.ArgumentParser) -> None:
+def add_pp_arg(p: argparse.ArgumentParser, *names: str) -> None:
     p.add_argument(
-        "--pp", type=int, default=1, help="pipeline stages, each holding a run of the layers: tp * pp ranks (default 1)"
+        *(names or ("--pp",)),
+        dest="pp",
+        type=int,
+        default=1,
+        help="pipeline stages, each holding a run of the layers: tp * pp ranks (default 1)",
+    )
+    p.add_argument(
+        "--pp-layers",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=None,
+        metavar="N,N,..",
+        help="layers per stage, e.g. 5,3 (default: balanced by the weights each stage reads, the LM head included)",
     )
 
 
-def resolve_stages(cfg, tp: int, pp: int):
+def resolve_stages(cfg, tp: int, pp: int, pp_layers: list[int] | None = None):
     """The StageLayout of `pp` inference stages (None at pp 1), after checking pp against the
     model's layers and tp * pp against an external launcher's world; exits with a one-line error."""
-    from shardwise.pipeline.stage import StageError, StageLayout
+    from shardwise.engine.pipeline import stage_layout
+    from shardwise.pipeline.stage import StageError
 
     if pp == 1:
+        if pp_layers is not None and list(pp_layers) != [cfg.num_layers]:
+            raise CliError(fail(f"--pp-layers {','.join(map(str, pp_layers))} needs --pp {len(pp_layers)}"))
         return None
     try:
         if pp < 1:
             raise StageError(f"--pp must be >= 1, got {pp}")
-        layout = StageLayout.build(cfg.num_layers, pp)
+        layout = stage_layout(cfg, pp, pp_layers)
     except StageError as e:
         raise CliError(fail(str(e))) from None
     ext = external_rank()

@@ -17,11 +17,12 @@ import torch
 
 from shardwise.cli.common import add_model_args, add_pp_arg, add_run_args, fail, job, resolve_model, resolve_stages
 from shardwise.comm import Communicator, ParallelDims, tp_only
-from shardwise.engine import PromptError, SamplingParams, StageForward, generate, stage_layout, validate_prompts
+from shardwise.engine import PromptError, SamplingParams, StageForward, generate, validate_prompts
 from shardwise.engine.pipeline import gather_snapshots
 from shardwise.engine.text import DEFAULT_MODEL, StreamDecoder, load_tokenizer, stop_ids
 from shardwise.log import get_logger, setup_logging
 from shardwise.memory import PeakAnonMemory
+from shardwise.pipeline.stage import StageLayout
 
 __all__ = ["add_parser", "run"]
 
@@ -70,7 +71,7 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
         tp = tp_only(world)
     else:
         mesh = ParallelDims(world_size=world.size, tp=world.size // pp, pp=pp).build(world)
-        tp, stage = mesh.tp, (stage_layout(opts["num_layers"], pp), mesh.pp_rank)
+        tp, stage = mesh.tp, (StageLayout.build(opts["num_layers"], pp, pp_layers=opts["pp_layers"]), mesh.pp_rank)
     with PeakAnonMemory() as mem:
         model, report = load_pretrained(
             opts["model"], comm=tp, dtype=opts["dtype"], progress=world.rank == 0 and opts["progress"], stage=stage
@@ -134,7 +135,7 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     model_dir, cfg = resolve_model(args.model, args.tp)
-    resolve_stages(cfg, args.tp, args.pp)
+    layout = resolve_stages(cfg, args.tp, args.pp, args.pp_layers)
     try:
         prompts = _prompts(args, model_dir)
         validate_prompts(prompts, cfg.vocab_size, cfg.max_positions, args.max_new_tokens)
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         "fail_rank": args.debug_fail_rank,
         "pp": args.pp,
         "num_layers": cfg.num_layers,
+        "pp_layers": layout.layers if layout is not None else None,
     }
     if not args.json:
         if model_dir == DEFAULT_MODEL:

@@ -166,7 +166,7 @@ def _stage_table(stages: list[dict], tp: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model_dir, cfg = resolve_model(args.model, args.tp)
-    layout = resolve_stages(cfg, args.tp, args.pp) if cfg.causal or args.pp == 1 else None
+    layout = resolve_stages(cfg, args.tp, args.pp, args.pp_layers) if cfg.causal or args.pp == 1 else None
     if args.pp != 1 and layout is None:
         print(f"shardwise: error: --pp {args.pp}: pipeline stages need a decoder family, not {cfg.family}")
         return 2

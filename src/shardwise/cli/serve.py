@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from shardwise.cli.common import add_host_args, fail, job, resolve_model, resolve_stages
+from shardwise.cli.common import add_host_args, add_pp_arg, fail, job, resolve_model, resolve_stages
 from shardwise.comm import DEFAULT_TIMEOUT_S
 from shardwise.engine.text import DEFAULT_MODEL
 
@@ -37,14 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=2,
         help="ranks to shard the model over (default 2)",
     )
-    p.add_argument(
-        "--pipeline-parallel-size",
-        "--pp",
-        dest="pp",
-        type=int,
-        default=1,
-        help="pipeline stages, each holding a run of the layers: tp * pp ranks (default 1)",
-    )
+    add_pp_arg(p, "--pipeline-parallel-size", "--pp")
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: the checkpoint's"
     )
@@ -124,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from shardwise.serve.worker import ServeOptions, serve_rank
 
     model_dir, cfg = resolve_model(args.model, args.tp)
-    resolve_stages(cfg, args.tp, args.pp)
+    layout = resolve_stages(cfg, args.tp, args.pp, args.pp_layers)
     problems = _check(args, model_dir, cfg)
     if problems:
         return fail(problems[0])
@@ -144,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         fail_after=args.debug_fail_after,
         pp=args.pp,
         num_layers=cfg.num_layers,
+        pp_layers=layout.layers if layout is not None else None,
     )
     if default:
         print(

@@ -26,7 +26,8 @@ from torch import nn
 
 from shardwise.cli.common import add_model_args, add_pp_arg, add_run_args, fail, job, resolve_model, resolve_stages
 from shardwise.comm import Communicator, LocalCommunicator, ParallelDims, tp_only
-from shardwise.engine.pipeline import StageForward, stage_layout
+from shardwise.engine.pipeline import StageForward
+from shardwise.pipeline.stage import StageLayout
 
 __all__ = ["add_parser", "run"]
 
@@ -133,7 +134,7 @@ def _staged(world: Communicator, opts: dict):
 
     pp = opts["pp"]
     mesh = ParallelDims(world_size=world.size, tp=world.size // pp, pp=pp).build(world)
-    layout = stage_layout(opts["num_layers"], pp)
+    layout = StageLayout.build(opts["num_layers"], pp, pp_layers=opts["pp_layers"])
     model, report = load_pretrained(opts["model"], comm=mesh.tp, dtype=opts["dtype"], stage=(layout, mesh.pp_rank))
     ids, mask = _inputs(report.config.vocab_size, False)
     outs: list[torch.Tensor] = []
@@ -241,8 +242,9 @@ def run(args: argparse.Namespace) -> int:
         if cfg is None or not cfg.causal:
             what = "the automatic plan" if cfg is None else "a BERT encoder"
             return fail(f"--pp {args.pp}: pipeline stages need a decoder family, not {what}; use --pp 1")
-        resolve_stages(cfg, args.tp, args.pp)
+        layout = resolve_stages(cfg, args.tp, args.pp, args.pp_layers)
     opts = {"model": str(model_dir), "dtype": args.dtype, "pp": args.pp, "num_layers": cfg.num_layers if cfg else 0}
+    opts["pp_layers"] = layout.layers if args.pp != 1 else None
     r = job(
         _verify_rank,
         args.tp * args.pp,

@@ -1,6 +1,6 @@
 """Inference across pipeline stages: each rank runs its stage's layers on its tp slice.
 
-    layout = stage_layout(cfg.num_layers, pp)          # refuses pp > layers in one line
+    layout = stage_layout(cfg, pp)                     # balanced by weights; refuses pp > layers
     stages = StageForward(model, mesh)                 # model cut to mesh.pp_rank's stage
     logits = stages.forward(ids, mask, caches, start)  # (B, T|1, V) on the last stage, else None
     tok = stages.choose(logits, B, sampling, gen)      # (B,) on every rank
@@ -32,16 +32,18 @@ import torch
 
 from shardwise.comm import Communicator, Mesh
 from shardwise.engine.sampling import SamplingParams, sample
+from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.modules import KVCache
-from shardwise.pipeline.stage import StageLayout
+from shardwise.pipeline.stage import StageLayout, inference_layout
 
 __all__ = ["StageForward", "stage_layout", "gather_snapshots"]
 
 
-def stage_layout(num_layers: int, pp: int) -> StageLayout:
-    """The balanced split of `num_layers` into `pp` inference stages (StageError on pp > layers)."""
-    return StageLayout.build(num_layers, pp)
+def stage_layout(cfg: ModelConfig, pp: int, pp_layers: list[int] | tuple[int, ...] | None = None) -> StageLayout:
+    """The split of the model's layers into `pp` inference stages: `pp_layers` as given, or the
+    one that balances the weights each stage reads per step (shardwise.pipeline.stage.inference_layout)."""
+    return inference_layout(cfg, pp, pp_layers)
 
 
 class StageForward:

@@ -3,6 +3,7 @@
     layout = StageLayout.build(num_layers=8, pp=2)              # [4, 4]
     layout = StageLayout.build(8, pp=2, pp_layers=[5, 3])         # explicit split
     layout = StageLayout.build(8, pp=2, virtual_stages=2)         # [2, 2, 2, 2]: rank 0 holds 0-1 and 4-5
+    layout = StageLayout.weighted([11] * 8, pp=2, last=33)        # [5, 3]: the head weighs 3 layers
     keep_stage(model, layout, pp_rank)                            # drop every other layer, in place
 
 StageLayout is pure arithmetic (no torch import); keep_stage works on a DecoderLM.
@@ -28,7 +29,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["StageError", "StageLayout", "keep_stage", "stage_plan"]
+    from shardwise.models.config import ModelConfig
+
+__all__ = ["StageError", "StageLayout", "keep_stage", "stage_plan", "inference_layout", "layer_weights"]
 
 
 class StageError(ValueError):
@@ -69,6 +72,37 @@ class StageLayout:
         if sum(split) != num_layers:
             raise StageError(f"pp_layers={list(split)} adds up to {sum(split)} layers, but the model has {num_layers}")
         return cls(num_layers, pp, virtual_stages, split)
+
+    @classmethod
+    def weighted(cls, costs: list[float], pp: int, first: float = 0.0, last: float = 0.0) -> StageLayout:
+        """The contiguous split of layers with per-layer `costs` into pp stages whose largest
+        stage cost is smallest, the first stage also paying `first` and the last `last` (an
+        LM head). Ties go to the split closest to even. Raises StageError on pp > layers."""
+        n = len(costs)
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise StageError(f"pp must be a positive int, got {pp!r}")
+        if pp > n:
+            raise StageError(_too_many(n, pp, 1))
+        prefix = [0.0]
+        for c in costs:
+            prefix.append(prefix[-1] + c)
+
+        def stage_cost(s: int, lo: int, hi: int) -> float:  # layers [lo, hi) on stage s
+            return prefix[hi] - prefix[lo] + (first if s == 0 else 0.0) + (last if s == pp - 1 else 0.0)
+
+        # best[s][i]: (largest stage cost, unevenness, split) placing layers [0, i) on stages 0..s
+        best: list[dict[int, tuple[float, int, tuple[int, ...]]]] = [{} for _ in range(pp)]
+        for i in range(1, n - pp + 2):
+            best[0][i] = (stage_cost(0, 0, i), 0, (i,))
+        for s in range(1, pp):
+            for i in range(s + 1, n - (pp - 1 - s) + 1):
+                options = []
+                for j, (worst, spread, split) in best[s - 1].items():
+                    if j < i:
+                        w = max(worst, stage_cost(s, j, i))
+                        options.append((w, spread + abs((i - j) - n // pp), (*split, i - j)))
+                best[s][i] = min(options)
+        return cls.build(n, pp, pp_layers=list(best[pp - 1][n][2]))
 
     @property
     def stages(self) -> int:
@@ -118,6 +152,28 @@ class StageLayout:
             extra = (" + embed" if rank == 0 else "") + (" + norm, head, loss" if self.holds_head(rank) else "")
             parts.append(f"stage {rank}: layers {text}{extra}")
         return "; ".join(parts)
+
+
+def layer_weights(cfg: ModelConfig, i: int) -> int:
+    """Matmul weights decoder layer i reads per decode step: attention, and its MLP (for a
+    mixture of experts: the router, top-k experts and the shared expert)."""
+    h = cfg.hidden_size
+    attn = cfg.qkv_size * h + cfg.num_heads * cfg.head_dim * h
+    if cfg.is_moe_layer(i):
+        mlp = cfg.num_experts * h + 3 * h * (cfg.experts_per_token * cfg.expert_size + cfg.shared_expert_size)
+    else:
+        mlp = (3 if cfg.gated_mlp else 2) * h * cfg.intermediate_size
+    return attn + mlp
+
+
+def inference_layout(cfg: ModelConfig, pp: int, pp_layers: list[int] | tuple[int, ...] | None = None) -> StageLayout:
+    """The split of a model's layers into pp inference stages: `pp_layers` as given, or the
+    one that balances the weights each stage reads per step (a decode step's time follows
+    them), the LM head (vocab x hidden) counted on the last stage. StageError on pp > layers."""
+    if pp_layers is not None:
+        return StageLayout.build(cfg.num_layers, pp, pp_layers=list(pp_layers))
+    costs = [layer_weights(cfg, i) for i in range(cfg.num_layers)]
+    return StageLayout.weighted(costs, pp, last=cfg.vocab_size * cfg.hidden_size)
 
 
 def _too_many(num_layers: int, pp: int, v: int) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from shardwise.layers.partition import padded_size
 from shardwise.models.config import ModelConfig
+from shardwise.pipeline.stage import inference_layout
 from shardwise.planner.cost import (
     Collective,
     attention_core_flops_per_token,
@@ -83,7 +84,11 @@ class InferencePrediction:
     collectives: list[Collective]
     """Collectives of one decode step on the critical path (every stage's, one rank each)."""
     idle_fraction: float
-    """Share of the time each device of a pipeline waits for the other stages: (pp - 1) / pp."""
+    """Mean share of the time a pipeline stage waits, in a server keeping up to pp steps in
+    flight (0 at pp = 1)."""
+    stage_s: tuple[float, ...] = ()
+    """Each stage's decode step (compute, collectives and its send), at the batch one step
+    holds: the whole batch at pp = 1, one group of it at pp > 1."""
 
 
 @dataclass(frozen=True)
@@ -142,50 +147,76 @@ def merge(colls: list[Collective]) -> list[Collective]:
     return list(out.values())
 
 
-def _stages(pp: int) -> list[tuple[int, int]]:
-    """(stage, how many stages like it): the first, the middle ones (all alike), the last."""
-    if pp == 1:
-        return [(0, 1)]
-    return [(0, 1), *([(1, pp - 2)] if pp > 2 else []), (pp - 1, 1)]
+def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: int, *, layers: int, batch: int,
+                   tokens: int, context: float, width: int, dtype: str, busy: bool) -> tuple[float, list]:  # fmt: skip
+    """One stage's forward of `tokens` new tokens for `batch` sequences: (compute seconds,
+    [(collective, group size, span of ranks)]), its sends to the next stage included."""
+    dev = cluster.device
+    first, last = stage == 0, stage == pp - 1
+    flops = batch * tokens * layers * layer_flops_per_token(cfg, context, tp)
+    flops += batch * head_flops_per_token(cfg, tp) if last else 0.0  # the last position only
+    kv = batch * context * kv_bytes_per_token(cfg, tp, width, layers)
+    nbytes = streamed_params(cfg, tp, pp, stage, layers=layers) * width + kv
+    t = max(flops / dev.flops(dtype, busy), nbytes / dev.bytes_per_s(busy)) + layers * dev.layer_overhead_us * 1e-6
+    raw = []
+    kw = dict(batch=batch, tokens=tokens, width=width, layers=layers, first=first, last=last)
+    for c in tp_forward_collectives(cfg, tp, **kw):
+        raw.append((c, tp, tp))
+    if not last:  # the hidden states of every sequence to the next stage
+        act = batch * tokens * cfg.hidden_size * width
+        raw.append((Collective("send", "pp", 1, act), pp, tp * pp))
+    return t, raw
 
 
 def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int, tokens: int, context: float,
-             width: int, dtype: str) -> tuple[Timing, list[Collective]]:  # fmt: skip
-    """One forward of `tokens` new tokens per sequence through every stage, in sequence."""
-    dev, layers = cluster.device, cfg.num_layers // pp
-    compute, raw = dev.step_overhead_us * 1e-6, []  # raw: (collective, group size, span of ranks)
-    for stage, count in _stages(pp):
-        first, last = stage == 0, stage == pp - 1
-        flops = batch * tokens * layers * layer_flops_per_token(cfg, context, tp)
-        flops += batch * head_flops_per_token(cfg, tp) if last else 0.0  # the last position only
-        kv = batch * context * kv_bytes_per_token(cfg, tp, width, layers)
-        nbytes = streamed_params(cfg, tp, pp, stage) * width + kv
-        busy = tp > 1  # the tp ranks of a stage compute at the same time
-        t = max(flops / dev.flops(dtype, busy), nbytes / dev.bytes_per_s(busy)) + layers * dev.layer_overhead_us * 1e-6
-        compute += count * t
-        kw = dict(batch=batch, tokens=tokens, width=width, layers=layers, first=first, last=last)
-        for c in tp_forward_collectives(cfg, tp, **kw):
-            raw.append((Collective(c.op, c.group, c.calls * count, c.bytes * count), tp, tp))
-    if tp > 1:  # the engine samples on rank 0 and broadcasts the tokens (int64)
-        raw.append((Collective("broadcast", "tp", 1, 8 * batch), tp, tp))
-    if pp > 1:
-        act = batch * tokens * cfg.hidden_size * width
-        raw.append((Collective("send", "pp", pp - 1, (pp - 1) * act), pp, tp * pp))
+             width: int, dtype: str, busy: bool | None = None) -> tuple[Timing, list[Collective], list[float]]:  # fmt: skip
+    """One forward of `tokens` new tokens per sequence through every stage, one stage after the
+    other (the runtime's inference split, pipeline.stage.inference_layout): its timing, its
+    collectives, and each stage's own time (compute and collectives). busy: every device
+    computes at once (default: the tp ranks of a stage, when tp > 1)."""
+    busy = tp > 1 if busy is None else busy
+    split = inference_layout(cfg, pp).layers
+    compute, raw, per_stage = cluster.device.step_overhead_us * 1e-6, [], []
+    for stage, layers in enumerate(split):
+        t, r = _stage_forward(cfg, cluster, tp, pp, stage, layers=layers, batch=batch, tokens=tokens,
+                              context=context, width=width, dtype=dtype, busy=busy)  # fmt: skip
+        compute += t
+        raw += r
+        per_stage.append((t, r))
+    if tp > 1 or pp > 1:  # the sampled tokens (int64) reach every rank of the job
+        raw.append((Collective("broadcast", "tp" if pp == 1 else "world", 1, 8 * batch), tp * pp, tp * pp))
     burst = mean_burst_s(compute, sum(c.calls for c, _, _ in raw))
-    colls = merge([_timed(c, cluster, size, span, burst) for c, size, span in raw])
-    return Timing(compute, sum(c.seconds for c in colls)), colls
+    timed = [_timed(c, cluster, size, span, burst) for c, size, span in raw]
+    stage_s, i = [], 0
+    for t, r in per_stage:
+        stage_s.append(t + sum(c.seconds for c in timed[i : i + len(r)]))
+        i += len(r)
+    stage_s[0] += cluster.device.step_overhead_us * 1e-6
+    colls = merge(timed)
+    return Timing(compute, sum(c.seconds for c in colls)), colls, stage_s
 
 
 def predict_inference(cfg: ModelConfig, cluster: Cluster, layout: Layout, *, batch: int, prompt_len: int,
                       output_len: int, width: int, dtype: str) -> InferencePrediction:  # fmt: skip
+    """Prefill, then decode steps at the mean context. At pp > 1 a server keeps up to pp steps
+    in flight: the batch's sequences form g = min(pp, batch) groups of ceil(batch / g), and a
+    sequence's next token comes after its group's pass through every stage, or after g of the
+    slowest stage's steps, whichever is longer (every device then computes at once)."""
     tp, pp = layout.tp, layout.pp
-    prefill, _ = _forward(
-        cfg, cluster, tp, pp, batch=batch, tokens=prompt_len, context=prompt_len, width=width, dtype=dtype
-    )
+    kw = dict(width=width, dtype=dtype)
+    prefill, _, _ = _forward(cfg, cluster, tp, pp, batch=batch, tokens=prompt_len, context=prompt_len, **kw)
     context = prompt_len + output_len / 2
-    decode, colls = _forward(cfg, cluster, tp, pp, batch=batch, tokens=1, context=context, width=width, dtype=dtype)
+    decode, colls, stages = _forward(cfg, cluster, tp, pp, batch=batch, tokens=1, context=context, **kw)
+    idle = 0.0
+    if pp > 1:
+        groups = min(pp, batch)
+        micro = -(-batch // groups)
+        _, _, stages = _forward(cfg, cluster, tp, pp, batch=micro, tokens=1, context=context, busy=True, **kw)
+        per_token = max(sum(stages), groups * max(stages))
+        decode = Timing(decode.compute_s * per_token / decode.total_s, decode.comm_s * per_token / decode.total_s)
+        idle = 1 - sum(stages) * groups / (pp * per_token)  # each stage computes groups x its step per token
     request = prefill.total_s + (output_len - 1) * decode.total_s
-    return InferencePrediction(prefill, decode, request, layout.dp * batch / decode.total_s, colls, (pp - 1) / pp)
+    return InferencePrediction(prefill, decode, request, layout.dp * batch / decode.total_s, colls, idle, tuple(stages))
 
 
 def _micro_batch(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: TrainingWorkload, *, layers: int,

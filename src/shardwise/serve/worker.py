@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.comm import Communicator, ParallelDims, tp_only
-from shardwise.engine.pipeline import StageForward, stage_layout
+from shardwise.engine.pipeline import StageForward
 from shardwise.engine.slots import SlotCaches, StepBatch
 from shardwise.engine.text import load_tokenizer, stop_ids
 from shardwise.log import get_logger, setup_logging
+from shardwise.pipeline.stage import StageLayout
 from shardwise.serve.app import ServerState, build_app
 from shardwise.serve.http import bind, start_http
 from shardwise.serve.metrics import Metrics
@@ -65,6 +66,8 @@ class ServeOptions:
     pp: int = 1
     num_layers: int = 0
     """The model's decoder layers (for the stage split at pp > 1)."""
+    pp_layers: tuple[int, ...] | None = None
+    """Layers per stage (pp > 1), as the command resolved them."""
 
 
 class _Fault:
@@ -90,7 +93,10 @@ class _Engine:
             self.tp = tp_only(world)
         else:
             mesh = ParallelDims(world_size=world.size, tp=world.size // opts.pp, pp=opts.pp).build(world)
-            self.tp, stage = mesh.tp, (stage_layout(opts.num_layers, opts.pp), mesh.pp_rank)
+            self.tp, stage = (
+                mesh.tp,
+                (StageLayout.build(opts.num_layers, opts.pp, pp_layers=opts.pp_layers), mesh.pp_rank),
+            )
         self.model, self.report = load_pretrained(
             opts.model, comm=self.tp, dtype=opts.dtype, progress=False, stage=stage
         )
