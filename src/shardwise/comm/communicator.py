@@ -5,6 +5,10 @@ shardwise reads a global process group. Backends (torch.distributed, MPI) implem
 the underscored primitives; this base class short-circuits size-1 groups and counts
 every collective it issues in `stats`.
 
+`all_to_all` exchanges rows with uneven (and empty) splits: torch.distributed's
+all_to_all_single with split sizes (gloo and NCCL), MPI's Ialltoallv, and for any other
+backend a pairwise point-to-point exchange over the `_send`/`_recv` primitives.
+
 Point-to-point (`send`, `recv`, `send_recv`) goes through the same wrapper: the same
 timeout, the same accounting (`send/pp`, `recv/pp`: calls, payload bytes, seconds) and
 the same CollectiveError, naming the peer. Ranks are local to the group (in a pp group,

@@ -136,16 +136,21 @@ class MPICommunicator(Communicator):
         return out
 
     def _all_to_all(self, t: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
-        # Ialltoallv on the raw bytes (any dtype, bf16 included): counts and offsets in bytes.
+        # Ialltoallv on the raw bytes (any dtype, bf16 included), counted in rows of a
+        # contiguous datatype of one row's bytes (so counts stay small: MPI counts are ints).
         out = torch.empty((sum(recv_sizes), *t.shape[1:]), dtype=t.dtype)  # (sum(recv_sizes), ...)
         row = t.element_size() * math.prod(t.shape[1:])  # bytes per row
-        send = [n * row for n in send_sizes]
-        recv = [n * row for n in recv_sizes]
-        byte = self._MPI.BYTE
-        request = self.comm.Ialltoallv(
-            [_bytes(t), (send, _offsets(send)), byte], [_bytes(out), (recv, _offsets(recv)), byte]
-        )
-        self._wait(request, "all_to_all")
+        if row == 0:
+            return out  # rows of no bytes: nothing to move
+        rowtype = self._MPI.BYTE.Create_contiguous(row).Commit()
+        try:
+            request = self.comm.Ialltoallv(
+                [_bytes(t), (send_sizes, _offsets(send_sizes)), rowtype],
+                [_bytes(out), (recv_sizes, _offsets(recv_sizes)), rowtype],
+            )
+            self._wait(request, "all_to_all")
+        finally:
+            rowtype.Free()  # MPI keeps it alive for a request still pending
         return out
 
     def _barrier(self) -> None:
