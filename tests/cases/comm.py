@@ -4,6 +4,8 @@ raises on a mismatch; the gloo tests (through the rank pool) and the MPI test ru
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from helpers import tp_group
@@ -17,7 +19,14 @@ from shardwise.comm import (
     scatter_to_region,
 )
 
-__all__ = ["collectives_case", "regions_case", "uneven_case", "all_to_all_case", "all_to_all_never_arrives"]
+__all__ = [
+    "collectives_case",
+    "regions_case",
+    "uneven_case",
+    "all_to_all_case",
+    "all_to_all_never_arrives",
+    "check_all_to_all",
+]
 
 
 def collectives_case(comm, tp: int) -> dict:
@@ -216,3 +225,16 @@ def all_to_all_never_arrives(world) -> None:
 
         time.sleep(120)
     world.all_to_all(torch.ones(4, 2), [2] * 2, [2] * 2)
+
+
+def check_all_to_all(out: dict, world_size: int) -> None:
+    """all_to_all_case's accounting (bytes sent, the count exchange one more call) and errors."""
+    if world_size == 1:
+        assert out["one"] == {} and out["learnt"] == {}, "size 1 short-circuits"
+    else:
+        assert out["one"] == {"all_to_all/world": {"calls": 1, "bytes": out["sent_bytes"]}}
+        assert out["learnt"] == {"all_to_all/world": {"calls": 2, "bytes": out["sent_bytes"] + 8 * world_size}}
+    wrong_length, wrong_sum, wrong_recv, negative = out["errors"]
+    assert f"must give one int >= 0 for each of {world_size} ranks" in wrong_length
+    assert re.search(r"send_sizes \[.*\] sum to \d+ but rank \d's tensor has \d+ rows", wrong_sum), wrong_sum
+    assert "recv_sizes" in wrong_recv and "recv_sizes [-1" in negative

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from cases.comm import all_to_all_case
+from cases.comm import all_to_all_case, check_all_to_all
 from cases.moe_dispatch import dispatch_case
 from shardwise.launch import launch
 
@@ -62,8 +62,6 @@ def test_dispatch_on_mpi(world_size):
         find_mpiexec()
     except RuntimeError:
         pytest.skip("mpiexec not installed")
-    from test_comm import check_all_to_all
-
     results = launch(_mpi_checks, world_size, backend="mpi", timeout_s=120)
     for name in CASES:
         _check(name, world_size, [r[name] for r in results])
