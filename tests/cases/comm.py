@@ -4,18 +4,29 @@ raises on a mismatch; the gloo tests (through the rank pool) and the MPI test ru
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from helpers import tp_group
 from shardwise.comm import (
+    Communicator,
     ParallelDims,
+    all_to_all,
     copy_to_region,
     gather_from_region,
     reduce_from_region,
     scatter_to_region,
 )
 
-__all__ = ["collectives_case", "regions_case", "uneven_case"]
+__all__ = [
+    "collectives_case",
+    "regions_case",
+    "uneven_case",
+    "all_to_all_case",
+    "all_to_all_never_arrives",
+    "check_all_to_all",
+]
 
 
 def collectives_case(comm, tp: int) -> dict:
@@ -131,3 +142,99 @@ def uneven_case(world) -> dict:
     y.backward(mine * 2)
     assert torch.equal(xs.grad, full * 2)
     return {"gather": gathered.snapshot(), "scatter": scattered.snapshot(), "sizes": sizes}
+
+
+def _a2a_sizes(p: int) -> list[list[int]]:
+    """sizes[s][d]: rows rank s sends rank d. Uneven, with zeros (rank 0 sends itself nothing,
+    the last rank receives nothing from rank 1), and no two ranks alike."""
+    sizes = [[(3 * s + 2 * d) % 5 for d in range(p)] for s in range(p)]
+    if p > 1:
+        sizes[1][p - 1] = 0
+    return sizes
+
+
+def _a2a_rows(s: int, d: int, n: int, dtype: torch.dtype, tail: tuple[int, ...]) -> torch.Tensor:
+    """The n rows rank s sends rank d: values that name (s, d, row)."""
+    base = torch.arange(n, dtype=torch.float64).view(n, *[1] * len(tail)) + 10 * d + 100 * s
+    return (base + torch.zeros(n, *tail, dtype=torch.float64)).to(dtype)
+
+
+def all_to_all_case(world) -> dict:
+    """Communicator.all_to_all with uneven and empty splits, for several dtypes and shapes, recv
+    sizes given or exchanged; the pairwise point-to-point fallback; bad sizes raising before any
+    communication; and the autograd all_to_all's gradient against its unsharded twin (a row
+    permutation of every rank's rows, concatenated). Returns the accounting of one exchange."""
+    p, r = world.size, world.rank
+    sizes = _a2a_sizes(p)
+    send = sizes[r]
+    recv = [sizes[s][r] for s in range(p)]
+    for dtype, tail in ((torch.float32, (3,)), (torch.bfloat16, (2, 2)), (torch.int64, ()), (torch.bool, (4,))):
+        t = torch.cat([_a2a_rows(r, d, send[d], dtype, tail) for d in range(p)])
+        expect = torch.cat([_a2a_rows(s, r, recv[s], dtype, tail) for s in range(p)])
+        for given in (recv, None):
+            got = world.all_to_all(t, send, given)
+            assert got.dtype == dtype and torch.equal(got, expect), (dtype, given, got, expect)
+        if p > 1 and dtype == torch.float32:
+            got = Communicator._all_to_all(world, t, send, recv)  # the point-to-point fallback
+            assert torch.equal(got, expect), ("pairwise", got, expect)
+    assert world.all_to_all_sizes(send) == recv
+
+    t = torch.cat([_a2a_rows(r, d, send[d], torch.float32, (3,)) for d in range(p)])
+    with world.stats.track() as one:
+        world.all_to_all(t, send, recv)
+    with world.stats.track() as learnt:
+        world.all_to_all(t, send)
+    errors = []
+    for bad_send, bad_recv in (
+        ([*send, 1], None),
+        ([send[0] + 1, *send[1:]], None),
+        (send, [*recv, 0]),
+        (send, [-1] * p),
+    ):
+        with world.stats.track() as none:
+            try:
+                world.all_to_all(t, bad_send, bad_recv)
+            except ValueError as e:
+                errors.append(str(e))
+        assert none.calls() == 0, "bad sizes must raise before any communication"
+
+    # autograd: the twin is the permutation of the global rows (every rank's, in rank order)
+    torch.manual_seed(0)
+    width = 3
+    xs = [torch.randn(sum(sizes[s]), width) for s in range(p)]  # every rank's input
+    gs = [torch.randn(sum(sizes[s][d] for s in range(p)), width) for d in range(p)]  # every rank's upstream grad
+    x = xs[r].clone().requires_grad_()
+    y = all_to_all(x, world, send)
+    twin_x = torch.cat(xs).requires_grad_()
+    parts = [list(xi.split(sizes[s])) for s, xi in enumerate(twin_x.split([sum(row) for row in sizes]))]
+    twin_y = [torch.cat([parts[s][d] for s in range(p)]) for d in range(p)]
+    assert torch.equal(y, twin_y[r])
+    y.backward(gs[r])
+    torch.cat(twin_y).backward(torch.cat(gs))
+    offset = sum(sum(sizes[s]) for s in range(r))
+    assert torch.equal(x.grad, twin_x.grad[offset : offset + sum(send)])
+    if p == 1:
+        assert all_to_all(x, world, send) is x and world.stats.calls() == 0
+    return {"one": one.snapshot(), "learnt": learnt.snapshot(), "sent_bytes": t.numel() * 4, "errors": errors}
+
+
+def all_to_all_never_arrives(world) -> None:
+    """Rank 1 never joins the all_to_all (run by launch, with a short timeout)."""
+    if world.rank == 1:
+        import time
+
+        time.sleep(120)
+    world.all_to_all(torch.ones(4, 2), [2] * 2, [2] * 2)
+
+
+def check_all_to_all(out: dict, world_size: int) -> None:
+    """all_to_all_case's accounting (bytes sent, the count exchange one more call) and errors."""
+    if world_size == 1:
+        assert out["one"] == {} and out["learnt"] == {}, "size 1 short-circuits"
+    else:
+        assert out["one"] == {"all_to_all/world": {"calls": 1, "bytes": out["sent_bytes"]}}
+        assert out["learnt"] == {"all_to_all/world": {"calls": 2, "bytes": out["sent_bytes"] + 8 * world_size}}
+    wrong_length, wrong_sum, wrong_recv, negative = out["errors"]
+    assert f"must give one int >= 0 for each of {world_size} ranks" in wrong_length
+    assert re.search(r"send_sizes \[.*\] sum to \d+ but rank \d's tensor has \d+ rows", wrong_sum), wrong_sum
+    assert "recv_sizes" in wrong_recv and "recv_sizes [-1" in negative

@@ -4,11 +4,22 @@ functions. The cases (tests/cases/comm.py) run on pooled ranks."""
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 
-from cases.comm import collectives_case, regions_case, uneven_case
+from cases.comm import (
+    all_to_all_case,
+    all_to_all_never_arrives,
+    check_all_to_all,
+    collectives_case,
+    regions_case,
+    uneven_case,
+)
+from processes import wait_gone
 from shardwise.comm import ParallelDims
-from shardwise.launch import launch
+from shardwise.launch import RankFailedError, launch
 
 
 @pytest.mark.parametrize("world_size,tp", [(1, 1), pytest.param(2, 2, marks=pytest.mark.smoke), (3, 3), (4, 2), (4, 4)])
@@ -52,3 +63,21 @@ def test_uneven_all_gather_and_reduce_scatter(rank_pool, world_size):
     # pad-and-trim: every rank sends its part padded to the widest; the accounting counts that
     assert out["gather"]["all_gather/tp"] == {"calls": 1, "bytes": 2 * widest * 4}
     assert out["scatter"]["reduce_scatter/tp"] == {"calls": 1, "bytes": 2 * widest * world_size * 4}
+
+
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.smoke), 3, 4])
+def test_all_to_all_uneven_and_empty_splits(rank_pool, world_size):
+    for out in rank_pool.run(all_to_all_case, world_size):
+        check_all_to_all(out, world_size)
+
+
+def test_all_to_all_with_a_rank_that_never_arrives_times_out():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch(all_to_all_never_arrives, 2, timeout_s=2)
+    elapsed = time.monotonic() - start
+    assert info.value.rank == 1, "the rank that never arrived, not the one that timed out"
+    assert re.match(r"stuck: never arrived at all_to_all/world #1 \(rank 0 waited 2\.\d s for it\)", info.value.summary)
+    assert "CollectiveError: all_to_all on group 'world' (rank 0 of 2, gloo, timeout 2s) failed" in str(info.value)
+    assert elapsed < 2 + 10, f"took {elapsed:.1f}s, the timeout was 2s"
+    assert wait_gone(pids=info.value.pids) == []

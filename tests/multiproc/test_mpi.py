@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cases.blocks import TINY, TINY3, block_case, tiny_lm_case
-from cases.comm import collectives_case, regions_case, uneven_case
+from cases.comm import all_to_all_never_arrives, collectives_case, regions_case, uneven_case
 from cases.failure import one_rank_never_arrives, raise_on_rank
 from cases.layers import linear_case, merged_case, qkv_case, vocab_case
 from cases.p2p import mesh_case, mismatch_case, p2p_case, peer_never_sends
@@ -132,8 +132,13 @@ def test_mpi_raising_rank_takes_the_job_down():
             "CollectiveError: recv from rank 1 on group 'pp' (rank 0 of 2, mpi, timeout 2s) failed: MPI recv timed out",
             "recv/pp #1",
         ),
+        (
+            all_to_all_never_arrives,
+            "CollectiveError: all_to_all on group 'world' (rank 0 of 2, mpi, timeout 2s) failed: MPI all_to_all timed out",
+            "all_to_all/world #1",
+        ),
     ],
-    ids=["collective", "recv"],
+    ids=["collective", "recv", "all_to_all"],
 )
 def test_mpi_op_times_out_instead_of_hanging(case, message, missed):
     start = time.monotonic()

@@ -2,6 +2,7 @@
 
 from shardwise.comm.accounting import CommStats, OpCount
 from shardwise.comm.agree import AgreedError, agree
+from shardwise.comm.alltoall import AllToAll, all_to_all
 from shardwise.comm.communicator import (
     DEFAULT_TIMEOUT_S,
     CollectiveError,
@@ -22,6 +23,8 @@ from shardwise.comm.regions import (
 )
 
 __all__ = [
+    "AllToAll",
+    "all_to_all",
     "AgreedError",
     "agree",
     "CommStats",

@@ -5,6 +5,10 @@ shardwise reads a global process group. Backends (torch.distributed, MPI) implem
 the underscored primitives; this base class short-circuits size-1 groups and counts
 every collective it issues in `stats`.
 
+`all_to_all` exchanges rows with uneven (and empty) splits: torch.distributed's
+all_to_all_single with split sizes (gloo and NCCL), MPI's Ialltoallv, and for any other
+backend a pairwise point-to-point exchange over the `_send`/`_recv` primitives.
+
 Point-to-point (`send`, `recv`, `send_recv`) goes through the same wrapper: the same
 timeout, the same accounting (`send/pp`, `recv/pp`: calls, payload bytes, seconds) and
 the same CollectiveError, naming the peer. Ranks are local to the group (in a pp group,
@@ -199,6 +203,71 @@ class Communicator(ABC):
         if not 0 <= src < self.size:
             raise ValueError(f"broadcast src={src} is outside group {self.name!r} of size {self.size}")
         return self._run("broadcast", _nbytes(t), self._broadcast, t, src)
+
+    def all_to_all(self, t: torch.Tensor, send_sizes: list[int], recv_sizes: list[int] | None = None) -> torch.Tensor:
+        """Exchange rows (dim 0) of `t`: rows [sum(send_sizes[:d]), +send_sizes[d]) go to rank d,
+        and the result holds what every rank sent here, in rank order (recv_sizes[s] rows from
+        rank s). Splits may be uneven or zero. recv_sizes None: they are learnt first from a
+        small all_to_all of the counts (`all_to_all_sizes`), a second collective.
+
+        Accounting: op "all_to_all", bytes = the bytes this rank SENDS (its input `t`, the rows
+        it keeps for itself included), as for every other collective; the count exchange is
+        one more call of 8 * size bytes. Bad sizes raise ValueError before any communication."""
+        if t.dim() == 0:
+            raise ValueError("all_to_all: a 0-dim tensor has no rows (dim 0) to split")
+        self._check_split("all_to_all", "send_sizes", send_sizes, t.shape[0])
+        if recv_sizes is not None:
+            self._check_split("all_to_all", "recv_sizes", recv_sizes, None)
+        if self.size == 1:
+            if recv_sizes is not None and recv_sizes != send_sizes:
+                raise ValueError(
+                    f"all_to_all: a group of 1 receives what it sends: recv_sizes {recv_sizes} != send_sizes {send_sizes}"
+                )
+            return t
+        if recv_sizes is None:
+            recv_sizes = self.all_to_all_sizes(send_sizes)
+        return self._run("all_to_all", _nbytes(t), self._all_to_all, t.contiguous(), list(send_sizes), list(recv_sizes))
+
+    def all_to_all_sizes(self, send_sizes: list[int]) -> list[int]:
+        """The recv_sizes of an all_to_all: how many rows each rank sends here (one all_to_all
+        of `size` int64 counts, on this backend's device)."""
+        self._check_split("all_to_all_sizes", "send_sizes", send_sizes, None)
+        if self.size == 1:
+            return list(send_sizes)
+        counts = torch.tensor(send_sizes, dtype=torch.int64, device=self.device)  # (size,)
+        ones = [1] * self.size
+        return self._run("all_to_all", _nbytes(counts), self._all_to_all, counts, ones, ones).tolist()
+
+    def _check_split(self, op: str, what: str, sizes: list[int], rows: int | None) -> None:
+        if len(sizes) != self.size or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes):
+            raise ValueError(f"{op}: {what} {list(sizes)} must give one int >= 0 for each of {self.size} ranks")
+        if rows is not None and sum(sizes) != rows:
+            raise ValueError(
+                f"{op}: {what} {list(sizes)} sum to {sum(sizes)} but rank {self.rank}'s tensor has {rows} rows (dim 0)"
+            )
+
+    def _all_to_all(self, t: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+        """The backend primitive: a contiguous (sum(send_sizes), ...) -> (sum(recv_sizes), ...).
+
+        This default, for backends without one, is pairwise point-to-point over `_send`/`_recv`:
+        every rank walks the pairs (i, j), i < j, in the same order, the lower rank sending
+        first, so a blocking send always meets its receive (no deadlock; size - 1 exchanges per
+        rank, serialized). Empty messages are skipped on both sides."""
+        out = t.new_empty((sum(recv_sizes), *t.shape[1:]))
+        sends, recvs = t.split(send_sizes), out.split(recv_sizes)
+        recvs[self.rank].copy_(sends[self.rank])
+        for i in range(self.size):
+            for j in range(i + 1, self.size):
+                if self.rank not in (i, j):
+                    continue
+                peer = j if self.rank == i else i
+                steps = ("send", "recv") if self.rank == i else ("recv", "send")
+                for step in steps:
+                    if step == "send" and send_sizes[peer]:
+                        self._send(sends[peer], peer, _TAG_DATA)  # dim-0 slices: contiguous
+                    elif step == "recv" and recv_sizes[peer]:
+                        self._recv(recvs[peer], peer, _TAG_DATA)
+        return out
 
     def barrier(self) -> None:
         if self.size == 1:

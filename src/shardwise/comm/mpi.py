@@ -12,6 +12,7 @@ Point-to-point is one Isend or Irecv, polled the same way.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -50,6 +51,15 @@ def init_mpi(timeout_s: float = DEFAULT_TIMEOUT_S, *, p2p_check: bool = False) -
     world = MPICommunicator(MPI.COMM_WORLD, name="world", stats=CommStats(), timeout_s=timeout_s)
     world.p2p_check = p2p_check
     return world
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy flat uint8 NumPy view of a contiguous CPU tensor (empty ones included)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    return [sum(counts[:i]) for i in range(len(counts))]
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -123,6 +133,24 @@ class MPICommunicator(Communicator):
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         out = t.contiguous().clone()
         self._wait(self.comm.Ibcast(_np(out), root=src), "broadcast")
+        return out
+
+    def _all_to_all(self, t: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+        # Ialltoallv on the raw bytes (any dtype, bf16 included), counted in rows of a
+        # contiguous datatype of one row's bytes (so counts stay small: MPI counts are ints).
+        out = torch.empty((sum(recv_sizes), *t.shape[1:]), dtype=t.dtype)  # (sum(recv_sizes), ...)
+        row = t.element_size() * math.prod(t.shape[1:])  # bytes per row
+        if row == 0:
+            return out  # rows of no bytes: nothing to move
+        rowtype = self._MPI.BYTE.Create_contiguous(row).Commit()
+        try:
+            request = self.comm.Ialltoallv(
+                [_bytes(t), (send_sizes, _offsets(send_sizes)), rowtype],
+                [_bytes(out), (recv_sizes, _offsets(recv_sizes)), rowtype],
+            )
+            self._wait(request, "all_to_all")
+        finally:
+            rowtype.Free()  # MPI keeps it alive for a request still pending
         return out
 
     def _barrier(self) -> None:

@@ -103,6 +103,12 @@ class TorchDistCommunicator(Communicator):
         dist.broadcast(out, src=self._global(src), group=self.group)
         return out
 
+    def _all_to_all(self, t: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+        # all_to_all_single with split sizes: uneven (and empty) splits work on gloo (CPU) and NCCL.
+        out = torch.empty((sum(recv_sizes), *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_to_all_single(out, t, recv_sizes, send_sizes, group=self.group)
+        return out
+
     def _all_reduce_async(self, t: torch.Tensor) -> torch.futures.Future:
         return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True).get_future()
 
