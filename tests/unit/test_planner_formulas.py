@@ -274,3 +274,22 @@ def test_training_step_with_measured_training_terms_by_hand():
     assert plain.forward_s + plain.backward_s == pytest.approx(flops / 1e12 + 3 * n * 4 / 100e9 / 2, rel=1e-9)
     with pytest.raises(PlannerError, match="training 1.5"):
         _cluster(train_efficiency=1.5)
+
+
+def test_measured_rows_rates_are_interpolated_and_the_peak_is_the_roofline():
+    from shardwise.planner.specs import Device
+
+    table = ((2, 0.01), (8, 0.03), (32, 0.06))
+    dev = Device("cpu", 16, {"float32": 0.1}, 10, matmul_efficiency=1.0, mem_efficiency=1.0, rows_tflops=table)
+    for m, v in table:
+        assert dev.flops_at(m, "float32") == pytest.approx(v * 1e12)
+    assert dev.flops_at(4, "float32") == pytest.approx((0.01 * 0.03) ** 0.5 * 1e12)  # log-log midpoint
+    rates = [dev.flops_at(m, "float32") for m in range(2, 80)]
+    assert rates == sorted(rates)  # more rows never run slower per FLOP here
+    assert dev.flops_at(1, "float32") == dev.flops_at(64, "float32") == dev.flops("float32")  # gemv; past 2 x 32
+    assert dev.flops_at(8, "bfloat16") == dev.flops("bfloat16")  # measured for fp32 only
+    busy = Device("cpu", 16, {"float32": 0.1}, 10, matmul_efficiency=1.0, mem_efficiency=1.0, rows_tflops=table,
+                  busy_compute=0.5)  # fmt: skip
+    assert busy.flops_at(8, "float32", busy=True) == pytest.approx(0.015e12)  # no busy table: scaled
+    plain = Device("gpu", 80, {"float32": 60.0}, 2000)
+    assert plain.flops_at(8, "float32") == plain.flops("float32")

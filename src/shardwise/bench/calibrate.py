@@ -7,8 +7,9 @@ wires the two (cli/plan.py).
 One device is one CPU core running one rank with one thread (as shardwise's launcher
 starts ranks). Measured (shardwise.bench.measure):
 - matmul FLOP/s per dtype (128 rows through layer-shaped weights), weight-streaming
-  bandwidth (one row through 384 MiB of them) and the fixed time per layer and per
-  forward (a tiny model's decode step), on one core alone, then on every core at once
+  bandwidth (one row through 384 MiB of them), fp32 matmul FLOP/s at 2 to 64 rows (a
+  batched decode step; the planner interpolates between them) and the fixed time per
+  layer and per forward (a tiny model's decode step), on one core alone, then on every core at once
   (what a core keeps of its rates while the others work: busy_compute, busy_memory);
 - a training forward and backward on one core: its fixed time per layer and per
   micro-step (a tiny model) and the share of the matmul FLOP/s it reaches (two layers
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 3
+VERSION = 4
 """Bumped when the measurements change meaning: a cache of another version is measured again."""
 
 
@@ -71,6 +72,10 @@ class Calibration:
     """One core alone."""
     layer_overhead_us: float
     step_overhead_us: float
+    rows_tflops: dict[str, float] = field(default_factory=dict)
+    """fp32 matmul TFLOP/s of m rows through layer-shaped weights, by m (one core alone)."""
+    busy_rows_tflops: dict[str, float] = field(default_factory=dict)
+    """The same with every core busy."""
     busy_compute: float = 1.0
     busy_memory: float = 1.0
     """A core's FLOP/s and bandwidth while every core works, as a fraction of its rates alone."""
@@ -123,6 +128,8 @@ class Calibration:
             reserved_gib=min(2.0, self.memory_gib / 4),
             busy_compute=self.busy_compute,
             busy_memory=self.busy_memory,
+            rows_tflops=tuple(sorted((int(m), v) for m, v in self.rows_tflops.items())),
+            busy_rows_tflops=tuple(sorted((int(m), v) for m, v in self.busy_rows_tflops.items())),
             train_efficiency=self.train_efficiency,
             train_layer_overhead_us=self.train_layer_overhead_us,
             train_step_overhead_us=self.train_step_overhead_us,
@@ -288,6 +295,9 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
         per_rank = launch(probe_rank, devices, args=({"repeats": repeats, "training": True},))
         busy = {k: statistics.median(r[k] for r in per_rank) for k in ("mem_gbps", "train_s")}
         busy["gemm_tflops"] = {"float32": statistics.median(r["gemm_tflops"]["float32"] for r in per_rank)}
+        busy["rows_tflops"] = {
+            m: statistics.median(r["rows_tflops"][m] for r in per_rank) for m in alone["rows_tflops"]
+        }
     flops = alone["gemm_tflops"]["float32"] * 1e12
     links, unavailable = _measure_links(devices, backends or ["gloo", "mpi"], 10 * repeats, 3, log, quiet, flops)
     return Calibration(
@@ -299,6 +309,8 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
         mem_gbps=alone["mem_gbps"],
         layer_overhead_us=alone["layer_overhead_us"],
         step_overhead_us=alone["step_overhead_us"],
+        rows_tflops=alone["rows_tflops"],
+        busy_rows_tflops=busy.get("rows_tflops", alone["rows_tflops"]),
         busy_compute=min(1.0, busy["gemm_tflops"]["float32"] / alone["gemm_tflops"]["float32"]),
         busy_memory=min(1.0, busy["mem_gbps"] / alone["mem_gbps"]),
         train_efficiency=alone["train_efficiency"],

@@ -18,7 +18,18 @@ import torch.nn.functional as F
 
 from shardwise.comm import Communicator, tp_only
 
-__all__ = ["probe_rank", "after_compute_rank", "AFTER_COMPUTE_MS", "generation_rank", "training_rank", "best_time"]
+ROWS = (2, 4, 8, 16, 32, 64)
+"""Rows of the batched-decode matmul probe (1 row is the bandwidth probe, 128 the FLOP/s one)."""
+
+__all__ = [
+    "ROWS",
+    "probe_rank",
+    "after_compute_rank",
+    "AFTER_COMPUTE_MS",
+    "generation_rank",
+    "training_rank",
+    "best_time",
+]
 
 
 def best_time(fn: Callable[[], object], repeats: int, warmup: int = 1, sync: Communicator | None = None) -> float:
@@ -77,6 +88,8 @@ def probe_rank(world: Communicator, opts: dict) -> dict:
 
     - matmul FLOP/s per dtype: 128 rows (a short prompt) through layer-shaped weights;
     - weight streaming bytes/s: one row (a decode step) through the same weights;
+    - fp32 matmul FLOP/s at each of ROWS rows (a batched decode step): a CPU's small
+      matrix products can run far below both its peak FLOP/s and its bandwidth;
     - fixed time per layer and per forward: a tiny model's decode step, 1 vs 5 layers;
     - with opts["training"]: the same for a training forward and backward, and the fraction
       of the matmul FLOP/s such a micro-step reaches (_training_probe)."""
@@ -97,6 +110,11 @@ def probe_rank(world: Communicator, opts: dict) -> dict:
             out["mem_gbps"] = (
                 nbytes / best_time(lambda one=one, ws=ws: _through(one, ws), 2 * opts["repeats"], sync=world) / 1e9
             )
+            out["rows_tflops"] = {}
+            for m in ROWS:  # a batched decode step: m rows through the same weights
+                xm = torch.randn(m, ws[0].shape[1], dtype=dtype)
+                t = best_time(lambda xm=xm, ws=ws: _through(xm, ws), opts["repeats"], sync=world)
+                out["rows_tflops"][str(m)] = 2 * m * sum(w.numel() for w in ws) / t / 1e12
         del ws
     if world.size > 1:
         world.barrier()

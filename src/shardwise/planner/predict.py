@@ -157,7 +157,8 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
     flops += batch * head_flops_per_token(cfg, tp) if last else 0.0  # the last position only
     kv = batch * context * kv_bytes_per_token(cfg, tp, width, layers)
     nbytes = streamed_params(cfg, tp, pp, stage, layers=layers) * width + kv
-    t = max(flops / dev.flops(dtype, busy), nbytes / dev.bytes_per_s(busy)) + layers * dev.layer_overhead_us * 1e-6
+    rate = dev.flops_at(batch * tokens, dtype, busy)  # rows through every matmul
+    t = max(flops / rate, nbytes / dev.bytes_per_s(busy)) + layers * dev.layer_overhead_us * 1e-6
     raw = []
     kw = dict(batch=batch, tokens=tokens, width=width, layers=layers, first=first, last=last)
     for c in tp_forward_collectives(cfg, tp, **kw):

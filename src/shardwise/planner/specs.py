@@ -141,6 +141,11 @@ class Device:
     busy_memory: float = 1.0
     """FLOP/s and memory bandwidth of a device while the other devices of its node work too,
     as a fraction of its rates alone (CPU cores share memory and power; GPUs: 1.0)."""
+    rows_tflops: tuple[tuple[int, float], ...] = ()
+    """Measured fp32 matmul TFLOP/s at m rows, (m, TFLOP/s) by increasing m (this host: a
+    CPU's small products run below both its peak and its bandwidth); empty: the roofline."""
+    busy_rows_tflops: tuple[tuple[int, float], ...] = ()
+    """The same while every device works (empty: rows_tflops x busy_compute)."""
     train_efficiency: float = 1.0
     """Share of the matmul FLOP/s a training forward and backward reaches (autograd, the
     element-wise work and softmax around the matmuls): measured on this host; 1.0 for the
@@ -186,6 +191,25 @@ class Device:
         if peak is None:
             raise PlannerError(f"Device {self.name} has no peak_tflops for {dtype} or float32")
         return peak * 1e12 * self.matmul_efficiency * (self.busy_compute if busy else 1.0)
+
+    def flops_at(self, rows: float, dtype: str, busy: bool = False) -> float:
+        """Matmul FLOP/s with `rows` rows (tokens x sequences) through the weights: the measured
+        rate at that many rows (log-log between the measured points; the peak beyond the
+        last, and for one row, whose time the bandwidth sets), or the peak when no rows were
+        measured (or not fp32)."""
+        peak = self.flops(dtype, busy)
+        table = (self.busy_rows_tflops or self.rows_tflops) if busy else self.rows_tflops
+        if not table or dtype != "float32" or rows >= table[-1][0] * 2:
+            return peak
+        scale = self.busy_compute if busy and not self.busy_rows_tflops else 1.0
+        pts = [(m, v * 1e12 * scale) for m, v in table] + [(table[-1][0] * 2, peak)]
+        if rows < pts[0][0]:  # one row: a matrix-vector product, bandwidth-bound (the roofline's other side)
+            return peak if rows <= 1 else pts[0][1]
+        for (m0, r0), (m1, r1) in zip(pts, pts[1:], strict=False):
+            if m0 <= rows <= m1:
+                f = math.log(rows / m0) / math.log(m1 / m0)
+                return math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0)))
+        return peak
 
     def train_flops(self, dtype: str, busy: bool = False) -> float:
         """FLOP/s of a training forward and backward: the matmul rate times train_efficiency,
