@@ -17,9 +17,24 @@ from shardwise.models.config import ModelConfig
 __all__ = ["model_tp_sizes", "even_tp_sizes", "check_tp", "Balance", "balance"]
 
 
-def model_tp_sizes(cfg: ModelConfig) -> list[int]:
-    """Every tp size that can split this model, in increasing order: 1 to its query heads."""
-    return [t for t in HeadLayout.valid_tp_sizes(cfg.num_heads, cfg.num_kv_heads) if t <= cfg.intermediate_size]
+def _widths(cfg: ModelConfig, expert_parallel: bool) -> list[tuple[str, int]]:
+    """(name, size) of every dimension a tp split must give each rank a share of, beyond heads."""
+    dense = not cfg.num_experts or any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    out = [("intermediate_size", cfg.intermediate_size)] if dense else []
+    if cfg.num_experts:
+        out.append(
+            ("num_experts", cfg.num_experts) if expert_parallel else ("expert intermediate size", cfg.expert_size)
+        )
+        if cfg.shared_expert_size:
+            out.append(("shared expert intermediate size", cfg.shared_expert_size))
+    return out
+
+
+def model_tp_sizes(cfg: ModelConfig, *, expert_parallel: bool = False) -> list[int]:
+    """Every tp size that can split this model, in increasing order: 1 to its query heads
+    (and, for a mixture of experts, to its experts (expert_parallel) or its expert width)."""
+    limit = min([cfg.num_heads] + [n for _, n in _widths(cfg, expert_parallel)])
+    return [t for t in HeadLayout.valid_tp_sizes(cfg.num_heads, cfg.num_kv_heads) if t <= limit]
 
 
 def even_tp_sizes(cfg: ModelConfig) -> list[int]:
@@ -29,16 +44,19 @@ def even_tp_sizes(cfg: ModelConfig) -> list[int]:
     return [t for t in heads if cfg.intermediate_size % t == 0]
 
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Refuse a tp that cannot split this model: a ShardError naming the numbers and the valid sizes."""
+def check_tp(cfg: ModelConfig, tp: int, *, expert_parallel: bool = False) -> None:
+    """Refuse a tp that cannot split this model: a ShardError naming the numbers and the valid sizes.
+    expert_parallel: MoE layers deal whole experts out (tp <= num_experts); refused for a dense model."""
+    if expert_parallel and not cfg.num_experts:
+        raise ShardError(f"--expert-parallel needs a mixture-of-experts model; this {cfg.family} model has no experts")
     if tp < 1:
         raise ShardError(f"tp must be >= 1, got {tp}")
     HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)  # raises for tp > num_heads, naming the valid sizes
-    if tp > cfg.intermediate_size:
-        raise ShardError(
-            f"tp={tp} is more than intermediate_size={cfg.intermediate_size}; "
-            f"valid tp sizes: 1-{min(cfg.num_heads, cfg.intermediate_size)}"
-        )
+    valid = model_tp_sizes(cfg, expert_parallel=expert_parallel)
+    for what, size in _widths(cfg, expert_parallel):
+        if tp > size:
+            mode = " with --expert-parallel" if expert_parallel and what == "num_experts" else ""
+            raise ShardError(f"tp={tp} is more than {what}={size}{mode}; valid tp sizes: 1-{valid[-1]}")
 
 
 @dataclass(frozen=True)
