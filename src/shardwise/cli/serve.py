@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from shardwise.cli.common import add_host_args, fail, job, resolve_model, resolve_stages
+from shardwise.cli.common import add_expert_parallel_arg, add_host_args, fail, job, resolve_model, resolve_stages
 from shardwise.comm import DEFAULT_TIMEOUT_S
 from shardwise.engine.text import DEFAULT_MODEL
 
@@ -45,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="pipeline stages, each holding a run of the layers: tp * pp ranks (default 1)",
     )
+    add_expert_parallel_arg(p)
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: the checkpoint's"
     )
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("serve needs fastapi and uvicorn: pip install 'shardwise[serve]'")
     from shardwise.serve.worker import ServeOptions, serve_rank
 
-    model_dir, cfg = resolve_model(args.model, args.tp)
+    model_dir, cfg = resolve_model(args.model, args.tp, expert_parallel=args.expert_parallel)
     resolve_stages(cfg, args.tp, args.pp)
     problems = _check(args, model_dir, cfg)
     if problems:
@@ -144,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         fail_after=args.debug_fail_after,
         pp=args.pp,
         num_layers=cfg.num_layers,
+        expert_parallel=args.expert_parallel,
     )
     if default:
         print(

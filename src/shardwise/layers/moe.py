@@ -88,6 +88,11 @@ class ShardedExperts(Experts):
     def shard_specs(self) -> dict[str, ShardSpec]:
         return dict(self.specs)
 
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:  # NOTE: routing is data-dependent; a meta dry run (`shardwise info`) only needs the shape
+            return x.new_empty(x.shape)
+        return super().forward(x, idx, weights)
+
 
 class SlicedLinear(nn.Module):
     """A bias-free linear holding a slice of a bigger weight (pieces of its rows or columns);

@@ -65,6 +65,8 @@ class ServeOptions:
     pp: int = 1
     num_layers: int = 0
     """The model's decoder layers (for the stage split at pp > 1)."""
+    expert_parallel: bool = False
+    """Mixture-of-experts layers hold whole experts per tp rank (shardwise.layers.moe)."""
 
 
 class _Fault:
@@ -92,7 +94,12 @@ class _Engine:
             mesh = ParallelDims(world_size=world.size, tp=world.size // opts.pp, pp=opts.pp).build(world)
             self.tp, stage = mesh.tp, (stage_layout(opts.num_layers, opts.pp), mesh.pp_rank)
         self.model, self.report = load_pretrained(
-            opts.model, comm=self.tp, dtype=opts.dtype, progress=False, stage=stage
+            opts.model,
+            comm=self.tp,
+            dtype=opts.dtype,
+            progress=False,
+            stage=stage,
+            expert_parallel=opts.expert_parallel,
         )
         if stage is not None:
             self.stages = StageForward(self.model, mesh)
