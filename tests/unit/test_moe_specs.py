@@ -9,7 +9,7 @@ import torch
 
 from shardwise.layers import ShardError, expert_ranges, expert_specs
 from shardwise.models.config import ModelConfig
-from shardwise.sharding.plans import check_tp, model_tp_sizes
+from shardwise.sharding.plans import balance, check_tp, model_tp_sizes
 
 E, H, I = 5, 4, 7  # noqa: E741
 
@@ -64,3 +64,12 @@ def test_bad_tp_sizes_are_refused_naming_the_numbers():
     assert model_tp_sizes(cfg, expert_parallel=True) == [1, 2, 3]
     with pytest.raises(ShardError, match="no experts"):
         check_tp(ModelConfig.debug(), 2, expert_parallel=True)
+
+
+def test_balance_counts_experts_per_rank():
+    cfg = ModelConfig.debug(num_experts=8, experts_per_token=2, expert_size=40, num_heads=4, num_kv_heads=2)
+    ep = balance(cfg, 3, expert_parallel=True)
+    assert ep.experts == (3, 3, 2) and ep.mlp == pytest.approx(3 * 3 / 8) and not ep.even
+    assert "experts 3/3/2 per rank" in ep.describe()
+    assert balance(cfg, 2, expert_parallel=True).even and balance(cfg, 2).even
+    assert balance(cfg, 3).mlp == pytest.approx(14 * 3 / 40)  # width 40 over 3 in blocks of 2: 14/14/12

@@ -96,7 +96,7 @@ def describe(
         for name, spec in specs.items()
     ]
     full = width * sum(torch.Size(s.global_shape).numel() for s in specs.values())
-    bal = balance(cfg, tp) if tp > 1 else None
+    bal = balance(cfg, tp, expert_parallel=expert_parallel) if tp > 1 else None
     per_rank = [sum(t["bytes_per_rank"] for t in tensors)]
     experts = [_experts(model)] if cfg.num_experts else []
     if bal is not None and (not bal.even or cfg.num_experts):  # ranks differ: each one's bytes, from its own plan
@@ -201,7 +201,7 @@ def _expert_table(info: dict) -> None:
     first = by_rank[0][0]
     layers = ", ".join(str(e["layer"]) for e in by_rank[0])
     mode = "expert-parallel: whole experts per rank" if info["expert_parallel"] else "tensor-parallel experts"
-    print(f"\nmixture of experts ({mode}); MoE layers {layers}, {first['num_experts']} experts each")
+    print(f"\nmixture of experts ({mode}): MoE layers {layers}, each of {first['num_experts']} experts")
     for r, held in enumerate(by_rank):
         s, e = held[0]["experts"]
         which = f"experts {s}-{e - 1}" if e - s > 1 else f"expert {s}"

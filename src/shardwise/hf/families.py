@@ -77,8 +77,9 @@ class Family:
     """fnmatch patterns of checkpoint tensors that are not weights we use (buffers, task heads)."""
     model: Callable[[ModelConfig], nn.Module] = DecoderLM
     """The plain model class, built on the meta device."""
-    plan: Callable[[ModelConfig], Plan] = decoder_plan
-    """The sharding plan for that model."""
+    plan: Callable[..., Plan] = decoder_plan
+    """The sharding plan for that model: plan(cfg); a mixture of experts also takes
+    plan(cfg, expert_parallel=True) (whole experts per tp rank)."""
 
     # Quirks: what sets this family apart from another one its reader also reads.
     act_keys: tuple[str, ...] = ("hidden_act",)
