@@ -45,7 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _split(spec: ShardSpec) -> str:
     if spec.dim is None:
         return "replicated"
-    ranges = " + ".join(f"[{s}:{s + n}]" for s, n in spec.pieces)
+    ranges = [f"[{s}:{s + n}]" for s, n in spec.pieces]
+    if len(ranges) > 4:  # every expert's slice (tensor-parallel experts): the first two and the last
+        ranges = [f"{len(ranges)} pieces: {ranges[0]}", ranges[1], "...", ranges[-1]]
+    ranges = " + ".join(ranges)
     pad = f" + {spec.pad} pad" if spec.pad else ""
     return f"dim {spec.dim}: {ranges}{pad}"
 
