@@ -73,3 +73,28 @@ def test_balance_counts_experts_per_rank():
     assert "experts 3/3/2 per rank" in ep.describe()
     assert balance(cfg, 2, expert_parallel=True).even and balance(cfg, 2).even
     assert balance(cfg, 3).mlp == pytest.approx(14 * 3 / 40)  # width 40 over 3 in blocks of 2: 14/14/12
+
+
+@pytest.mark.parametrize("src", [(2, False), (3, True)], ids=["from-tpexperts2", "from-ep3"])
+@pytest.mark.parametrize("dst", [(3, False), (2, True), (4, True)], ids=["to-tpexperts3", "to-ep2", "to-ep4"])
+def test_resharding_between_placements_is_arithmetic(src, dst):
+    """Chunks stored by every rank of one placement (each piece of its spec) give every rank of
+    another its local tensors (shardwise.checkpoint.reshard, as a checkpoint load does)."""
+    from shardwise.checkpoint.reshard import assemble_any
+
+    full = {"up": torch.randn(E * 2 * I, H), "down": torch.randn(E * H, I)}
+    for name, tensor in full.items():
+        stored = [expert_specs(E, H, I, src[0], r, expert_parallel=src[1])[name] for r in range(src[0])]
+        dim = stored[0].dim
+        chunks = [piece for spec in stored for piece in spec.pieces]
+
+        def fetch(c, s, n, tensor=tensor, dim=dim, chunks=chunks):  # rows [s, s + n) of chunk c
+            return tensor.narrow(dim, chunks[c][0] + s, n)
+
+        def fetch_whole(c, tensor=tensor, dim=dim, chunks=chunks):
+            return tensor.narrow(dim, *chunks[c])
+
+        for r in range(dst[0]):
+            want = expert_specs(E, H, I, dst[0], r, expert_parallel=dst[1])[name]
+            got = assemble_any(want, torch.float32, chunks, dim, fetch, fetch_whole, what=name)
+            assert torch.equal(got, want.take(tensor)), (name, r)
