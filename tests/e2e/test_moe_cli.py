@@ -90,3 +90,12 @@ def test_expert_parallel_on_a_dense_model_is_one_line():
     out = run_cli_inline("generate", "--tp", "2", "--expert-parallel")
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and "has no experts" in lines[0], out.stderr
+
+
+def test_more_ranks_than_experts_is_one_line(tmp_path):
+    path = save_tiny("mixtral", tmp_path, overrides={"num_local_experts": 2})  # 4 query heads, 2 experts
+    for command in ("generate", "serve", "verify", "info"):
+        out = run_cli_inline(command, "--model", path, "--tp", "3", "--expert-parallel")
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (command, out.stderr)
+        assert "tp=3 is more than num_experts=2 with --expert-parallel; valid tp sizes: 1-2" in lines[0], lines
