@@ -86,6 +86,9 @@ class InferencePrediction:
     idle_fraction: float
     """Mean share of the time a pipeline stage waits, in a server keeping up to pp steps in
     flight (0 at pp = 1)."""
+    serving_tokens_per_s: float = 0.0
+    """A server's throughput with `batch` requests running at once, each its prefill then
+    output_len tokens (the first from the prefill): batch x output_len / request_s, x dp."""
     stage_s: tuple[float, ...] = ()
     """Each stage's decode step (compute, collectives and its send), at the batch one step
     holds: the whole batch at pp = 1, one group of it at pp > 1."""
