@@ -220,7 +220,10 @@ def predict_inference(cfg: ModelConfig, cluster: Cluster, layout: Layout, *, bat
         decode = Timing(decode.compute_s * per_token / decode.total_s, decode.comm_s * per_token / decode.total_s)
         idle = 1 - sum(stages) * groups / (pp * per_token)  # each stage computes groups x its step per token
     request = prefill.total_s + (output_len - 1) * decode.total_s
-    return InferencePrediction(prefill, decode, request, layout.dp * batch / decode.total_s, colls, idle, tuple(stages))
+    serving = layout.dp * batch * output_len / request
+    return InferencePrediction(
+        prefill, decode, request, layout.dp * batch / decode.total_s, colls, idle, serving, tuple(stages)
+    )
 
 
 def _micro_batch(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: TrainingWorkload, *, layers: int,
