@@ -1,7 +1,7 @@
 """The planner's predictions against measurements on this machine: the tables in docs/planner-validation.md.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate_planner.py [--rounds 3] [--cached] [--no-write]
-        [--skip-inference] [--skip-training] [--skip-memory] [--skip-pipeline]
+        [--skip-inference] [--skip-training] [--skip-memory] [--skip-pipeline] [--skip-serving]
 
 1. Calibrates this host (unless --cached: then the cached calibration is used).
 2. Inference: for the benchmark model (benchmarks/bench_model.py) at tp=1 and at tp=2 on
@@ -26,7 +26,10 @@
    m = 2 and m = 8 micro-batches, beside tp=2 and dp=2, on every calibrated backend, launched
    interleaved in one run; predicted step time (bubble, stage-to-stage transfers included)
    against the median measured step.
-6. Prints the tables and writes them into docs/planner-validation.md between their markers
+6. Serving: decode latency of tp=1 x pp=2 (`generate --pp 2`, stages one after the other),
+   and `shardwise serve` at tp=1, tp=2 and tp=1 x pp=2 (up to pp steps in flight) with 1, 4
+   and 16 clients: predicted tokens/s (prefill included) and stage idle against measured.
+7. Prints the tables and writes them into docs/planner-validation.md between their markers
    (a skipped part keeps its old table).
 """
 
@@ -59,7 +62,12 @@ MARKERS = {
     "training": ("<!-- training:start -->", "<!-- training:end -->"),
     "memory": ("<!-- memory:start -->", "<!-- memory:end -->"),
     "pipeline": ("<!-- pipeline:start -->", "<!-- pipeline:end -->"),
+    "serving": ("<!-- serving:start -->", "<!-- serving:end -->"),
 }
+SERVE_LAYOUTS = ((1, 1), (2, 1), (1, 2))
+"""tp x pp of the serving part (the server's default backend, MPI here)."""
+SERVE_CLIENTS = (1, 4, 16)
+SERVE_WORKLOAD = dict(prompt_len=32, output_len=32)
 WORKLOAD = dict(batch=1, prompt_len=128, output_len=32)
 TARGET = 0.25
 MEMORY_TARGET = 0.15
@@ -436,6 +444,82 @@ def validate_pipeline(cal: Calibration, args, load0: float) -> tuple[str, int, i
     return "\n".join(lines), len(rows), misses
 
 
+def validate_serving(cal: Calibration, args, load0: float) -> tuple[str, int, int]:
+    """Pipeline inference: decode latency of `generate --pp 2` (batch 1, stages one after the
+    other) and a server's throughput at 1, 4 and 16 clients for tp=1, tp=2 and tp=1 x pp=2
+    (up to pp steps in flight), predicted against measured; (text, predictions, misses)."""
+    from bench_serve import run as serve_run
+    from bench_serve import serving_copy
+    from bench_serve import start as serve_start
+
+    from shardwise.launch.env import resolve_backend
+
+    model = ensure_bench_model()
+    _, cfg = read_config(model)
+    backend = resolve_backend("auto")
+    t0, idle, rows, misses, n = time.time(), [], [], 0, 0
+    # decode latency at pp = 2: the engine, batch 1, as the inference part measures tp
+    opts = dict(model=str(model), repeats=args.repeats, pp=2, **WORKLOAD)
+    runs = []
+    for i in range(args.rounds):
+        idle.append(wait_idle(args.idle_wait))
+        print(f"serving round {i + 1}/{args.rounds}: generate tp=1 x pp=2 (load {_load():.1f})", file=sys.stderr)
+        runs.append(launch(generation_rank, 2, args=(opts,), backend=backend)[-1])  # the last stage's view
+    dec_m = _quantile([x for r in runs for x in r["decode_ms"]], 0.1)
+    p = predict_inference(cfg, cal.cluster(backend), Layout(1, 2, 1), width=4, dtype="float32", **WORKLOAD)
+    dec = p.decode.total_s * 1e3
+    misses += abs(dec / dec_m - 1) > TARGET
+    n += 1
+    decode_line = (
+        f"Decode at tp=1 x pp=2 ({backend}, `generate`, batch {WORKLOAD['batch']}, prompt {WORKLOAD['prompt_len']}): "
+        f"predicted {dec:.1f} ms/token, measured {dec_m:.1f} (p10 of {args.rounds} launches), error {_err(dec, dec_m)}."
+    )
+    served = serving_copy(model)
+    for tp, pp in SERVE_LAYOUTS:
+        idle.append(wait_idle(args.idle_wait))
+        print(f"serving: tp={tp} x pp={pp} server (load {_load():.1f})", file=sys.stderr)
+        proc, url = serve_start(served, tp, "auto", pp)
+        try:
+            serve_run(url, 1, 1, SERVE_WORKLOAD["prompt_len"], 4)  # warm-up
+            for c in SERVE_CLIENTS:
+                best = max(
+                    (serve_run(url, c, 2, SERVE_WORKLOAD["prompt_len"], SERVE_WORKLOAD["output_len"])
+                     for _ in range(args.rounds)),
+                    key=lambda r: r["tokens_per_s"],
+                )  # fmt: skip
+                lay = Layout(tp, pp, 1)
+                pred = predict_inference(cfg, cal.cluster(backend), lay, batch=c, width=4, dtype="float32",
+                                         **SERVE_WORKLOAD)  # fmt: skip
+                got, want = best["tokens_per_s"], pred.serving_tokens_per_s
+                misses += abs(want / got - 1) > TARGET
+                n += 1
+                idle_m = " / ".join(f"{x:.0%}" for x in best["stage_idle"]) or "-"
+                idle_p = f"{pred.idle_fraction:.0%}" if pp > 1 else "-"
+                rows.append(f"| {tp} | {pp} | {c} | {want:.1f} | {got:.1f} | {_err(want, got)} | {idle_p} | {idle_m} |")
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d %H:%M')} in {time.time() - t0:.0f} s by `benchmarks/validate_planner.py` "
+        f"(rounds={args.rounds}): benchmark model, fp32, backend {backend}. "
+        + _machine(cal, load0, idle, args.idle_wait),
+        "",
+        decode_line,
+        "",
+        f"Serving (`shardwise serve`, --max-batch-size 16): each client sends 2 requests one after another, a "
+        f"{SERVE_WORKLOAD['prompt_len']}-token prompt and {SERVE_WORKLOAD['output_len']} greedy tokens; "
+        "measured = the best of the rounds' tokens/s over the run's wall time; predicted = clients x tokens / "
+        "(prefill + decode steps), at pp > 1 with the clients in pp groups whose steps are in flight at once.",
+        "",
+        "| tp | pp | clients | tokens/s predicted | measured (best) | error | stage idle predicted | measured |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"{'PASS' if not misses else 'MISS'}: {n - misses} of {n} predictions within ±{TARGET:.0%}.",
+    ]
+    return "\n".join(lines), n, misses
+
+
 def _params(cfg) -> int:
     from shardwise.planner.footprint import stage_params
 
@@ -463,6 +547,7 @@ def main() -> int:
     ap.add_argument("--skip-training", action="store_true", help="leave the training table as it is")
     ap.add_argument("--skip-memory", action="store_true", help="leave the training memory table as it is")
     ap.add_argument("--skip-pipeline", action="store_true", help="leave the pipeline table as it is")
+    ap.add_argument("--skip-serving", action="store_true", help="leave the serving table as it is")
     ap.add_argument("--cached", action="store_true", help="use the cached calibration instead of measuring again")
     ap.add_argument("--no-write", action="store_true", help="print the tables only")
     ap.add_argument("--idle-wait", type=float, default=60.0, help="seconds to wait for an idle machine per launch")
@@ -470,7 +555,7 @@ def main() -> int:
 
     load0 = _load()
     wait_idle(args.idle_wait)
-    timed = not (args.skip_inference and args.skip_training and args.skip_pipeline)
+    timed = not (args.skip_inference and args.skip_training and args.skip_pipeline and args.skip_serving)
     cal = load_calibration(recalibrate=not args.cached) if timed else None  # memory needs no calibration
     parts = [
         (name, fn)
@@ -479,6 +564,7 @@ def main() -> int:
             ("training", validate_training, args.skip_training),
             ("memory", validate_memory, args.skip_memory),
             ("pipeline", validate_pipeline, args.skip_pipeline),
+            ("serving", validate_serving, args.skip_serving),
         )
         if not skip
     ]

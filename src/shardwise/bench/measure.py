@@ -226,14 +226,22 @@ def generation_rank(world: Communicator, opts: dict) -> dict:
     prompts, `repeats` times after one warm-up (whose prefill is reported as cold). Returns
     every prefill and decode step's time, and the time spent inside collectives in each
     (waiting for the other ranks included), read from the accounting after every step."""
-    from shardwise.engine import generate
-    from shardwise.hf import load_pretrained
+    from shardwise.comm import ParallelDims
+    from shardwise.engine import StageForward, generate, stage_layout
+    from shardwise.hf import load_pretrained, read_config
 
-    tp = tp_only(world)
-    model, report = load_pretrained(opts["model"], comm=tp)
+    pp, stages, stage = opts.get("pp", 1), None, None
+    if pp == 1:
+        tp = tp_only(world)
+    else:  # pipeline stages, one after another, as `shardwise generate --pp` runs them
+        mesh = ParallelDims(world_size=world.size, tp=world.size // pp, pp=pp).build(world)
+        tp, stage = mesh.tp, (stage_layout(read_config(opts["model"])[1], pp), mesh.pp_rank)
+    model, report = load_pretrained(opts["model"], comm=tp, stage=stage)
+    if pp > 1:
+        stages = StageForward(model, mesh)
     vocab = report.config.vocab_size
     prompts = [[(31 * i + 7 * b + 3) % vocab for i in range(opts["prompt_len"])] for b in range(opts["batch"])]
-    cold = generate(model, prompts, comm=tp, max_new_tokens=2)
+    cold = generate(model, prompts, comm=tp, max_new_tokens=2, stages=stages)
     prefill, prefill_comm, decode, decode_comm = [], [], [], []
     for _ in range(opts["repeats"]):
         marks = [tp.stats.seconds()]
@@ -243,6 +251,7 @@ def generation_rank(world: Communicator, opts: dict) -> dict:
             comm=tp,
             max_new_tokens=opts["output_len"],
             on_tokens=lambda _, marks=marks: marks.append(tp.stats.seconds()),
+            stages=stages,
         )
         prefill.append(r.prefill_ms)
         prefill_comm.append((marks[1] - marks[0]) * 1e3)
@@ -250,7 +259,8 @@ def generation_rank(world: Communicator, opts: dict) -> dict:
         decode_comm += [(b - a) * 1e3 for a, b in zip(marks[1:], marks[2:], strict=False)]
     return {
         "tp": tp.size,
-        "backend": tp.backend,
+        "pp": pp,
+        "backend": world.backend,
         "cold_prefill_ms": cold.prefill_ms,
         "prefill_ms": prefill,
         "prefill_comm_ms": prefill_comm,

@@ -102,6 +102,8 @@ def generate(
     for i, p in enumerate(prompts):  # left padding: every row's last token sits at slot L - 1
         ids[i, L - len(p) :] = torch.tensor(p)
         mask[i, L - len(p) :] = 1
+    device = next(model.parameters()).device  # the model's (a GPU's, if it was moved there)
+    ids, mask = ids.to(device), mask.to(device)
     if stages is None:  # one stage: the whole model on this tp group
         caches = model.new_caches(B, L + max_new_tokens)
         gen = sampling.generator() if comm.rank == 0 else None
@@ -144,7 +146,7 @@ def generate(
             on_tokens(emitted)
         if all(done) or step == max_new_tokens - 1:
             break
-        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)  # (B, L + step + 1)
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], dim=1)  # (B, L + step + 1)
         t0 = time.perf_counter()
         with comm.stats.track() as one_step:
             tok = choose(forward(tok.unsqueeze(1), mask if padded else None, L + step))

@@ -65,12 +65,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = probs.cumsum(dim=-1) - probs >= params.top_p
         z = z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
     probs = z.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # drawn on the CPU with the CPU generator, so a seed gives the same draws on any device
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
 def sample_on_rank0(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, comm: Communicator
 ) -> torch.Tensor:
     """Sample on rank 0 of `comm` and broadcast, so every rank continues with the same token."""
-    tokens = sample(logits, params, generator) if comm.rank == 0 else torch.empty(logits.shape[0], dtype=torch.long)
+    tokens = (
+        sample(logits, params, generator)
+        if comm.rank == 0
+        else torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    )
     return comm.broadcast(tokens, src=0)
