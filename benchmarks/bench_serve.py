@@ -2,13 +2,16 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_serve.py [--layouts 1x1 2x1 1x2 2x1:gloo] [--clients 1 4 16]
 
-For each tp size (and for tp > 1 each backend; default: `auto`, the server's default, shown
-with what it resolved to) one server is started (--max-batch-size 16); for each client count,
+For each layout, tp x pp on a backend (default `auto`, the server's default, shown with what it
+resolved to; `2x1:gloo` names one), one server is started (--max-batch-size 16); for each client count,
 that many clients each send `--requests` completions one after another (a prompt of
 `--prompt-tokens` random token ids, `--max-tokens` greedy tokens, ignore_eos) and wait
 for each answer. Throughput = generated tokens / wall time of the run; latency = one
-request's wall time. Prints a Markdown table; its last column is the tokens/s against tp=1
-at the same number of clients (tp=1 is measured in the same run).
+request's wall time. Prints a Markdown table: tokens/s against tp=1 at the same number of
+clients (tp=1 is measured in the same run), each pipeline stage's idle share of the run (from /metrics), and
+for tp=1 x pp rows the ceiling (benchmarks/serve_ceiling.py: what pp stages computing at
+once, with no serving overheads, gain over tp=1 at that many clients) and the share of it
+reached.
 
 The benchmark model (benchmarks/bench_model.py) has no tokenizer; its serving copy
 links the weights and borrows the built-in model's tokenizer.json (prompts are token
@@ -34,6 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_model import DEFAULT_DIR, ensure_bench_model  # noqa: E402
+from serve_ceiling import ceiling  # noqa: E402
 
 from shardwise.engine.text import DEFAULT_MODEL  # noqa: E402
 from shardwise.launch import free_port  # noqa: E402
@@ -130,6 +134,11 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument(
+        "--no-ceiling", action="store_true",
+        help="skip the ceiling of the pp > 1 rows (benchmarks/serve_ceiling.py: each stage's decode step, stages "
+        "running at once, against tp=1's; no serving overheads)",
+    )  # fmt: skip
     args = ap.parse_args()
     model = serving_copy(ensure_bench_model(args.model))
     rows = []
@@ -144,22 +153,31 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(30)
+    ceilings = {}
+    if not args.no_ceiling:
+        for pp in sorted({p for t, p, _ in map(parse_layout, args.layouts) if p > 1 and t == 1}):
+            for c in args.clients:
+                ceilings[(pp, c)] = ceiling(model, pp, c)
+                print(f"ceiling pp={pp} clients={c}: {ceilings[(pp, c)]}", file=sys.stderr)
     if args.json:
         keys = ("tp", "pp", "backend", "clients")
         args.json.write_text(json.dumps([dict(zip(keys, row[:4], strict=True), **row[4]) for row in rows], indent=1))
     print(
         "| tp | pp | backend | clients | requests | tokens/s | p50 latency s | p99 latency s | stage idle "
-        "| tokens/s vs tp=1 |"
+        "| tokens/s vs tp=1 | ceiling vs tp=1 | share of ceiling |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for tp, pp, backend, c, r in rows:
         tp1 = next((x for t, p, _, k, x in rows if (t, p) == (1, 1) and k == c), None)
         vs_tp1 = f"{r['tokens_per_s'] / tp1['tokens_per_s']:.2f}x" if tp1 else "-"
         shown = f"auto ({resolve_backend('auto')})" if backend == "auto" else backend
         idle = " / ".join(f"{x:.0%}" for x in r["stage_idle"]) or "-"
+        ceil = ceilings.get((pp, c)) if tp == 1 else None
+        ceil_text = f"{ceil['ratio']:.2f}x" if ceil else "-"
+        share = f"{r['tokens_per_s'] / tp1['tokens_per_s'] / ceil['ratio']:.0%}" if ceil and tp1 else "-"
         print(
             f"| {tp} | {pp} | {shown} | {c} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['p50']:.2f} "
-            f"| {r['p99']:.2f} | {idle} | {vs_tp1} |"
+            f"| {r['p99']:.2f} | {idle} | {vs_tp1} | {ceil_text} | {share} |"
         )
     return 0
 
