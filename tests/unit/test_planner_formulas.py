@@ -293,3 +293,26 @@ def test_measured_rows_rates_are_interpolated_and_the_peak_is_the_roofline():
     assert busy.flops_at(8, "float32", busy=True) == pytest.approx(0.015e12)  # no busy table: scaled
     plain = Device("gpu", 80, {"float32": 60.0}, 2000)
     assert plain.flops_at(8, "float32") == plain.flops("float32")
+
+
+def test_serving_throughput_counts_the_servers_own_work_and_pipelines_keep_steps_in_flight():
+    from dataclasses import replace
+
+    from shardwise.planner.predict import Layout, predict_inference
+    from shardwise.planner.presets import cluster_preset, model_preset
+
+    cfg, cluster = model_preset("llama-3-8b"), cluster_preset("dgx-h100")
+    kw = dict(prompt_len=128, output_len=32, width=2, dtype="bfloat16")
+    plain = predict_inference(cfg, cluster, Layout(1, 1, 1), batch=16, **kw)
+    assert plain.serving_tokens_per_s == pytest.approx(16 * 32 / (plain.prefill.total_s + 31 * plain.decode.total_s))
+    busy = replace(cluster, device=replace(cluster.device, serve_step_us=1000.0, serve_row_us=100.0,
+                                           serve_request_us=50_000.0))  # fmt: skip
+    slow = predict_inference(cfg, busy, Layout(1, 1, 1), batch=16, **kw)
+    per_token = plain.decode.total_s + (1000 + 16 * 100) * 1e-6
+    assert slow.serving_tokens_per_s == pytest.approx(16 * 32 / (plain.prefill.total_s + 0.05 + 31 * per_token))
+    # pp=2 with 16 sequences: two groups of 8, each stage busy most of the time
+    pp = predict_inference(cfg, cluster, Layout(1, 2, 1), batch=16, **kw)
+    assert len(pp.stage_s) == 2 and 0 <= pp.idle_fraction < 0.2
+    assert pp.decode.total_s == pytest.approx(max(sum(pp.stage_s), 2 * max(pp.stage_s)))
+    one = predict_inference(cfg, cluster, Layout(1, 2, 1), batch=1, **kw)  # nothing to overlap
+    assert one.idle_fraction == pytest.approx(0.5, abs=0.1)

@@ -16,6 +16,8 @@ starts ranks). Measured (shardwise.bench.measure):
   of hidden 1024, 256 tokens): train_efficiency, for the planner's training steps; the
   same on every core at once (busy_train); and the bytes/s of an AdamW update of those
   weights (optimizer_gbps);
+- `shardwise serve`'s own costs per step, per sequence in a step and per request, on the
+  built-in tiny model (shardwise.bench.serve_probe), for the planner's serving throughput;
 - all-reduce latency and bus bandwidth over 2 ranks for every available backend
   (shardwise.bench.comm.measure_all_reduce), fitted to time = latency + n / busbw; and
   what a small all-reduce costs more inside a step, after a burst of compute, for bursts
@@ -54,7 +56,7 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 4
+VERSION = 5
 """Bumped when the measurements change meaning: a cache of another version is measured again."""
 
 
@@ -87,6 +89,9 @@ class Calibration:
     busy_train: float | None = None
     """A core's speed at that training micro-step while every core runs it, as a fraction of
     its speed alone (None: as busy_compute)."""
+    serve_overheads: dict[str, float] = field(default_factory=dict)
+    """`shardwise serve`'s own costs (shardwise.bench.serve_probe): step_us, row_us, request_us;
+    empty when the server's dependencies are missing."""
     optimizer_gbps: float | None = None
     """Bytes/s of PyTorch's AdamW update on one core, counting one read and one write of the
     weights, gradients and moments (it makes several passes; None: mem_gbps)."""
@@ -135,6 +140,9 @@ class Calibration:
             train_step_overhead_us=self.train_step_overhead_us,
             busy_train=self.busy_train,
             optimizer_gbps=self.optimizer_gbps,
+            serve_step_us=self.serve_overheads.get("step_us", 0.0),
+            serve_row_us=self.serve_overheads.get("row_us", 0.0),
+            serve_request_us=self.serve_overheads.get("request_us", 0.0),
         )
         return Cluster(
             name="this-host",
@@ -299,6 +307,10 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
             m: statistics.median(r["rows_tflops"][m] for r in per_rank) for m in alone["rows_tflops"]
         }
     flops = alone["gemm_tflops"]["float32"] * 1e12
+    quiet()
+    from shardwise.bench.serve_probe import serving_overheads
+
+    serve = serving_overheads(log=log) or {}
     links, unavailable = _measure_links(devices, backends or ["gloo", "mpi"], 10 * repeats, 3, log, quiet, flops)
     return Calibration(
         host=platform.node() or "localhost",
@@ -318,6 +330,7 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
         train_step_overhead_us=alone["train_step_overhead_us"],
         busy_train=min(1.0, alone["train_s"] / busy.get("train_s", alone["train_s"])),
         optimizer_gbps=alone["optimizer_gbps"],
+        serve_overheads=serve,
         links=links,
         unavailable=unavailable,
         created=time.strftime("%Y-%m-%d %H:%M:%S"),

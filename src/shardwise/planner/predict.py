@@ -88,7 +88,8 @@ class InferencePrediction:
     flight (0 at pp = 1)."""
     serving_tokens_per_s: float = 0.0
     """A server's throughput with `batch` requests running at once, each its prefill then
-    output_len tokens (the first from the prefill): batch x output_len / request_s, x dp."""
+    output_len tokens (the first from the prefill), the server's own work per step, per
+    sequence and per request included (Device.serve_*_us): x dp."""
     stage_s: tuple[float, ...] = ()
     """Each stage's decode step (compute, collectives and its send), at the batch one step
     holds: the whole batch at pp = 1, one group of it at pp > 1."""
@@ -211,16 +212,22 @@ def predict_inference(cfg: ModelConfig, cluster: Cluster, layout: Layout, *, bat
     prefill, _, _ = _forward(cfg, cluster, tp, pp, batch=batch, tokens=prompt_len, context=prompt_len, **kw)
     context = prompt_len + output_len / 2
     decode, colls, stages = _forward(cfg, cluster, tp, pp, batch=batch, tokens=1, context=context, **kw)
-    idle = 0.0
+    dev = cluster.device
+    idle, groups, rows = 0.0, 1, batch
     if pp > 1:
         groups = min(pp, batch)
-        micro = -(-batch // groups)
-        _, _, stages = _forward(cfg, cluster, tp, pp, batch=micro, tokens=1, context=context, busy=True, **kw)
+        rows = -(-batch // groups)
+        _, _, stages = _forward(cfg, cluster, tp, pp, batch=rows, tokens=1, context=context, busy=True, **kw)
         per_token = max(sum(stages), groups * max(stages))
         decode = Timing(decode.compute_s * per_token / decode.total_s, decode.comm_s * per_token / decode.total_s)
         idle = 1 - sum(stages) * groups / (pp * per_token)  # each stage computes groups x its step per token
     request = prefill.total_s + (output_len - 1) * decode.total_s
-    serving = layout.dp * batch * output_len / request
+    # a server: rank 0's own work per step (on the first stage) and per request
+    own = (dev.serve_step_us + rows * dev.serve_row_us) * 1e-6
+    served = [stages[0] + own, *stages[1:]]
+    per_token = max(sum(served), groups * max(served)) if pp > 1 else decode.total_s + own
+    serve_request = prefill.total_s + dev.serve_request_us * 1e-6 + (output_len - 1) * per_token
+    serving = layout.dp * batch * output_len / serve_request
     return InferencePrediction(
         prefill, decode, request, layout.dp * batch / decode.total_s, colls, idle, serving, tuple(stages)
     )

@@ -160,6 +160,12 @@ class Device:
     optimizer_gbps: float | None = None
     """Bytes/s of the optimizer update, counting one read and one write of its state (None:
     the memory bandwidth; measured on this host, where PyTorch's AdamW makes several passes)."""
+    serve_step_us: float = 0.0
+    serve_row_us: float = 0.0
+    serve_request_us: float = 0.0
+    """A server's own work beyond the forward (scheduling, sampling, HTTP): per step, per
+    sequence in a step, per request. Measured on this host (shardwise.bench.serve_probe);
+    0 for the presets, whose serving stacks are not shardwise's."""
 
     def __post_init__(self) -> None:
         _check(self, positive=("memory_gib", "mem_bw_gbps", "matmul_efficiency", "mem_efficiency"))
