@@ -169,6 +169,35 @@ TINY: dict[str, tuple[str, str, dict, list[int]]] = {
     ),
 }  # fmt: skip
 
+# Mixture-of-experts families (tests/multiproc/test_moe_models.py): id -> as TINY, the tp
+# sizes to test in both placements (tensor-parallel experts and expert parallelism).
+TINY_MOE: dict[str, tuple[str, str, dict, list[int]]] = {
+    "mixtral": (  # 8 experts of width 40, top-2; expert-parallel at tp=3 deals 3/3/2 experts
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=96, num_local_experts=8, num_experts_per_tok=2),
+        [1, 2, 3, 4],
+    ),
+    "qwen2_moe": (  # shared expert with its gate; layer 1 dense; no renormalization; width 20 at tp=3: 7/7/6
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=90, num_experts=6, num_experts_per_tok=2,
+             moe_intermediate_size=20, shared_expert_intermediate_size=24, mlp_only_layers=[1],
+             norm_topk_prob=False),
+        [1, 2, 3, 4],
+    ),
+    "qwen3_moe": (  # q/k norm, top-3 of 8 renormalized
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, vocab_size=100, num_experts=8, num_experts_per_tok=3,
+             moe_intermediate_size=24, norm_topk_prob=True),
+        [2, 4],
+    ),
+}  # fmt: skip
+
 INIT_STD = 0.3
 
 
@@ -184,7 +213,7 @@ def save_tiny(
     `overrides`) and save it under root."""
     import transformers
 
-    cfg_cls, model_cls, kwargs, _ = TINY[family]
+    cfg_cls, model_cls, kwargs, _ = TINY[family] if family in TINY else TINY_MOE[family]
     cfg = getattr(transformers, cfg_cls)(**{**kwargs, **(overrides or {})}, initializer_range=INIT_STD)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(cfg).eval()

@@ -20,6 +20,7 @@ __all__ = [
     "add_run_args",
     "add_host_args",
     "add_pp_arg",
+    "add_expert_parallel_arg",
     "resolve_model",
     "resolve_stages",
     "fail",
@@ -84,6 +85,15 @@ def add_pp_arg(p: argparse.ArgumentParser, *names: str) -> None:
     )
 
 
+def add_expert_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="mixture-of-experts models: each tp rank holds whole experts (tp <= experts) instead of "
+        "a slice of every expert",
+    )
+
+
 def resolve_stages(cfg, tp: int, pp: int, pp_layers: list[int] | None = None):
     """The StageLayout of `pp` inference stages (None at pp 1), after checking pp against the
     model's layers and tp * pp against an external launcher's world; exits with a one-line error."""
@@ -106,9 +116,10 @@ def resolve_stages(cfg, tp: int, pp: int, pp_layers: list[int] | None = None):
     return layout
 
 
-def resolve_model(model: Path | None, tp: int, *, auto: bool = False):
+def resolve_model(model: Path | None, tp: int, *, auto: bool = False, expert_parallel: bool = False):
     """(model dir, ModelConfig) after checking the directory and the tp size (shardwise.hf.resolve_model);
-    exits with a one-line error. auto=True also accepts a model for the automatic plan (ModelConfig None)."""
+    exits with a one-line error. auto=True also accepts a model for the automatic plan (ModelConfig None).
+    expert_parallel: tp is checked against whole experts; a model without experts is refused."""
     from shardwise.hf import CheckpointError
     from shardwise.hf import resolve_model as resolve
     from shardwise.layers import ShardError
@@ -119,7 +130,7 @@ def resolve_model(model: Path | None, tp: int, *, auto: bool = False):
             raise CheckpointError(f"model directory {model_dir} does not exist")
         if tp < 1:
             raise ShardError(f"--tp must be >= 1, got {tp}")
-        resolved = resolve(model_dir, tp=tp, auto=auto)
+        resolved = resolve(model_dir, tp=tp, auto=auto, expert_parallel=expert_parallel)
     except (CheckpointError, ShardError, NotImplementedError) as e:
         raise CliError(fail(str(e))) from None
     return model_dir, resolved.config

@@ -15,7 +15,16 @@ from pathlib import Path
 
 import torch
 
-from shardwise.cli.common import add_model_args, add_pp_arg, add_run_args, fail, job, resolve_model, resolve_stages
+from shardwise.cli.common import (
+    add_expert_parallel_arg,
+    add_model_args,
+    add_pp_arg,
+    add_run_args,
+    fail,
+    job,
+    resolve_model,
+    resolve_stages,
+)
 from shardwise.comm import Communicator, ParallelDims, tp_only
 from shardwise.engine import PromptError, SamplingParams, StageForward, generate, validate_prompts
 from shardwise.engine.pipeline import gather_snapshots
@@ -34,6 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text on N tensor-parallel ranks")
     add_model_args(p)
     add_pp_arg(p)
+    add_expert_parallel_arg(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     src.add_argument("--prompt-ids", action="append", help="prompt token ids, comma-separated (repeat for a batch)")
@@ -74,7 +84,12 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
         tp, stage = mesh.tp, (StageLayout.build(opts["num_layers"], pp, pp_layers=opts["pp_layers"]), mesh.pp_rank)
     with PeakAnonMemory() as mem:
         model, report = load_pretrained(
-            opts["model"], comm=tp, dtype=opts["dtype"], progress=world.rank == 0 and opts["progress"], stage=stage
+            opts["model"],
+            comm=tp,
+            dtype=opts["dtype"],
+            progress=world.rank == 0 and opts["progress"],
+            stage=stage,
+            expert_parallel=opts.get("expert_parallel", False),
         )
     log.debug("rank %d/%d holds %.1f MiB of parameters", world.rank, world.size, report.param_bytes / 2**20)
     if opts["fail_rank"] == world.rank:  # after loading, so the others are already in a collective
@@ -134,7 +149,7 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    model_dir, cfg = resolve_model(args.model, args.tp)
+    model_dir, cfg = resolve_model(args.model, args.tp, expert_parallel=args.expert_parallel)
     layout = resolve_stages(cfg, args.tp, args.pp, args.pp_layers)
     try:
         prompts = _prompts(args, model_dir)
@@ -161,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         "pp": args.pp,
         "num_layers": cfg.num_layers,
         "pp_layers": layout.layers if layout is not None else None,
+        "expert_parallel": args.expert_parallel,
     }
     if not args.json:
         if model_dir == DEFAULT_MODEL:
@@ -172,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
     if result is None:  # a non-zero rank under an external launcher
         return 0
     if args.compare_tp1:
-        ref = job(_generate_rank, 1, {**opts, "stream": False, "progress": False, "pp": 1}, **run_opts)
+        tp1 = {**opts, "stream": False, "progress": False, "pp": 1, "expert_parallel": False}
+        ref = job(_generate_rank, 1, tp1, **run_opts)
         result["matches_tp1"] = ref["tokens"] == result["tokens"]
     if args.json:
         print(json.dumps(result))
@@ -186,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     calls = sum(v["calls"] for v in ar.values())
     n = sum(len(t) for t in result["tokens"])
     where = f"tp={result['tp']}" if result["pp"] == 1 else f"tp={result['tp']} x pp={result['pp']}"
+    where += ", expert-parallel" if args.expert_parallel else ""
     print(
         f"{where} ({result['backend']}), {result['dtype']}: {n} tokens, "
         f"prefill {result['prefill_ms']:.1f} ms, decode {result['decode_ms_per_token'] or 0:.2f} ms/token (median), "

@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from shardwise.cli.common import add_model_args, add_pp_arg, resolve_model, resolve_stages
+from shardwise.cli.common import add_expert_parallel_arg, add_model_args, add_pp_arg, resolve_model, resolve_stages
 from shardwise.comm import ParallelDims
 from shardwise.comm.dryrun import DryRunCommunicator
 from shardwise.engine.pipeline import StageForward
@@ -37,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="show how a model is split at a tp size (no ranks are started)")
     add_model_args(p)
     add_pp_arg(p)
+    add_expert_parallel_arg(p)
     p.add_argument("--prompt-len", type=int, default=128, help="prompt length for the prefill collective count")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -44,13 +45,39 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _split(spec: ShardSpec) -> str:
     if spec.dim is None:
         return "replicated"
-    ranges = " + ".join(f"[{s}:{s + n}]" for s, n in spec.pieces)
+    ranges = [f"[{s}:{s + n}]" for s, n in spec.pieces]
+    if len(ranges) > 4:  # every expert's slice (tensor-parallel experts): the first two and the last
+        ranges = [f"{len(ranges)} pieces: {ranges[0]}", ranges[1], "...", ranges[-1]]
+    ranges = " + ".join(ranges)
     pad = f" + {spec.pad} pad" if spec.pad else ""
     return f"dim {spec.dim}: {ranges}{pad}"
 
 
-def describe(model_dir, cfg, tp: int, prompt_len: int = 128, dtype: str | None = None) -> dict:
-    """Rank 0's view of the plan: per tensor split and bytes, totals, collectives per step."""
+def _plan(family, cfg, expert_parallel: bool):
+    return family.plan(cfg, expert_parallel=True) if expert_parallel else family.plan(cfg)
+
+
+def _experts(model) -> list[dict]:
+    """Per MoE layer of a sharded model: the experts this rank computes and how."""
+    from shardwise.layers import ParallelMoE
+
+    return [
+        {
+            "layer": int(path.split(".")[1]),
+            "experts": [m.held_experts().start, m.held_experts().stop],
+            "num_experts": m.num_experts,
+            "expert_width": m.experts.down.shape[1],
+        }
+        for path, m in model.named_modules()
+        if isinstance(m, ParallelMoE)
+    ]
+
+
+def describe(
+    model_dir, cfg, tp: int, prompt_len: int = 128, dtype: str | None = None, *, expert_parallel: bool = False
+) -> dict:
+    """Rank 0's view of the plan: per tensor split and bytes, totals, collectives per step; for a
+    mixture of experts, the experts every rank holds."""
     from shardwise.hf import FAMILIES
 
     family = FAMILIES[cfg.family]
@@ -58,7 +85,7 @@ def describe(model_dir, cfg, tp: int, prompt_len: int = 128, dtype: str | None =
     comm = DryRunCommunicator(tp)
     with on_meta():
         model = family.model(cfg)
-    parallelize(model, family.plan(cfg), comm=comm)
+    parallelize(model, _plan(family, cfg, expert_parallel), comm=comm)
     specs = model_shard_specs(model)
     width = _BYTES[dtype]
     tensors = [
@@ -72,14 +99,17 @@ def describe(model_dir, cfg, tp: int, prompt_len: int = 128, dtype: str | None =
         for name, spec in specs.items()
     ]
     full = width * sum(torch.Size(s.global_shape).numel() for s in specs.values())
-    bal = balance(cfg, tp) if tp > 1 else None
+    bal = balance(cfg, tp, expert_parallel=expert_parallel) if tp > 1 else None
     per_rank = [sum(t["bytes_per_rank"] for t in tensors)]
-    if bal is not None and not bal.even:  # ranks differ: each one's bytes, from its own plan
+    experts = [_experts(model)] if cfg.num_experts else []
+    if bal is not None and (not bal.even or cfg.num_experts):  # ranks differ: each one's bytes, from its own plan
         for r in range(1, tp):
             with on_meta():
                 other = family.model(cfg)
-            parallelize(other, family.plan(cfg), comm=DryRunCommunicator(tp, r))
+            parallelize(other, _plan(family, cfg, expert_parallel), comm=DryRunCommunicator(tp, r))
             per_rank.append(width * sum(torch.Size(s.local_shape).numel() for s in model_shard_specs(other).values()))
+            if experts:
+                experts.append(_experts(other))
     counts = {}
     if hasattr(model, "new_caches"):
         caches = model.new_caches(1, prompt_len + 1)
@@ -111,10 +141,14 @@ def describe(model_dir, cfg, tp: int, prompt_len: int = 128, dtype: str | None =
             "text": bal.describe(),
         },
         "collectives": counts,
+        "expert_parallel": expert_parallel,
+        "experts_by_rank": experts,
     }
 
 
-def describe_stages(cfg, tp: int, layout: StageLayout, prompt_len: int = 128, dtype: str | None = None) -> list[dict]:
+def describe_stages(
+    cfg, tp: int, layout: StageLayout, prompt_len: int = 128, dtype: str | None = None, *, expert_parallel: bool = False
+) -> list[dict]:
     """Per pipeline stage (its tp rank 0): layers, embedding / head, parameter bytes per rank,
     and the collectives of one decode step at batch 1 through the inference pipeline."""
     from shardwise.hf import FAMILIES
@@ -127,7 +161,7 @@ def describe_stages(cfg, tp: int, layout: StageLayout, prompt_len: int = 128, dt
         mesh = dims.build(DryRunCommunicator(dims.world_size, dims.rank_of(pp=s), name="world"))
         with on_meta():
             model = family.model(cfg)
-        parallelize(model, family.plan(cfg), comm=mesh.tp)
+        parallelize(model, _plan(family, cfg, expert_parallel), comm=mesh.tp)
         keep_stage(model, layout, s)
         stages = StageForward(model, mesh)
         caches = stages.new_caches(1, prompt_len + 1)
@@ -164,16 +198,33 @@ def _stage_table(stages: list[dict], tp: int) -> None:
         print(f"{st['stage']:<6} {text:<10} {holds:<18} {st['bytes_per_rank'] / mib:>9.3f}   {ops}")
 
 
+def _expert_table(info: dict) -> None:
+    """Which rank holds which experts (the same in every MoE layer), and its parameter bytes."""
+    by_rank, mib = info["experts_by_rank"], 2**20
+    first = by_rank[0][0]
+    layers = ", ".join(str(e["layer"]) for e in by_rank[0])
+    mode = "expert-parallel: whole experts per rank" if info["expert_parallel"] else "tensor-parallel experts"
+    print(f"\nmixture of experts ({mode}): MoE layers {layers}, each of {first['num_experts']} experts")
+    for r, held in enumerate(by_rank):
+        s, e = held[0]["experts"]
+        which = f"experts {s}-{e - 1}" if e - s > 1 else f"expert {s}"
+        print(
+            f"  rank {r}: {which} ({e - s} of {first['num_experts']}), width {held[0]['expert_width']} each; "
+            f"parameters {info['bytes_by_rank'][r] / mib:.3f} MiB"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    model_dir, cfg = resolve_model(args.model, args.tp)
+    model_dir, cfg = resolve_model(args.model, args.tp, expert_parallel=args.expert_parallel)
     layout = resolve_stages(cfg, args.tp, args.pp, args.pp_layers) if cfg.causal or args.pp == 1 else None
     if args.pp != 1 and layout is None:
         print(f"shardwise: error: --pp {args.pp}: pipeline stages need a decoder family, not {cfg.family}")
         return 2
-    info = describe(model_dir, cfg, args.tp, args.prompt_len, args.dtype)
+    ep = args.expert_parallel
+    info = describe(model_dir, cfg, args.tp, args.prompt_len, args.dtype, expert_parallel=ep)
     if layout is not None:
         info["pp"] = args.pp
-        info["stages"] = describe_stages(cfg, args.tp, layout, args.prompt_len, args.dtype)
+        info["stages"] = describe_stages(cfg, args.tp, layout, args.prompt_len, args.dtype, expert_parallel=ep)
     if args.json:
         print(json.dumps(info))
         return 0
@@ -190,12 +241,14 @@ def run(args: argparse.Namespace) -> int:
     )
     if info["balance"] is not None:
         print(f"split over tp={args.tp}: {info['balance']['text']}")
-        if not info["balance"]["even"]:
+        if not info["balance"]["even"] and not info["experts_by_rank"]:
             sizes = ", ".join(f"rank {r} {b / mib:.2f}" for r, b in enumerate(info["bytes_by_rank"]))
             print(f"parameters by rank (MiB): {sizes}")
     for step, snap in info["collectives"].items():
         text = ", ".join(f"{op} x{c['calls']} ({c['bytes'] / 1024:.1f} KiB)" for op, c in snap.items()) or "none"
         print(f"collectives per {step.replace('_', ' ')} (model forward, batch 1): {text}")
+    if info["experts_by_rank"]:
+        _expert_table(info)
     if layout is not None:
         _stage_table(info["stages"], args.tp)
     return 0

@@ -15,7 +15,15 @@ import signal
 import sys
 from pathlib import Path
 
-from shardwise.cli.common import add_host_args, add_pp_arg, fail, job, resolve_model, resolve_stages
+from shardwise.cli.common import (
+    add_expert_parallel_arg,
+    add_host_args,
+    add_pp_arg,
+    fail,
+    job,
+    resolve_model,
+    resolve_stages,
+)
 from shardwise.comm import DEFAULT_TIMEOUT_S
 from shardwise.engine.text import DEFAULT_MODEL
 
@@ -38,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="ranks to shard the model over (default 2)",
     )
     add_pp_arg(p, "--pipeline-parallel-size", "--pp")
+    add_expert_parallel_arg(p)
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: the checkpoint's"
     )
@@ -116,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("serve needs fastapi and uvicorn: pip install 'shardwise[serve]'")
     from shardwise.serve.worker import ServeOptions, serve_rank
 
-    model_dir, cfg = resolve_model(args.model, args.tp)
+    model_dir, cfg = resolve_model(args.model, args.tp, expert_parallel=args.expert_parallel)
     layout = resolve_stages(cfg, args.tp, args.pp, args.pp_layers)
     problems = _check(args, model_dir, cfg)
     if problems:
@@ -138,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         pp=args.pp,
         num_layers=cfg.num_layers,
         pp_layers=layout.layers if layout is not None else None,
+        expert_parallel=args.expert_parallel,
     )
     if default:
         print(

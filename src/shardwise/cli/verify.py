@@ -24,7 +24,16 @@ import math
 import torch
 from torch import nn
 
-from shardwise.cli.common import add_model_args, add_pp_arg, add_run_args, fail, job, resolve_model, resolve_stages
+from shardwise.cli.common import (
+    add_expert_parallel_arg,
+    add_model_args,
+    add_pp_arg,
+    add_run_args,
+    fail,
+    job,
+    resolve_model,
+    resolve_stages,
+)
 from shardwise.comm import Communicator, LocalCommunicator, ParallelDims, tp_only
 from shardwise.engine.pipeline import StageForward
 from shardwise.pipeline.stage import StageLayout
@@ -45,6 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_model_args(p)
     add_pp_arg(p)
+    add_expert_parallel_arg(p)
     p.add_argument(
         "--tolerance", type=float, default=None, help="max relative error (default 1e-4 fp32, 2e-2 bf16/fp16)"
     )
@@ -135,7 +145,13 @@ def _staged(world: Communicator, opts: dict):
     pp = opts["pp"]
     mesh = ParallelDims(world_size=world.size, tp=world.size // pp, pp=pp).build(world)
     layout = StageLayout.build(opts["num_layers"], pp, pp_layers=opts["pp_layers"])
-    model, report = load_pretrained(opts["model"], comm=mesh.tp, dtype=opts["dtype"], stage=(layout, mesh.pp_rank))
+    model, report = load_pretrained(
+        opts["model"],
+        comm=mesh.tp,
+        dtype=opts["dtype"],
+        stage=(layout, mesh.pp_rank),
+        expert_parallel=opts["expert_parallel"],
+    )
     ids, mask = _inputs(report.config.vocab_size, False)
     outs: list[torch.Tensor] = []
     handles = [
@@ -176,7 +192,9 @@ def _verify_rank(world: Communicator, opts: dict) -> dict | None:
             return None
     else:
         tp = tp_only(world)
-        model, report = load_pretrained(opts["model"], comm=tp, dtype=opts["dtype"])
+        model, report = load_pretrained(
+            opts["model"], comm=tp, dtype=opts["dtype"], expert_parallel=opts["expert_parallel"]
+        )
         encoder, family = isinstance(model, BertEncoder), report.family
         dtype = next(model.parameters()).dtype
         ids, mask = _inputs(_text_config(report.config).vocab_size, encoder)
@@ -235,7 +253,8 @@ def _fmt(e: Err, key: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    model_dir, cfg = resolve_model(args.model, args.tp, auto=True)  # auto: models without shardwise code
+    # auto: models without shardwise code
+    model_dir, cfg = resolve_model(args.model, args.tp, auto=True, expert_parallel=args.expert_parallel)
     if args.tolerance is not None and not args.tolerance >= 0:
         return fail(f"--tolerance must be >= 0, got {args.tolerance}")
     if args.pp != 1:
@@ -243,7 +262,13 @@ def run(args: argparse.Namespace) -> int:
             what = "the automatic plan" if cfg is None else "a BERT encoder"
             return fail(f"--pp {args.pp}: pipeline stages need a decoder family, not {what}; use --pp 1")
         layout = resolve_stages(cfg, args.tp, args.pp, args.pp_layers)
-    opts = {"model": str(model_dir), "dtype": args.dtype, "pp": args.pp, "num_layers": cfg.num_layers if cfg else 0}
+    opts = {
+        "model": str(model_dir),
+        "dtype": args.dtype,
+        "pp": args.pp,
+        "num_layers": cfg.num_layers if cfg else 0,
+        "expert_parallel": args.expert_parallel,
+    }
     opts["pp_layers"] = layout.layers if args.pp != 1 else None
     r = job(
         _verify_rank,
@@ -267,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0 if passed else 1
     layout = f"tp={r['tp']}" if r["pp"] == 1 else f"tp={r['tp']} x pp={r['pp']}"
+    layout += ", expert-parallel" if args.expert_parallel else ""
     print(
         f"verify: {r['family']} model at {model_dir}, {layout} ({r['backend']}), {r['dtype']}, "
         f"2 prompts of {' and '.join(map(str, r['lengths']))} tokens, real tokens only"

@@ -17,7 +17,16 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 
 from shardwise.hf.checkpoint import CheckpointError
-from shardwise.hf.names import NameTable, bert_names, gpt2_names, llama_names, neox_names, phi3_names
+from shardwise.hf.names import (
+    NameTable,
+    bert_names,
+    gpt2_names,
+    llama_names,
+    mixtral_names,
+    neox_names,
+    phi3_names,
+    qwen_moe_names,
+)
 from shardwise.models.bert import BertEncoder
 from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
@@ -33,6 +42,8 @@ __all__ = [
     "gpt2_config",
     "neox_config",
     "bert_config",
+    "mixtral_config",
+    "qwen_moe_config",
 ]
 
 _ACTS = {
@@ -66,8 +77,9 @@ class Family:
     """fnmatch patterns of checkpoint tensors that are not weights we use (buffers, task heads)."""
     model: Callable[[ModelConfig], nn.Module] = DecoderLM
     """The plain model class, built on the meta device."""
-    plan: Callable[[ModelConfig], Plan] = decoder_plan
-    """The sharding plan for that model."""
+    plan: Callable[..., Plan] = decoder_plan
+    """The sharding plan for that model: plan(cfg); a mixture of experts also takes
+    plan(cfg, expert_parallel=True) (whole experts per tp rank)."""
 
     # Quirks: what sets this family apart from another one its reader also reads.
     act_keys: tuple[str, ...] = ("hidden_act",)
@@ -218,6 +230,44 @@ def neox_config(d: dict, fam: Family) -> ModelConfig:
     )
 
 
+def mixtral_config(d: dict, fam: Family) -> ModelConfig:
+    """Mixtral: Llama-like attention, every MLP a mixture of num_local_experts experts of width
+    intermediate_size; the top-k routing weights are always renormalized."""
+    cfg = llama_config(d, fam)
+    return replace(
+        cfg,
+        num_experts=d["num_local_experts"],
+        experts_per_token=d["num_experts_per_tok"],
+        expert_size=d["intermediate_size"],
+        norm_topk_prob=True,
+        router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0)),
+    )
+
+
+def qwen_moe_config(d: dict, fam: Family) -> ModelConfig:
+    """Qwen2-MoE and Qwen3-MoE: layer i is an MoE block unless listed in mlp_only_layers or
+    (i + 1) is not a multiple of decoder_sparse_step (those keep a dense MLP of
+    intermediate_size); Qwen2-MoE adds a shared expert with a sigmoid gate."""
+    cfg = llama_config(d, fam)
+    num = d["num_experts"] if "num_experts" in d else d["num_local_experts"]
+    step, dense = d.get("decoder_sparse_step", 1) or 1, set(d.get("mlp_only_layers") or ())
+    moe = tuple(i for i in range(cfg.num_layers) if i not in dense and (i + 1) % step == 0) if num else ()
+    shared = d.get("shared_expert_intermediate_size", 0) or 0
+    if fam.name == "qwen2_moe":  # q/k/v biases: config.json's qkv_bias (transformers 5), always before it
+        cfg = replace(cfg, qkv_bias=bool(d.get("qkv_bias", True)))
+    return replace(
+        cfg,
+        num_experts=num,
+        experts_per_token=d["num_experts_per_tok"],
+        expert_size=d["moe_intermediate_size"],
+        shared_expert_size=shared,
+        shared_expert_gate=bool(shared),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        moe_layers=None if len(moe) == cfg.num_layers else moe,
+        router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0)),
+    )
+
+
 # transformers builds these with add_pooling_layer=False: their checkpoints have no pooler.
 _NO_POOLER = frozenset({"BertForMaskedLM", "BertLMHeadModel", "BertForTokenClassification", "BertForQuestionAnswering"})
 
@@ -271,6 +321,20 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             name="qwen3", model_types=("qwen3",), **_LLAMA_LIKE, ignore=_ROTARY,
+            fixed={"qk_norm": True}, window_switch="use_sliding_window",
+        ),
+        Family(
+            name="mixtral", model_types=("mixtral",), reader=mixtral_config, names=mixtral_names,
+            prefixes=("model.", ""), probe="embed_tokens.weight", ignore=_ROTARY,
+        ),
+        Family(
+            name="qwen2_moe", model_types=("qwen2_moe",), reader=qwen_moe_config, names=qwen_moe_names,
+            prefixes=("model.", ""), probe="embed_tokens.weight", ignore=_ROTARY,
+            window_switch="use_sliding_window",
+        ),
+        Family(
+            name="qwen3_moe", model_types=("qwen3_moe",), reader=qwen_moe_config, names=qwen_moe_names,
+            prefixes=("model.", ""), probe="embed_tokens.weight", ignore=_ROTARY,
             fixed={"qk_norm": True}, window_switch="use_sliding_window",
         ),
         Family(

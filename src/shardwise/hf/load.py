@@ -53,7 +53,9 @@ class ResolvedModel:
     """The family's ModelConfig; None for the automatic plan."""
 
 
-def resolve_model(path: str | Path, *, tp: int | None = None, auto: bool = False) -> ResolvedModel:
+def resolve_model(
+    path: str | Path, *, tp: int | None = None, auto: bool = False, expert_parallel: bool = False
+) -> ResolvedModel:
     """Which model `path` (a checkpoint directory, or a config.json) holds, checked
     before any weight is read.
 
@@ -62,7 +64,8 @@ def resolve_model(path: str | Path, *, tp: int | None = None, auto: bool = False
     unless auto=True; then, with tp, the automatic plan is read off transformers' model
     built on the meta device, so anything it cannot shard is refused here. Raises
     CheckpointError, ShardError or NotImplementedError (a feature of the config that
-    shardwise does not support).
+    shardwise does not support). expert_parallel: the tp check is for whole experts per
+    rank (tp <= num_experts), and a model without experts is refused.
     """
     path = Path(path)
     if not path.exists():
@@ -76,6 +79,8 @@ def resolve_model(path: str | Path, *, tp: int | None = None, auto: bool = False
                 f"{where}: model_type {raw.get('model_type')!r} has no shardwise model code; "
                 f"supported: {', '.join(supported_model_types())}"
             )
+        if expert_parallel:
+            raise ShardError(f"{where}: --expert-parallel needs a mixture-of-experts family; this model has none")
         if tp is not None:
             try:
                 check_auto(path, tp)
@@ -85,8 +90,8 @@ def resolve_model(path: str | Path, *, tp: int | None = None, auto: bool = False
                 raise ShardError(f"{where}: {e}") from None
         return ResolvedModel(path, None, None)
     cfg = family.config(raw, where=str(where))
-    if tp is not None:
-        check_tp(cfg, tp)
+    if tp is not None or expert_parallel:
+        check_tp(cfg, tp or 1, expert_parallel=expert_parallel)
     return ResolvedModel(path, family, cfg)
 
 
@@ -103,6 +108,7 @@ def load_pretrained(
     dtype: str | torch.dtype | None = None,
     progress: bool = False,
     stage: tuple | None = None,
+    expert_parallel: bool = False,
 ) -> tuple[nn.Module, LoadReport]:
     """Build, shard and fill a model from a Hugging Face directory; returns (model, report).
 
@@ -110,9 +116,12 @@ def load_pretrained(
     head) are built and read (shardwise.pipeline.stage.keep_stage); the whole checkpoint
     is still checked against the model.
 
+    expert_parallel: a mixture-of-experts model's layers hold whole experts per rank
+    (shardwise.layers.moe) instead of every expert's slice.
+
     Architectures without shardwise model code go to the automatic plan (shardwise.hf.auto).
     """
-    m = resolve_model(path, auto=True)
+    m = resolve_model(path, auto=True, expert_parallel=expert_parallel)
     if m.family is None:
         if stage is not None:
             raise ShardError(
@@ -123,7 +132,7 @@ def load_pretrained(
     if dtype is not None:
         cfg = replace(cfg, dtype=dtype_name(dtype))
     try:
-        check_tp(cfg, comm.size)
+        check_tp(cfg, comm.size, expert_parallel=expert_parallel)
     except ShardError as e:
         raise ShardError(f"{Path(path) / 'config.json'}: {e}") from None
     ckpt = Checkpoint(path)
@@ -132,7 +141,7 @@ def load_pretrained(
 
     with on_meta():
         model = family.model(cfg)
-    parallelize(model, family.plan(cfg), comm=comm)
+    parallelize(model, family.plan(cfg, expert_parallel=True) if expert_parallel else family.plan(cfg), comm=comm)
     specs = model_shard_specs(model)
     if specs.keys() != table.keys():  # a bug in a family's name table, not in the checkpoint
         raise AssertionError(f"name table mismatch: {sorted(specs.keys() ^ table.keys())}")

@@ -11,7 +11,16 @@ from __future__ import annotations
 from shardwise.hf.sources import Src
 from shardwise.models.config import ModelConfig
 
-__all__ = ["NameTable", "llama_names", "phi3_names", "gpt2_names", "neox_names", "bert_names"]
+__all__ = [
+    "NameTable",
+    "llama_names",
+    "phi3_names",
+    "mixtral_names",
+    "qwen_moe_names",
+    "gpt2_names",
+    "neox_names",
+    "bert_names",
+]
 
 NameTable = dict[str, list[Src]]
 
@@ -53,6 +62,48 @@ def llama_names(cfg: ModelConfig, prefix: str, *, fused: bool = False) -> NameTa
 def phi3_names(cfg: ModelConfig, prefix: str) -> NameTable:
     """Phi-3's names: Llama's, with qkv_proj and gate_up_proj stored fused."""
     return llama_names(cfg, prefix, fused=True)
+
+
+def _moe_names(t: NameTable, cfg: ModelConfig, prefix: str, block: str, gate: str, up: str, down: str) -> None:
+    """Replace each MoE layer's dense MLP entries by the router and the stacked experts:
+    up = [gate_0; up_0; gate_1; up_1; ...] and down = [down_0; down_1; ...] by rows
+    (shardwise.models.moe), read per expert tensor."""
+    inter = cfg.expert_size
+    for i in range(cfg.num_layers):
+        if not cfg.is_moe_layer(i):
+            continue
+        p, q = f"{prefix}layers.{i}.{block}.", f"layers.{i}.mlp."
+        for k in ("up.weight", "down.weight", "up.bias", "down.bias"):
+            t.pop(q + k, None)
+        t[q + "gate.weight"] = [Src(p + "gate.weight")]
+        ex = [f"{p}experts.{e}." for e in range(cfg.num_experts)]
+        t[q + "experts.up"] = [Src(f"{x}{w}.weight", inter) for x in ex for w in (gate, up)]
+        t[q + "experts.down"] = [Src(f"{x}{down}.weight") for x in ex]
+        if cfg.shared_expert_size:
+            s = f"{p}shared_expert."
+            t[q + "shared.up.weight"] = [
+                Src(s + "gate_proj.weight", cfg.shared_expert_size),
+                Src(s + "up_proj.weight", cfg.shared_expert_size),
+            ]
+            t[q + "shared.down.weight"] = [Src(s + "down_proj.weight")]
+            if cfg.shared_expert_gate:
+                t[q + "shared_gate.weight"] = [Src(p + "shared_expert_gate.weight")]
+
+
+def mixtral_names(cfg: ModelConfig, prefix: str) -> NameTable:
+    """Mixtral's names: Llama's attention; block_sparse_moe.gate and experts.{e}.w1 (gate),
+    w3 (up), w2 (down)."""
+    t = llama_names(cfg, prefix)
+    _moe_names(t, cfg, prefix, "block_sparse_moe", "w1", "w3", "w2")
+    return t
+
+
+def qwen_moe_names(cfg: ModelConfig, prefix: str) -> NameTable:
+    """Qwen2-MoE / Qwen3-MoE names: Llama's; mlp.gate and mlp.experts.{e}.gate_proj/up_proj/
+    down_proj, plus Qwen2-MoE's mlp.shared_expert and mlp.shared_expert_gate."""
+    t = llama_names(cfg, prefix)
+    _moe_names(t, cfg, prefix, "mlp", "gate_proj", "up_proj", "down_proj")
+    return t
 
 
 def gpt2_names(cfg: ModelConfig, prefix: str) -> NameTable:

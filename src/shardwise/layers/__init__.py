@@ -4,6 +4,7 @@ from shardwise.layers.embedding import VocabParallelEmbedding, VocabParallelLMHe
 from shardwise.layers.fused import MergedColumnParallelLinear, QKVParallelLinear, SumReplicaGrads
 from shardwise.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardwise.layers.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from shardwise.layers.moe import ParallelMoE, expert_ranges, expert_specs
 from shardwise.layers.partition import (
     HeadLayout,
     ShardError,
@@ -27,6 +28,9 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabParallelLMHead",
     "VocabShard",
+    "ParallelMoE",
+    "expert_ranges",
+    "expert_specs",
     "VocabParallelCrossEntropy",
     "vocab_parallel_cross_entropy",
     "SequenceParallelLinear",

@@ -68,6 +68,8 @@ class ServeOptions:
     """The model's decoder layers (for the stage split at pp > 1)."""
     pp_layers: tuple[int, ...] | None = None
     """Layers per stage (pp > 1), as the command resolved them."""
+    expert_parallel: bool = False
+    """Mixture-of-experts layers hold whole experts per tp rank (shardwise.layers.moe)."""
 
 
 class _Fault:
@@ -98,7 +100,12 @@ class _Engine:
                 (StageLayout.build(opts.num_layers, opts.pp, pp_layers=opts.pp_layers), mesh.pp_rank),
             )
         self.model, self.report = load_pretrained(
-            opts.model, comm=self.tp, dtype=opts.dtype, progress=False, stage=stage
+            opts.model,
+            comm=self.tp,
+            dtype=opts.dtype,
+            progress=False,
+            stage=stage,
+            expert_parallel=opts.expert_parallel,
         )
         if stage is not None:
             self.stages = StageForward(self.model, mesh)

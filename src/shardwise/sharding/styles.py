@@ -28,12 +28,14 @@ from shardwise.layers import (
     ColumnParallelLinear,
     HeadLayout,
     MergedColumnParallelLinear,
+    ParallelMoE,
     QKVParallelLinear,
     RowParallelLinear,
     ShardError,
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
+from shardwise.models.moe import MoE
 
 __all__ = [
     "Style",
@@ -45,6 +47,7 @@ __all__ = [
     "MergedColwise",
     "SequenceSharded",
     "SequenceScatter",
+    "MixtureOfExperts",
     "STYLE_NAMES",
     "as_style",
 ]
@@ -274,9 +277,45 @@ class _ScatterOutput:
         return scatter_to_sequence(output, self.comm)
 
 
+@dataclass(frozen=True)
+class MixtureOfExperts(Style):
+    """A mixture-of-experts block (models.moe.MoE): the router replicated, the routed experts
+    split by their width (tensor-parallel experts) or dealt out whole (expert_parallel), the
+    shared expert by its width; one all-reduce in all (shardwise.layers.moe)."""
+
+    name: ClassVar[str] = "moe"
+    expert_parallel: bool = False
+
+    def check(self, path, module, tp):
+        _require(path, module, (MoE,), self)
+        width = module.experts.up.shape[0] // (2 * module.num_experts)
+        if self.expert_parallel:
+            if tp > module.num_experts:
+                raise ShardError(
+                    f"{path}: --expert-parallel needs tp <= num_experts={module.num_experts}, got tp={tp}; "
+                    f"valid tp sizes: 1-{module.num_experts}"
+                )
+        else:
+            _split(f"{path}.experts", "expert intermediate size", width, tp)
+        if module.shared is not None:
+            _split(f"{path}.shared", "shared expert intermediate size", module.shared.down.in_features, tp)
+
+    def apply(self, module, comm):
+        return ParallelMoE(module, comm=comm, expert_parallel=self.expert_parallel)
+
+
 STYLE_NAMES: dict[str, Style] = {
     s.name: s
-    for s in (Colwise(), Rowwise(), Vocab(), Replicate(), MergedColwise(), SequenceSharded(), SequenceScatter())
+    for s in (
+        Colwise(),
+        Rowwise(),
+        Vocab(),
+        Replicate(),
+        MergedColwise(),
+        SequenceSharded(),
+        SequenceScatter(),
+        MixtureOfExperts(),
+    )
 }
 
 

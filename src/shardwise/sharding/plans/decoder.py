@@ -7,6 +7,10 @@ sequence_parallel=True (Korthikanti et al., 2022): each of those all-reduces bec
 reduce-scatter and an all-gather along the sequence; the norms, the residual stream and
 the embedding's output hold T / tp positions per rank (training only: every sequence
 length must be a multiple of tp).
+
+Mixture-of-experts layers (cfg.is_moe_layer) take the MixtureOfExperts style in place of
+the MLP's pair: tensor-parallel experts, or expert_parallel=True (whole experts dealt
+out over the tp group); either way one all-reduce, like the dense MLP.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ from __future__ import annotations
 from shardwise.layers.partition import ShardError
 from shardwise.models.config import ModelConfig
 from shardwise.sharding.plan import Plan
-from shardwise.sharding.styles import QKV, Colwise, MergedColwise, Rowwise, Vocab
+from shardwise.sharding.styles import QKV, Colwise, MergedColwise, MixtureOfExperts, Rowwise, Vocab
 
-__all__ = ["attention_plan", "mlp_plan", "layer_plan", "decoder_plan"]
+__all__ = ["attention_plan", "mlp_plan", "layer_plan", "moe_layers_plan", "decoder_plan"]
 
 
 def attention_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: bool = False) -> Plan:
@@ -51,7 +55,19 @@ def layer_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: bool = 
     return plan
 
 
-def decoder_plan(cfg: ModelConfig, *, gather_logits: bool = True, sequence_parallel: bool = False) -> Plan:
+def moe_layers_plan(cfg: ModelConfig, *, expert_parallel: bool = False) -> Plan:
+    """Every layer of a model with mixture-of-experts layers: attention by heads, each MoE
+    block by MixtureOfExperts, each dense MLP (Qwen2-MoE's mlp_only_layers) as mlp_plan."""
+    plan = dict(attention_plan(cfg, "layers.*.attn."))
+    moe = MixtureOfExperts(expert_parallel=expert_parallel)
+    for i in range(cfg.num_layers):
+        plan |= {f"layers.{i}.mlp": moe} if cfg.is_moe_layer(i) else mlp_plan(cfg, f"layers.{i}.mlp.")
+    return plan
+
+
+def decoder_plan(
+    cfg: ModelConfig, *, gather_logits: bool = True, sequence_parallel: bool = False, expert_parallel: bool = False
+) -> Plan:
     """Embedding and head by vocabulary; every layer as layer_plan.
 
     Norms, q/k norms and learned position embeddings stay replicated. gather_logits=False
@@ -60,7 +76,16 @@ def decoder_plan(cfg: ModelConfig, *, gather_logits: bool = True, sequence_paral
     sequence_parallel=True: the embedding ends in a reduce-scatter, learned positions are
     cut to the shard, every norm runs on the shard and the head all-gathers its input (see
     the module docstring). For training: a decode step's single position cannot be split.
+
+    expert_parallel: MoE layers hold whole experts per rank instead of every expert's slice.
     """
+    if expert_parallel and not cfg.num_experts:
+        raise ShardError(f"expert parallelism needs a mixture-of-experts model; this {cfg.family} model has no experts")
+    if cfg.num_experts:
+        if sequence_parallel:
+            raise ShardError("sequence parallelism is not supported for mixture-of-experts models")
+        layers = moe_layers_plan(cfg, expert_parallel=expert_parallel)
+        return {"embed": "vocab", **layers, "lm_head": Vocab(gather_output=gather_logits)}
     if not sequence_parallel:
         return {"embed": "vocab", **layer_plan(cfg, "layers.*."), "lm_head": Vocab(gather_output=gather_logits)}
     if cfg.family == "bert" or not cfg.causal:
