@@ -25,6 +25,7 @@ from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.meta import materialize, on_meta
 from shardwise.models.modules import Norm
+from shardwise.models.moe import MoE
 from shardwise.pipeline.stage import StageLayout, keep_stage, stage_plan
 from shardwise.sharding import parallelize
 from shardwise.sharding.plan import Plan
@@ -95,6 +96,7 @@ def build_model(
     seed: int = 0,
     stage: tuple[StageLayout, int] | None = None,
     sequence_parallel: bool = False,
+    ep: Communicator | None = None,
 ) -> nn.Module:
     """This rank's shard of a DecoderLM, in train mode.
 
@@ -103,6 +105,8 @@ def build_model(
     the same values at every tp and pp), then sliced to its tp shard.
     init_std None: parameters stay on the meta device, for a checkpoint loader to fill.
     sequence_parallel: shard by train_plan(cfg, sequence_parallel=True).
+    ep: an expert-parallel group of more than one rank: each MoE block becomes an
+    ExpertParallelMoE over tp and ep (shardwise.train.experts) instead of the plan's style.
     """
     with on_meta():
         model = DecoderLM(cfg)
@@ -112,6 +116,14 @@ def build_model(
         materialize(model, "cpu")
         init_weights(model, init_std, seed)
     plan = stage_plan(train_plan(cfg, sequence_parallel=sequence_parallel), model)
+    if ep is not None and ep.size > 1:
+        from shardwise.layers.moe_ep import ExpertParallelMoE
+        from shardwise.sharding.styles import MixtureOfExperts
+
+        plan = {k: v for k, v in plan.items() if not isinstance(v, MixtureOfExperts)}
+        for layer in model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp = ExpertParallelMoE(layer.mlp, tp=tp, ep=ep)
     return parallelize(model, plan, comm=tp).train()
 
 

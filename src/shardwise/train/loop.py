@@ -29,12 +29,13 @@ from shardwise.pipeline.stage import stage_plan
 from shardwise.sharding import enable_sequence_parallel, partial_grad_names
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import DataError, DPSampler, TokenFile, tokenize_text
-from shardwise.train.layout import all_rank_specs, build_model, full_state, train_plan
+from shardwise.train.experts import ep_groups, expert_layout, unsharded_state
+from shardwise.train.layout import all_rank_specs, build_model, train_plan
 from shardwise.train.optim import GradNorm, build_optimizer
 from shardwise.train.recompute import apply_recompute
 from shardwise.train.rng import RNGTracker
 from shardwise.train.step import StepStats, Trainer, train_step
-from shardwise.train.sync import make_grad_sync
+from shardwise.train.sync import ExpertParallelSync, make_grad_sync
 
 __all__ = ["Checkpointing", "TrainResult", "setup", "train", "token_file", "model_config", "plot_losses"]
 
@@ -89,8 +90,13 @@ def _vocab_size(cfg: TrainConfig) -> int:
 def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing | None = None) -> Trainer:
     """Mesh, data, model, optimizer, RNG; resumed from cfg.run.resume if set. Collective."""
     par = cfg.parallel
+    cfg.check_experts(model_config(cfg))  # before any collective
     mesh = ParallelDims(world_size=world.size, tp=par.tp, dp=par.dp, pp=par.pp).build(world)
     tp, dp = mesh.tp, mesh.dp
+    ep = edp = None
+    if par.ep > 1:
+        ep_g, edp_g = ep_groups(mesh.dims, par.ep)
+        ep, edp = world.split(ep_g, name="ep"), world.split(edp_g, name="edp")
     # Rank 0 tokenizes data.text (once); then every rank opens the token file, failing together.
     agree(world, lambda: token_file(cfg) if world.rank == 0 else None, catch=(DataError, OSError))
     tokens = Path(cfg.data.tokens) if cfg.data.tokens is not None else Path(cfg.run.out_dir) / "tokens.safetensors"
@@ -119,6 +125,7 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
             seed=cfg.run.seed,
             stage=stage,
             sequence_parallel=sp,
+            ep=ep,
         )
         if resuming:
             materialize(model, "cpu")  # this rank's shards only; the checkpoint fills them
@@ -138,6 +145,9 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
     )
     params = dict(model.named_parameters())
     specs = {n: per_rank for n, per_rank in all_rank_specs(model_cfg, tp.size).items() if n in params}
+    experts = expert_layout(model, ep, edp) if ep is not None else None
+    if experts is not None:  # an expert weight's tp slices within this ep rank's block of experts
+        specs |= experts.tp_specs(model_cfg, tp.size)
     # At pp > 1 a tied embedding has a copy on the first and the last stage; the first owns it
     # (counted once in the gradient norm, written once in a checkpoint).
     copies = {"embed.weight"} if stage is not None and model_cfg.tie_embeddings and mesh.pp_rank != 0 else set()
@@ -149,12 +159,15 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
         specs=specs,
         optimizer=build_optimizer(model, cfg.optim),
         sync=None,  # type: ignore[arg-type]  - set below, after resuming
-        grad_norm=GradNorm(model, specs, tp, pp=mesh.pp, skip=copies),
+        grad_norm=GradNorm(
+            model, specs, tp, pp=mesh.pp, skip=copies, ep=ep, experts=experts.names if experts else frozenset()
+        ),
         data=data,
         sampler=sampler,
         rng=RNGTracker(cfg.run.seed, tp_rank=tp.rank, dp_rank=dp.rank, pp_rank=mesh.pp_rank),
         layout=layout,
         copies=copies,
+        experts=experts,
         partial_grads=partial_grad_names(model, stage_plan(train_plan(model_cfg, sequence_parallel=sp), model))
         + head_norm_names(model, tp.size),
         extra={
@@ -168,8 +181,12 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
             raise ValueError("run.resume is set but no checkpointer was given to train()/setup()")
         checkpointer.resume(tr, cfg.run.resume)
     # A pipeline stage's forward does not go through the module, so DDP cannot wrap it: bucketed.
-    mode = par.dp_sync if stage is None else "bucketed"
-    tr.sync = make_grad_sync(model, dp, mode=mode, bucket_mb=par.bucket_mb)
+    # MoE: bucketed (an expert that gets no token would leave DDP waiting for its gradient).
+    mode = par.dp_sync if stage is None and not model_cfg.num_experts else "bucketed"
+    if experts is not None:
+        tr.sync = ExpertParallelSync(model, dp, experts.edp, experts.names, par.bucket_mb)
+    else:
+        tr.sync = make_grad_sync(model, dp, mode=mode, bucket_mb=par.bucket_mb)
     if stage is not None:
         tr.pipeline = PipelineRunner(
             model,
@@ -267,7 +284,7 @@ def train(
     if run.plot and lead and tr.history:
         result.plot = str(plot_losses(tr.history, Path(run.out_dir) / "loss.png", title=_title(tr)))
     if return_state:
-        result.state = full_state(tr.model, tr.mesh.tp, tr.specs)
+        result.state = unsharded_state(tr)
     return result
 
 
