@@ -45,3 +45,16 @@ def moe_train_case(world, cfg: TrainConfig) -> dict:
         "all_to_all": calls,
         "sync": type(tr.sync).__name__,
     }
+
+
+def moe_resume_case(world, cfg: TrainConfig, root: str) -> dict:
+    """Train to cfg.run.steps (resuming from run.resume when set), save under `root`; the
+    losses of the steps run here, the weights at the end (rank 0) and the checkpoint."""
+    from shardwise.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(root)
+    tr = setup(world, cfg, checkpointer=ckpt)
+    losses = [train_step(tr).loss for _ in range(tr.step, cfg.run.steps)]
+    path = ckpt.save(tr)
+    state = unsharded_state(tr)
+    return {"losses": losses, "state": state if world.rank == 0 else None, "checkpoint": str(path)}

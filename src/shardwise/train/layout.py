@@ -41,6 +41,7 @@ __all__ = [
     "owned_mask",
     "local_segments",
     "full_state",
+    "gather_tp",
     "plan_summary",
 ]
 
@@ -198,19 +199,22 @@ def owned_mask(specs: list[ShardSpec], rank: int) -> torch.Tensor | None:
 def full_state(model: nn.Module, tp: Communicator, specs: dict[str, list[ShardSpec]]) -> dict[str, torch.Tensor]:
     """Every parameter, unsharded, on every tp rank (collective: one all-reduce per tensor)."""
     params = dict(model.named_parameters())
-    out = {}
-    for name, per_rank in specs.items():
-        spec, local = per_rank[tp.rank], params[name].detach()
-        full = local.new_zeros(spec.global_shape)
-        if spec.dim is None:
-            if tp.rank == 0:
-                full.copy_(local)
-        else:
-            for o_start, o_len in owned_intervals(per_rank, tp.rank):
-                for l_start, g_start, length in local_segments(spec):
-                    a, b = max(g_start, o_start), min(g_start + length, o_start + o_len)
-                    if b > a:
-                        src = local.narrow(spec.dim, l_start + a - g_start, b - a)
-                        full.narrow(spec.dim, a, b - a).copy_(src)
-        out[name] = tp.all_reduce(full)
-    return out
+    return {name: gather_tp(params[name].detach(), per_rank, tp) for name, per_rank in specs.items()}
+
+
+def gather_tp(local: torch.Tensor, per_rank: list[ShardSpec], tp: Communicator) -> torch.Tensor:
+    """One tensor, unsharded, from every tp rank's `local` (its spec per_rank[rank]), on every
+    tp rank: the owned rows summed over tp (collective: one all-reduce)."""
+    spec = per_rank[tp.rank]
+    full = local.new_zeros(spec.global_shape)
+    if spec.dim is None:
+        if tp.rank == 0:
+            full.copy_(local)
+    else:
+        for o_start, o_len in owned_intervals(per_rank, tp.rank):
+            for l_start, g_start, length in local_segments(spec):
+                a, b = max(g_start, o_start), min(g_start + length, o_start + o_len)
+                if b > a:
+                    src = local.narrow(spec.dim, l_start + a - g_start, b - a)
+                    full.narrow(spec.dim, a, b - a).copy_(src)
+    return tp.all_reduce(full)
