@@ -252,6 +252,12 @@ def train(
             else "off" + (" (tp=1)" if cfg.parallel.sequence_parallel else ""),
             run.recompute,
         )
+    if tr.experts is not None:
+        log.info(
+            "experts: ep=%d (%d edp replica%s of each expert); this rank holds %s per MoE layer",
+            tr.experts.ep.size, tr.experts.edp.size, "" if tr.experts.edp.size == 1 else "s",
+            _held(tr),
+        )  # fmt: skip
     if tr.pipeline is not None:
         log.info(
             "pipeline: %s schedule, %d micro-batch%s; %s",
@@ -268,9 +274,15 @@ def train(
         bar.update(1)
         bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{tok_s:,.0f}", ms=f"{stats.seconds * 1e3:.0f}")
         if stats.step % run.log_every == 0 or stats.step == run.steps:
+            parts = (
+                ""
+                if stats.aux_loss is None
+                else (f" (ce {stats.ce_loss:.4f} + {tr.model_cfg.router_aux_loss_coef:g} x aux {stats.aux_loss:.4f})")
+            )
             log.info(
-                "step %d/%d  loss %.4f  grad norm %.3f  lr %.2e  %s tok/s  %.0f ms/step",
-                stats.step, run.steps, stats.loss, stats.grad_norm, stats.lr, f"{tok_s:,.0f}", stats.seconds * 1e3,
+                "step %d/%d  loss %.4f%s  grad norm %.3f  lr %.2e  %s tok/s  %.0f ms/step",
+                stats.step, run.steps, stats.loss, parts, stats.grad_norm, stats.lr, f"{tok_s:,.0f}",
+                stats.seconds * 1e3,
             )  # fmt: skip
         if checkpointer is not None and run.save_every and stats.step % run.save_every == 0:
             result.checkpoint, saved_at = str(checkpointer.save(tr)), tr.step
@@ -286,6 +298,14 @@ def train(
     if return_state:
         result.state = unsharded_state(tr)
     return result
+
+
+def _held(tr: Trainer) -> str:
+    """ "experts 0-2 of 5" for this rank."""
+    from shardwise.layers import expert_ranges
+
+    first, end = expert_ranges(tr.model_cfg.num_experts, tr.experts.ep.size)[tr.experts.ep.rank]
+    return f"experts {first}-{end - 1} of {tr.model_cfg.num_experts}"
 
 
 def _title(tr: Trainer) -> str:
