@@ -25,7 +25,7 @@ from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.meta import materialize, on_meta
 from shardwise.models.modules import Norm
-from shardwise.models.moe import MoE
+from shardwise.models.moe import Experts, MoE
 from shardwise.pipeline.stage import StageLayout, keep_stage, stage_plan
 from shardwise.sharding import parallelize
 from shardwise.sharding.plan import Plan
@@ -64,8 +64,8 @@ def plan_summary(cfg: ModelConfig) -> dict[str, str]:
 
 
 def init_weights(model: nn.Module, std: float, seed: int = 0) -> None:
-    """Normal(0, std) for every linear and embedding weight, zero biases, norms at their
-    identity (in place, on unsharded modules).
+    """Normal(0, std) for every linear and embedding weight and the stacked expert weights,
+    zero biases, norms at their identity (in place, on unsharded modules).
 
     Each weight draws from its own generator, seeded from (seed, its name), so a tensor's
     initial values do not depend on which other tensors this rank builds: a pipeline
@@ -79,6 +79,11 @@ def init_weights(model: nn.Module, std: float, seed: int = 0) -> None:
                 module.weight.copy_(torch.randn(module.weight.shape, generator=g) * std)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
+            elif isinstance(module, Experts):  # stacked expert weights: plain Parameters, not Linears
+                for name in ("up", "down"):
+                    weight = getattr(module, name)
+                    g = torch.Generator().manual_seed(_name_seed(seed, f"{prefix}.{name}"))
+                    weight.copy_(torch.randn(weight.shape, generator=g) * std)
             elif isinstance(module, Norm):
                 module.weight.fill_(1.0 - module.offset)
                 if module.bias is not None:
