@@ -74,7 +74,7 @@ def check_moe_training(model_cfg: ModelConfig, *, ep: int, dp: int, pp: int) -> 
     if ep > model_cfg.num_experts:
         raise ConfigError(
             f"parallel.ep={ep} exceeds num_experts={model_cfg.num_experts}: every ep rank needs at least one expert; "
-            f"valid ep: divisors of dp={dp} up to {model_cfg.num_experts}"
+            f"valid ep at dp={dp}: {', '.join(str(k) for k in range(1, model_cfg.num_experts + 1) if dp % k == 0)}"
         )
     if pp > 1:
         raise ConfigError(
