@@ -58,3 +58,56 @@ def moe_resume_case(world, cfg: TrainConfig, root: str) -> dict:
     path = ckpt.save(tr)
     state = unsharded_state(tr)
     return {"losses": losses, "state": state if world.rank == 0 else None, "checkpoint": str(path)}
+
+
+def ep_layer_case(world, tp: int, num_experts: int, shared: bool) -> dict:
+    """ExpertParallelMoE over tp x ep (ep = world / tp, each ep rank its own tokens) against
+    one MoE run on every rank's tokens: the largest differences of the outputs, the input
+    gradients, this rank's expert-weight gradients (its block's tp slice) and the router's
+    gradient (summed over ep: each rank routes its own tokens)."""
+    import copy
+
+    from shardwise.comm import ParallelDims
+    from shardwise.layers import ExpertParallelMoE
+    from shardwise.models.config import ModelConfig
+    from shardwise.models.moe import MoE
+    from shardwise.train.experts import ep_groups
+
+    dims = ParallelDims(world_size=world.size, tp=tp)
+    mesh = dims.build(world)
+    ep = world.split(ep_groups(dims, dims.dp)[0], name="ep")
+    cfg = ModelConfig.debug(
+        family="mixtral", num_experts=num_experts, experts_per_token=2, expert_size=12,
+        shared_expert_size=8 if shared else 0, shared_expert_gate=shared,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    moe = MoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    xs = [torch.randn(2, 3 + r, cfg.hidden_size, generator=g) for r in range(ep.size)]  # (B, T_r, H) per ep rank
+    ws = [torch.randn(x.shape, generator=g) for x in xs]  # a loss weight per output element
+    par = ExpertParallelMoE(copy.deepcopy(moe), tp=mesh.tp, ep=ep)
+    ref_x = [x.clone().requires_grad_() for x in xs]
+    ref_y = [moe(x) for x in ref_x]
+    sum((y * w).sum() for y, w in zip(ref_y, ws, strict=True)).backward()
+
+    r = ep.rank
+    x = xs[r].clone().requires_grad_()
+    y = par(x)
+    (y * ws[r]).sum().backward()
+
+    def local(name: str) -> torch.Tensor:
+        full = getattr(moe.experts, name).grad
+        return par.experts.specs[name].take(par.block_specs[name].take(full))
+
+    router = ep.all_reduce(par.gate.weight.grad.clone())
+    return {
+        "y": (y - ref_y[r]).abs().max().item(),
+        "x_grad": (x.grad - ref_x[r].grad).abs().max().item(),
+        "up_grad": (par.experts.up.grad - local("up")).abs().max().item(),
+        "down_grad": (par.experts.down.grad - local("down")).abs().max().item(),
+        "router_grad": (router - moe.gate.weight.grad).abs().max().item(),
+        "scale": max(p.grad.abs().max().item() for p in moe.parameters()),
+        "held": [par.experts.first, par.experts.num_local],
+    }

@@ -9,7 +9,11 @@ weights after 3 steps and every gradient of a fourth step (tests/cases/moe_train
 - on MPI (one job, world 4): ep=2 at tp=2, and ep=2 at tp=1 x dp=4 (two replicas of each
   expert: expert gradients averaged over the edp group)
 
-Checkpoints: saved at (tp=1, ep=2), resumed at (tp=2, ep=1), and the reverse, with the
+The layer alone (ExpertParallelMoE against MoE, outputs and gradients) at world sizes 1-4.
+Tensor-parallel experts (ep=1) with the load-balancing loss over dp=2.
+
+Checkpoints: saved at (tp=1, ep=2), resumed at (tp=2, ep=1), and the reverse, and saved at
+tp=1 x dp=4 with ep=2 (two replicas, one writes), resumed at tp=2 x dp=2 with ep=2, with the
 optimizer state, equal an uninterrupted run. Each step has one micro-step, so the
 load-balancing loss pools the same tokens as the single process's (see train/step.py).
 """
@@ -22,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cases.moe_train import moe_resume_case, moe_train_case
+from cases.moe_train import ep_layer_case, moe_resume_case, moe_train_case
 from shardwise.comm import LocalCommunicator
 from shardwise.launch import launch
 from train_helpers import TINY_MODEL, tiny_config, write_tiny_tokens
@@ -38,6 +42,7 @@ CASES = {
     "mixtral-uneven-ep2-tp1": (1, 2, 2, MIXTRAL | {"num_experts": 5}),
     "mixtral-ep2-tp2": (2, 2, 2, MIXTRAL),
     "qwen2moe-shared-ep2-tp2": (2, 2, 2, QWEN2_MOE),
+    "mixtral-ep1-tp2-dp2": (2, 2, 1, MIXTRAL),  # tensor-parallel experts, the aux loss over dp
 }
 MPI_CASES = {"mixtral-ep2-tp2": (2, 2, 2, MIXTRAL), "mixtral-ep2-tp1-dp4": (1, 4, 2, MIXTRAL)}
 
@@ -91,10 +96,31 @@ def _assert_matches(got: dict, ref: dict, cfg, what: str) -> None:
     for name, g in ref["grads"].items():
         err = (got["grads"][name] - g).abs().max().item()
         assert err <= GRAD_TOL * scale, f"{what} gradient {name}: error {err:.2e} (largest gradient {scale:.2e})"
+    assert got["all_to_all"]["tp"] == got["all_to_all"]["dp"] == 0
+    if cfg.parallel.ep == 1:
+        assert got["all_to_all"]["ep"] == 0 and got["sync"] == "BucketedSync"
+        return
     layers = cfg.model.num_layers
     assert got["all_to_all"]["ep"] == 6 * layers, "4 all_to_alls forward and 2 backward per MoE layer, over ep"
-    assert got["all_to_all"]["tp"] == got["all_to_all"]["dp"] == 0
     assert got["sync"] == "ExpertParallelSync"
+
+
+# world size: (tp, num_experts, shared expert); ep = world / tp
+LAYER_CASES = {1: (1, 4, False), 2: (1, 5, True), 3: (1, 5, False), 4: (2, 5, True)}
+
+
+@pytest.mark.parametrize("world_size", list(LAYER_CASES))
+def test_expert_parallel_layer_matches_moe(rank_pool, world_size):
+    """The layer alone, outputs and gradients, batch 2, every rank different tokens; uneven
+    experts at ep 2 and 3, widths split over tp at world 4."""
+    tp, E, shared = LAYER_CASES[world_size]
+    results = rank_pool.run(ep_layer_case, world_size, args=(tp, E, shared))
+    ep = world_size // tp
+    held = sorted({tuple(r["held"]) for r in results})
+    assert sum(n for _, n in held) == E and len(held) == ep, held
+    for r in results:
+        for key in ("y", "x_grad", "up_grad", "down_grad", "router_grad"):
+            assert r[key] <= 1e-5 * max(r["scale"], 1.0), (key, r)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -132,7 +158,9 @@ def test_expert_parallel_training_on_mpi(tokens, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "first,second", [((1, 2, 2), (2, 1, 1)), ((2, 1, 1), (1, 2, 2))], ids=["ep2-to-tp2", "tp2-to-ep2"]
+    "first,second",
+    [((1, 2, 2), (2, 1, 1)), ((2, 1, 1), (1, 2, 2)), ((1, 4, 2), (2, 2, 2))],
+    ids=["ep2-to-tp2", "tp2-to-ep2", "dp4-ep2-to-tp2-ep2"],
 )
 def test_checkpoint_between_tp_and_ep_resumes_exactly(rank_pool, tokens, tmp_path, first, second):
     model = MIXTRAL | {"num_experts": 5}
@@ -143,7 +171,7 @@ def test_checkpoint_between_tp_and_ep_resumes_exactly(rank_pool, tokens, tmp_pat
         return _config(tokens, tmp_path / "run", tp, dp, ep, model, steps=n).replace(run={"resume": resume})
 
     ref = moe_resume_case(LocalCommunicator(), at((1, 1, 1), steps), str(tmp_path / "ref"))
-    a = rank_pool.run(moe_resume_case, 2, args=(at(first, 2), str(tmp_path / "a")))[0]
+    a = rank_pool.run(moe_resume_case, first[0] * first[1], args=(at(first, 2), str(tmp_path / "a")))[0]
     manifest = json.loads((Path(a["checkpoint"]) / "manifest.json").read_text())
     down = manifest["tensors"]["param/layers.0.mlp.experts.down"]
     if first[2] > 1:  # experts 0-2 and 3-4: rows of whole experts (hidden rows each)
@@ -151,7 +179,8 @@ def test_checkpoint_between_tp_and_ep_resumes_exactly(rank_pool, tokens, tmp_pat
         assert manifest["layout"]["ep"] == 2 and down["dim"] == 0
         assert [(c["start"], c["length"]) for c in down["chunks"]] == [(0, 3 * H), (3 * H, 2 * H)]
         assert "ep=2" in manifest["plan"]["layers.0.mlp"]
-    b = rank_pool.run(moe_resume_case, 2, args=(at(second, steps, a["checkpoint"]), str(tmp_path / "b")))[0]
+    world = second[0] * second[1]
+    b = rank_pool.run(moe_resume_case, world, args=(at(second, steps, a["checkpoint"]), str(tmp_path / "b")))[0]
     torch.testing.assert_close(
         torch.tensor(a["losses"] + b["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=LOSS_TOL
     )
