@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.models.moe import moe_blocks
 from shardwise.train import TrainConfig, setup, train_step, unsharded_state
 from shardwise.train.step import _micro_steps
 
@@ -44,6 +45,7 @@ def moe_train_case(world, cfg: TrainConfig) -> dict:
         "grad_norm": float(tr.grad_norm.norm()),
         "all_to_all": calls,
         "sync": type(tr.sync).__name__,
+        "moe_layers": len(moe_blocks(tr.model)),
     }
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region, reduce_from_region
 from shardwise.layers.dispatch import dispatch_experts
-from shardwise.layers.moe import PartialMLP, ShardedExperts, expert_ranges, expert_specs
+from shardwise.layers.moe import ParallelMoE, PartialMLP, ShardedExperts, expert_ranges, expert_specs
 from shardwise.layers.spec import ShardSpec
 from shardwise.models.moe import MoE, route
 
@@ -70,24 +70,47 @@ class ExpertParallelMoE(MoE):
 
     def __init__(self, moe: MoE, *, tp: Communicator, ep: Communicator) -> None:
         nn.Module.__init__(self)
-        self.comm, self.ep = tp, ep
-        self.top_k, self.normalize, self.num_experts = moe.top_k, moe.normalize, moe.num_experts
-        self.gate = moe.gate  # replicated router
-        hidden = moe.gate.in_features
-        width = moe.experts.up.shape[0] // (2 * moe.num_experts)
-        self.owners = expert_ranges(moe.num_experts, ep.size)
-        first = self.owners[ep.rank][0]
+        hidden, width = moe.gate.in_features, moe.experts.up.shape[0] // (2 * moe.num_experts)
         blocks = expert_block_specs(moe.num_experts, hidden, width, ep.size, ep.rank)
         specs = ep_expert_specs(
             moe.num_experts, hidden, width, ep=ep.size, ep_rank=ep.rank, tp=tp.size, tp_rank=tp.rank
         )
+        up = _cut2(moe.experts.up, blocks["up"], specs["up"])  # (n * 2 * I_local, H)
+        down = _cut2(moe.experts.down, blocks["down"], specs["down"])  # (n * H, I_local)
+        shared = PartialMLP(moe.shared, tp.size, tp.rank) if moe.shared is not None else None
+        self._place(moe, tp, ep, blocks, specs, up, down, shared)
+
+    @classmethod
+    def from_tensor_parallel(cls, moe: ParallelMoE, *, ep: Communicator) -> ExpertParallelMoE:
+        """The same block with its tensor-parallel experts (every expert's tp slice, as a
+        Hugging Face checkpoint loads) cut down to this ep rank's experts: their local rows
+        are already the block's tp slice, in order (the shared expert is kept as it is)."""
+        if moe.expert_parallel:
+            raise ValueError("from_tensor_parallel needs tensor-parallel experts, not expert parallelism over tp")
+        tp, E = moe.comm, moe.num_experts
+        hidden, width = moe.gate.in_features, moe.experts.specs["down"].global_shape[1]
+        blocks = expert_block_specs(E, hidden, width, ep.size, ep.rank)
+        specs = ep_expert_specs(E, hidden, width, ep=ep.size, ep_rank=ep.rank, tp=tp.size, tp_rank=tp.rank)
+        first, end = expert_ranges(E, ep.size)[ep.rank]
+        up_rows, down_rows = moe.experts.up.shape[0] // E, hidden  # local rows per expert
+        up = nn.Parameter(moe.experts.up.detach()[first * up_rows : end * up_rows].clone())
+        down = nn.Parameter(moe.experts.down.detach()[first * down_rows : end * down_rows].clone())
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new._place(moe, tp, ep, blocks, specs, up, down, moe.shared)
+        return new
+
+    def _place(self, moe: MoE, tp, ep, blocks, specs, up, down, shared) -> None:
+        self.comm, self.ep = tp, ep
+        self.top_k, self.normalize, self.num_experts = moe.top_k, moe.normalize, moe.num_experts
+        self.gate = moe.gate  # replicated router
+        self.owners = expert_ranges(moe.num_experts, ep.size)
         experts = ShardedExperts.__new__(ShardedExperts)
         nn.Module.__init__(experts)
-        experts.act, experts.first, experts.specs = moe.experts.act, first, specs
-        experts.up = _cut2(moe.experts.up, blocks["up"], specs["up"])  # (n * 2 * I_local, H)
-        experts.down = _cut2(moe.experts.down, blocks["down"], specs["down"])  # (n * H, I_local)
+        experts.act, experts.first, experts.specs = moe.experts.act, self.owners[ep.rank][0], specs
+        experts.up, experts.down = up, down
         self.experts, self.block_specs = experts, blocks
-        self.shared = PartialMLP(moe.shared, tp.size, tp.rank) if moe.shared is not None else None
+        self.shared = shared
         self.shared_gate = moe.shared_gate  # replicated
         self.router_logits = None
         self.routed = None

@@ -407,11 +407,6 @@ class TrainConfig:
                 "parallel.dp_sync='ddp' is not supported for mixture-of-experts models (an expert that gets no "
                 "token leaves DDP waiting); use 'auto' or 'bucketed'"
             )
-        if par.ep > 1 and self.model.pretrained is not None:
-            raise ConfigError(
-                f"parallel.ep={par.ep} with model.pretrained is not supported yet; start from [model] sizes "
-                "or a shardwise checkpoint, or use ep = 1"
-            )
 
     def check_stages(self, num_layers: int):
         """The StageLayout of [parallel] for a model of num_layers layers; ConfigError if it cannot be built."""

@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from shardwise.comm import Communicator, ParallelDims, agree
+from shardwise.layers import ExpertParallelMoE, ParallelMoE
 from shardwise.log import get_logger
 from shardwise.models.meta import materialize
 from shardwise.pipeline import build_schedule
@@ -114,6 +115,10 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
         model_cfg = report.config
         if model.lm_head is not None:
             model.lm_head.gather_output = False  # vocab-parallel logits for the loss
+        if ep is not None:  # the experts loaded tensor-parallel, cut down to this ep rank's
+            for layer in model.layers.values() if isinstance(model.layers, dict) else model.layers:
+                if isinstance(layer.mlp, ParallelMoE):
+                    layer.mlp = ExpertParallelMoE.from_tensor_parallel(layer.mlp, ep=ep)
         if sp:
             enable_sequence_parallel(model, stage_plan(train_plan(model_cfg, sequence_parallel=True), model), comm=tp)
         model.train()
