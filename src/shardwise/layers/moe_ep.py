@@ -100,7 +100,18 @@ class ExpertParallelMoE(MoE):
         new._place(moe, tp, ep, blocks, specs, up, down, moe.shared)
         return new
 
-    def _place(self, moe: MoE, tp, ep, blocks, specs, up, down, shared) -> None:
+    def _place(
+        self,
+        moe: MoE,
+        tp: Communicator,
+        ep: Communicator,
+        blocks: dict[str, ShardSpec],
+        specs: dict[str, ShardSpec],
+        up: nn.Parameter,
+        down: nn.Parameter,
+        shared: nn.Module | None,
+    ) -> None:
+        """Set every attribute: the router and shared gate from `moe`, this rank's experts."""
         self.comm, self.ep = tp, ep
         self.top_k, self.normalize, self.num_experts = moe.top_k, moe.normalize, moe.num_experts
         self.gate = moe.gate  # replicated router
