@@ -8,6 +8,8 @@ in reverse: each of our tensors is rebuilt whole, one at a time, from its chunks
 split into the Hugging Face tensors it came from ([q; k; v] into q_proj, k_proj,
 v_proj; [gate; up] into gate_proj, up_proj). config.json is a LlamaConfig, so
 transformers' LlamaForCausalLM and `shardwise generate --model` both load the result.
+A Mixtral checkpoint (trained with [model] num_experts, at any tp x ep) is written as a
+MixtralConfig with per-expert w1/w3/w2 tensors, the names transformers saves Mixtral with.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from shardwise.checkpoint.files import SafetensorsWriter, dtype_from_name, fsync_dir, write_atomic
@@ -25,7 +28,7 @@ from shardwise.hf.families import FAMILIES
 from shardwise.layers import ShardSpec
 from shardwise.models.config import ModelConfig
 
-__all__ = ["export_hf", "llama_hf_config"]
+__all__ = ["export_hf", "llama_hf_config", "mixtral_hf_config"]
 
 _LLAMA_DEFAULTS = {
     "norm": "rms",
@@ -81,25 +84,51 @@ def llama_hf_config(cfg: ModelConfig, *, bos_token_id: int | None, eos_token_id:
     }
 
 
+def mixtral_hf_config(cfg: ModelConfig, *, bos_token_id: int | None, eos_token_id: int | None) -> dict:
+    """A transformers MixtralConfig dict for a Mixtral ModelConfig (every layer an MoE block)."""
+    if cfg.family != "mixtral" or cfg.moe_layers is not None or cfg.shared_expert_size or not cfg.norm_topk_prob:
+        raise CheckpointError(
+            f"export-hf writes Mixtral for mixture-of-experts checkpoints; this one is family {cfg.family!r} "
+            f"(shared_expert_size={cfg.shared_expert_size}, norm_topk_prob={cfg.norm_topk_prob})"
+        )
+    dense = llama_hf_config(replace(cfg, family="llama"), bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    for key in ("mlp_bias", "pretraining_tp", "head_dim"):
+        dense.pop(key)
+    return dense | {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": cfg.expert_size,
+        "head_dim": cfg.head_dim,
+        "num_local_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.experts_per_token,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "output_router_logits": False,
+        "sliding_window": None,
+    }
+
+
 def export_hf(src: str | Path, out: str | Path) -> Path:
     """Write the checkpoint at `src` as a Hugging Face directory `out` (which must not exist)."""
     reader = CheckpointReader(src)
     reader.verify()
     m = reader.manifest
     cfg = model_config(m)
-    config = llama_hf_config(cfg, bos_token_id=m.extra.get("bos_token_id"), eos_token_id=m.extra.get("eos_token_id"))
+    ids = {"bos_token_id": m.extra.get("bos_token_id"), "eos_token_id": m.extra.get("eos_token_id")}
+    family = "mixtral" if cfg.num_experts else "llama"
+    config = mixtral_hf_config(cfg, **ids) if cfg.num_experts else llama_hf_config(cfg, **ids)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty")
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    table = FAMILIES["llama"].names(cfg, "model.")  # our name -> [Src(hf name, rows)]
+    table = FAMILIES[family].names(cfg, "model.")  # our name -> [Src(hf name, rows)]
     entries, jobs = [], []
     for name, sources in table.items():
         entry = reader.entry(f"param/{name}")
         dtype = dtype_from_name(entry.dtype)
-        rows = [s.rows if s.rows is not None else entry.global_shape[0] for s in sources]
+        even = entry.global_shape[0] // len(sources)  # e.g. one expert's down rows of the stacked ones
+        rows = [s.rows if s.rows is not None else even for s in sources]
         if sum(rows) != entry.global_shape[0]:
             raise CheckpointError(f"param/{name}: {entry.global_shape[0]} rows do not split into {rows}")
         for src_, n in zip(sources, rows, strict=True):

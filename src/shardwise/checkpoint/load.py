@@ -59,7 +59,8 @@ def check_compatible(reader: CheckpointReader, model_cfg, param_names: list[str]
 def _job_layout(tr: Trainer) -> tuple[dict[str, int], dict]:
     dims = tr.mesh.dims
     layout = tr.layout or StageLayout.build(tr.model_cfg.num_layers, 1)
-    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp}, layout.to_dict()
+    ep = {"ep": tr.experts.ep.size} if tr.experts is not None else {}
+    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp} | ep, layout.to_dict()
 
 
 def same_layout(m: Manifest, tr: Trainer) -> bool:
@@ -74,14 +75,22 @@ def _read_local(tr: Trainer, source: str) -> tuple[CheckpointReader, dict, dict 
     tp, world = tr.mesh.tp, tr.mesh.world
     check_compatible(reader, tr.model_cfg, list(rank_specs(tr.model_cfg, 1, 0)))  # every stage's names
     mine = {n: per_rank[tp.rank] for n, per_rank in tr.specs.items()}  # this stage's, a tied copy included
+    # ep > 1: an expert weight is read as this ep rank's row block, then cut to its tp slice
+    blocks = {n: tr.experts.block(n) for n in tr.experts.names} if tr.experts is not None else {}
     rng_file = m.rng["files"].get(str(world.rank)) if m.rng is not None and same_layout(m, tr) else None
-    needed = {f for kind in KINDS for n, s in mine.items() for f in reader.files_for(tensor_key(kind, n), s)}
+    needed = {
+        f for kind in KINDS for n, s in mine.items() for f in reader.files_for(tensor_key(kind, n), blocks.get(n, s))
+    }
     reader.verify(needed | ({rng_file} if rng_file else set()))
     params = dict(tr.model.named_parameters())
     tensors = {}
     for kind in KINDS:
         for name, spec in mine.items():
-            tensors[tensor_key(kind, name)] = reader.read(tensor_key(kind, name), spec, params[name].dtype)
+            if name in blocks:
+                block = reader.read(tensor_key(kind, name), blocks[name], params[name].dtype)
+                tensors[tensor_key(kind, name)] = spec.take(block)
+            else:
+                tensors[tensor_key(kind, name)] = reader.read(tensor_key(kind, name), spec, params[name].dtype)
     rng = {k.split("/", 1)[1]: reader.read_key(rng_file, k) for k in m.rng["keys"]} if rng_file else None
     reader.close()
     return reader, tensors, rng

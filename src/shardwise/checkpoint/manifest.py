@@ -81,7 +81,8 @@ class Manifest:
     plan: dict[str, str]
     """The sharding plan (module pattern -> style) the chunks were cut by."""
     layout: dict[str, int]
-    """The tp, pp and dp sizes of the job that wrote it ({"tp": 2, "pp": 2, "dp": 1})."""
+    """The tp, pp and dp sizes of the job that wrote it ({"tp": 2, "pp": 2, "dp": 1}), and
+    "ep" when it ran expert parallelism (its expert tensors are row blocks by ep)."""
     tensors: dict[str, TensorEntry]
     """tensor_key(kind, parameter name) -> entry."""
     files: dict[str, dict]
@@ -171,6 +172,7 @@ class Manifest:
 def layout_text(layout: dict[str, int], sep: str = " x ") -> str:
     """ "tp=2 x pp=2 x dp=1"; pp is left out when 1 ("tp=2 x dp=1"), as a job without a pipeline reads."""
     keys = ("tp", "pp", "dp") if layout.get("pp", 1) != 1 else ("tp", "dp")
+    keys += ("ep",) if layout.get("ep", 1) != 1 else ()
     return sep.join(f"{k}={layout.get(k, 1)}" for k in keys)
 
 

@@ -11,6 +11,10 @@ at a time, never the whole model. The result is an ordinary committed checkpoint
 (manifest written last, directory renamed into place), laid out as the job of that
 layout would have saved it; a job of any size can still load it. RNG states are per
 rank and do not carry over (the loader re-seeds them from the seed and step).
+
+ep > 1 (a mixture-of-experts model): each expert weight and its moments are written as ep
+row blocks of whole experts, block j by the rank (tp 0, dp j) of each stage, as an
+expert-parallel job saves them.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class ReshardStats:
     pp_from: int = 1
     pp_to: int = 1
     dp_to: int = 1
+    ep_to: int = 1
     files: int = 0
     """Tensor files written: tp * pp (the ranks of dp replica 0)."""
     stages: str = ""
@@ -74,6 +79,25 @@ def _check_dp(dp: int) -> None:
         raise CheckpointError(f"dp must be a positive int, got {dp!r}")
 
 
+def _check_ep(cfg: ModelConfig, ep: int, dp: int, pp: int) -> None:
+    from shardwise.train.experts import check_moe_training
+    from shardwise.train.fields import ConfigError
+
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise CheckpointError(f"ep must be a positive int, got {ep!r}")
+    if dp % ep:
+        raise CheckpointError(f"ep={ep} must divide dp={dp} (an expert-parallel job of ep={ep} has dp >= ep)")
+    if ep > 1:
+        try:
+            check_moe_training(cfg, ep=ep, dp=dp, pp=pp)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+
+
+def _is_expert(name: str) -> bool:
+    return name.endswith(".experts.up") or name.endswith(".experts.down")
+
+
 def reshard_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -81,18 +105,22 @@ def reshard_checkpoint(
     tp: int,
     pp: int = 1,
     dp: int = 1,
+    ep: int = 1,
     virtual_stages: int = 1,
     pp_layers: list[int] | None = None,
     progress: bool = False,
 ) -> ReshardStats:
     """Write `src` (a checkpoint, or a directory with `latest`) at `dst`, laid out for tp x pp x dp
-    (pp_layers: layers per virtual stage; None = balanced). Every check comes before any write."""
+    (pp_layers: layers per virtual stage; None = balanced), experts over ep (dp = ep when dp is
+    smaller). Every check comes before any write."""
     reader = CheckpointReader(src)
     m = reader.manifest
     cfg = model_config(m)
     check_tp(cfg, tp)
     layout = stage_layout(cfg, pp, virtual_stages, pp_layers)
     _check_dp(dp)
+    dp = max(dp, ep) if isinstance(ep, int) and ep > 1 else dp
+    _check_ep(cfg, ep, dp, pp)
     dst = Path(dst)
     if dst.exists():
         raise CheckpointError(f"{dst} already exists; choose a new directory")
@@ -107,20 +135,38 @@ def reshard_checkpoint(
     tensors: dict[str, dict] = {}
     files, peak, written = {}, 0, 0
     bar = tqdm(desc=f"reshard to {dims.tp}x{dims.pp}x{dims.dp}", unit="chunk", disable=not progress)
+    blocks = {}  # ep > 1: an expert weight's row block on each ep rank
+    if ep > 1:
+        from shardwise.layers import expert_block_specs
+
+        per_rank = [expert_block_specs(cfg.num_experts, cfg.hidden_size, cfg.expert_size, ep, j) for j in range(ep)]
+        blocks = {p: [b[p] for b in per_rank] for p in ("up", "down")}
     for s, names in enumerate(owners):
         owned = set(names)
         mine = [(tname, e) for tname, e in m.tensors.items() if tname.split("/", 1)[1] in owned]
-        for t in range(tp):
-            file = rank_file(dims.rank_of(tp=t, pp=s, dp=0))
-            jobs = []  # (tensor name, file key, chunk spec, dtype)
-            for tname, entry in mine:
-                per_rank = specs[tname.split("/", 1)[1]]
+        jobs_by_file: dict[str, list] = {}  # file -> [(tensor name, file key, chunk spec, dtype)]
+        for tname, entry in mine:
+            name = tname.split("/", 1)[1]
+            if blocks and _is_expert(name):
+                for j, block in enumerate(blocks[name.rsplit(".", 1)[1]]):
+                    file = rank_file(dims.rank_of(tp=0, pp=s, dp=j))
+                    start, length = block.pieces[0]
+                    jobs_by_file.setdefault(file, []).append((tname, f"{tname}@{start}", block, entry.dtype))
+                    tensors.setdefault(tname, {"entry": entry, "dim": 0, "chunks": []})
+                    tensors[tname]["chunks"].append(Chunk(file, f"{tname}@{start}", start, length))
+                continue
+            per_rank = specs[name]
+            for t in range(tp):
+                file = rank_file(dims.rank_of(tp=t, pp=s, dp=0))
                 for start, length in owned_intervals(per_rank, t):
-                    jobs.append((tname, f"{tname}@{start}", _chunk_spec(per_rank[t], start, length), entry.dtype))
+                    jobs_by_file.setdefault(file, []).append(
+                        (tname, f"{tname}@{start}", _chunk_spec(per_rank[t], start, length), entry.dtype)
+                    )
                     tensors.setdefault(tname, {"entry": entry, "dim": per_rank[t].dim, "chunks": []})
                     tensors[tname]["chunks"].append(Chunk(file, f"{tname}@{start}", start, length))
+        for file, jobs in jobs_by_file.items():
             entries = [(key, dtype_from_name(dt), sp.local_shape) for _, key, sp, dt in jobs]
-            meta = {"step": m.step, "rank": dims.rank_of(tp=t, pp=s, dp=0)}
+            meta = {"step": m.step, "rank": int(file.split("-")[1].split(".")[0])}
             with SafetensorsWriter(tmp / file, entries, metadata=meta) as w:
                 for tname, key, spec, _ in jobs:
                     chunk = reader.read(tname, spec)  # only these rows are read from the source
@@ -139,7 +185,7 @@ def reshard_checkpoint(
     order = {k: i for i, k in enumerate(m.tensors)}  # the source's order
     out = replace(
         m,
-        layout={"tp": tp, "pp": pp, "dp": dp},
+        layout={"tp": tp, "pp": pp, "dp": dp} | ({"ep": ep} if ep > 1 else {}),
         pipeline=layout.to_dict(),
         tensors={
             k: TensorEntry(v["entry"].global_shape, v["entry"].dtype, v["dim"], tuple(v["chunks"]))
@@ -166,7 +212,8 @@ def reshard_checkpoint(
         pp_from=m.layout["pp"],
         pp_to=pp,
         dp_to=dp,
-        files=tp * pp,
+        ep_to=ep,
+        files=len(files) - sum(1 for n in files if not n.endswith(".safetensors")),
         stages=layout.describe(),
     )
 

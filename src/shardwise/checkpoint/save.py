@@ -36,7 +36,7 @@ from shardwise.checkpoint.reader import LATEST, MANIFEST
 from shardwise.comm import agree
 from shardwise.pipeline.stage import StageLayout
 from shardwise.train import Trainer, owned_intervals
-from shardwise.train.layout import local_segments, plan_summary
+from shardwise.train.layout import gather_tp, local_segments, plan_summary
 
 __all__ = ["save_checkpoint", "step_dir_name", "rank_file", "committed_steps"]
 
@@ -68,9 +68,10 @@ def _chunk_plan(tr: Trainer, rank_tp: int) -> list[tuple[str, str, int, int, tup
     """(tensor key, file key, global start, length, chunk shape) of every chunk tp rank `rank_tp`
     of this stage writes: the rows it owns of the parameters the stage owns (tr.copies left out)."""
     out = []
+    experts = tr.experts.names if tr.experts is not None else set()
     for kind in KINDS:
         for name, per_rank in tr.specs.items():
-            if name in tr.copies:
+            if name in tr.copies or name in experts:
                 continue
             spec = per_rank[rank_tp]
             for start, length in owned_intervals(per_rank, rank_tp):
@@ -91,12 +92,29 @@ def _local_rows(spec, local: torch.Tensor, start: int, length: int) -> torch.Ten
     raise AssertionError(f"rows [{start}, {start + length}) are not within one local piece")
 
 
-def _write_rank_file(tr: Trainer, tmp: Path) -> None:
+def expert_blocks(tr: Trainer) -> list[tuple[str, str, int, int, torch.Tensor]]:
+    """(tensor key, file key, global start, rows, block) of the expert row blocks this rank
+    writes (ep > 1): gathered over tp (collective: every rank calls it), kept on the writers."""
+    if tr.experts is None:
+        return []
+    writer = tr.experts.edp.rank == 0 and tr.mesh.tp.rank == 0
+    params, out = dict(tr.model.named_parameters()), []
+    for kind in KINDS:
+        for name in sorted(tr.experts.names):
+            block = gather_tp(_state_tensor(tr, params[name], kind), tr.specs[name], tr.mesh.tp)
+            start, rows = tr.experts.block(name).pieces[0]
+            if writer:
+                out.append((tensor_key(kind, name), f"{tensor_key(kind, name)}@{start}", start, rows, block))
+    return out
+
+
+def _write_rank_file(tr: Trainer, tmp: Path, blocks: list) -> None:
     world, tp, dp = tr.mesh.world, tr.mesh.tp, tr.mesh.dp
     params = dict(tr.model.named_parameters())
     chunks = _chunk_plan(tr, tp.rank) if dp.rank == 0 else []
     rng = tr.rng.state()
     entries = [(fkey, params[tkey.split("/", 1)[1]].dtype, shape) for tkey, fkey, _, _, shape in chunks]
+    entries += [(fkey, block.dtype, tuple(block.shape)) for _, fkey, _, _, block in blocks]
     entries += [(f"rng/{k}", torch.uint8, tuple(v.shape)) for k, v in rng.items()]
     path = tmp / rank_file(world.rank)
     with SafetensorsWriter(path, entries, metadata={"step": tr.step, "rank": world.rank}) as w:
@@ -104,6 +122,8 @@ def _write_rank_file(tr: Trainer, tmp: Path) -> None:
             kind, name = tkey.split("/", 1)
             spec = tr.specs[name][tp.rank]
             w.write(fkey, _local_rows(spec, _state_tensor(tr, params[name], kind), start, length))
+        for _, fkey, _, _, block in blocks:
+            w.write(fkey, block)
         for k, v in rng.items():
             w.write(f"rng/{k}", v)
     written = []  # what the manifest says of each chunk
@@ -113,6 +133,11 @@ def _write_rank_file(tr: Trainer, tmp: Path) -> None:
         shape, dtype = list(spec.global_shape), dtype_name(params[name].dtype)
         written.append({"tensor": tkey, "key": fkey, "start": start, "length": length, "global_shape": shape,
                         "dtype": dtype, "dim": spec.dim})  # fmt: skip
+    for tkey, fkey, start, length, block in blocks:
+        name = tkey.split("/", 1)[1]
+        shape = list(tr.experts.block(name).global_shape)
+        written.append({"tensor": tkey, "key": fkey, "start": start, "length": length, "global_shape": shape,
+                        "dtype": dtype_name(block.dtype), "dim": 0})  # fmt: skip
     names = {id(p): n for n, p in tr.model.named_parameters()}
     groups = [[names[id(p)] for p in g["params"] if names[id(p)] not in tr.copies] for g in tr.optimizer.param_groups]
     record = {
@@ -180,8 +205,8 @@ def _manifest(tr: Trainer, tmp: Path) -> Manifest:
     return Manifest(
         step=tr.step,
         model=asdict(tr.model_cfg),
-        plan=plan_summary(tr.model_cfg),
-        layout={"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
+        plan=_plan(tr),
+        layout={"tp": dims.tp, "pp": dims.pp, "dp": dims.dp} | ({"ep": tr.cfg.parallel.ep} if tr.experts else {}),
         pipeline=(tr.layout or StageLayout.build(tr.model_cfg.num_layers, 1)).to_dict(),
         tensors={
             k: TensorEntry(tuple(v["global_shape"]), v["dtype"], v["dim"], tuple(v["chunks"]))
@@ -192,6 +217,18 @@ def _manifest(tr: Trainer, tmp: Path) -> Manifest:
         rng={"seed": tr.cfg.run.seed, "files": rng_files, "keys": ["rng/default", "rng/tp"]},
         extra=extra,
     )
+
+
+def _plan(tr: Trainer) -> dict[str, str]:
+    """The plan as strings; under expert parallelism each MoE block's entry says how its
+    experts were stored and cut."""
+    plan = plan_summary(tr.model_cfg)
+    if tr.experts is not None:
+        ep = tr.experts.ep.size
+        for k, v in plan.items():
+            if v.startswith("MixtureOfExperts"):
+                plan[k] = f"moe(ep={ep}: experts stored as row blocks by ep, each expert's width split over tp)"
+    return plan
 
 
 def _commit(tr: Trainer, root: Path, tmp: Path, final: Path, keep_last: int) -> None:
@@ -240,6 +277,7 @@ def save_checkpoint(tr: Trainer, root: str | Path, *, keep_last: int = 3) -> Pat
         tmp.mkdir()
 
     agree(world, prepare, catch=catch, what="preparing the checkpoint")
-    agree(world, lambda: _write_rank_file(tr, tmp), catch=catch, what=f"writing {tmp}")
+    blocks = expert_blocks(tr)  # collective over tp, outside agree
+    agree(world, lambda: _write_rank_file(tr, tmp, blocks), catch=catch, what=f"writing {tmp}")
     agree(world, lambda: _commit(tr, root, tmp, final, keep_last) if world.rank == 0 else None, catch=catch)
     return final

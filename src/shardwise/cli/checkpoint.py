@@ -3,6 +3,7 @@
     shardwise checkpoint info CKPT                 # manifest summary and pipeline split; --verify checks every SHA-256
     shardwise checkpoint reshard SRC DST --tp M    # rewrite for tp=M, streaming chunk by chunk
     shardwise checkpoint reshard SRC DST --tp 2 --pp 2 [--pp-layers 3,1] [--dp D]   # ... for tp x pp x dp
+    shardwise checkpoint reshard SRC DST --tp 1 --ep 2   # a mixture of experts: experts in ep row blocks
     shardwise checkpoint export-hf CKPT OUT        # a Hugging Face directory (transformers, `generate`)
 
 CKPT/SRC is a checkpoint directory or a directory whose `latest` pointer names one.
@@ -34,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rs.add_argument("--tp", type=int, required=True, help="target tensor-parallel size")
     rs.add_argument("--pp", type=int, default=1, help="target pipeline stages (default 1)")
     rs.add_argument("--dp", type=int, default=1, help="target data-parallel size, recorded in the layout (default 1)")
+    rs.add_argument(
+        "--ep", type=int, default=1, help="target expert-parallel size (MoE; dp is raised to ep if smaller)"
+    )
     rs.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pp rank (default 1)")
     rs.add_argument(
         "--pp-layers", type=_int_list, default=None, help="layers per (virtual) stage, e.g. 3,1 (default balanced)"
@@ -86,6 +90,12 @@ def _info(args) -> int:
         f"model: {c['family']}, {c['num_layers']} layers, hidden {c['hidden_size']}, heads {c['num_heads']}/"
         f"{c['num_kv_heads']} kv, vocab {c['vocab_size']}: {params:,} parameters"
     )
+    if c.get("num_experts"):
+        ep = m.layout.get("ep", 1)
+        stored = (
+            f"expert tensors in row blocks of whole experts by ep={ep}" if ep > 1 else "expert tensors as tp shards"
+        )
+        print(f"experts: {c['num_experts']} per MoE layer, top-{c['experts_per_token']}; {stored}")
     per = "stage" if stages.virtual_stages == 1 else f"virtual stage ({stages.virtual_stages} per rank)"
     print(f"pipeline: pp={stages.pp}, layers per {per} {list(stages.layers)}; {stages.describe()}")
     print(f"tensors: {len(m.tensors)} (parameters and AdamW moments) in {len(m.files)} files, {data_bytes:,} bytes")
@@ -113,6 +123,7 @@ def _reshard(args) -> int:
         tp=args.tp,
         pp=args.pp,
         dp=args.dp,
+        ep=args.ep,
         virtual_stages=args.virtual_stages,
         pp_layers=args.pp_layers,
         progress=not args.json,
@@ -123,6 +134,7 @@ def _reshard(args) -> int:
         return 0
     before = f"tp={stats.tp_from}" + (f" x pp={stats.pp_from}" if stats.pp_from > 1 else "")
     after = f"tp={stats.tp_to}" + (f" x pp={stats.pp_to}" if stats.pp_to > 1 else "")
+    after += f" x dp={stats.dp_to} x ep={stats.ep_to}" if stats.ep_to > 1 else ""
     print(
         f"resharded {stats.src} ({before}) -> {stats.dst} ({after}): {stats.tensors} tensors, "
         f"{stats.bytes_written:,} bytes in {stats.files} files, {seconds:.2f} s"

@@ -4,6 +4,7 @@
     shardwise train --config configs/austen-tp2.toml --tp 4 --resume latest --steps 400
     shardwise train --config configs/tiny-pp2.toml --layout tp=2,pp=2,dp=1 --schedule gpipe --microbatches 8
     shardwise train --config configs/austen-tp2.toml --sequence-parallel --recompute selective
+    shardwise train --config configs/tiny-moe.toml --tp 2 --dp 2 --ep 2
 
 The config is read and checked, the tp size and the layer split checked against the
 model, the layout against an external launcher's ranks, and a text corpus tokenized, all
@@ -44,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=None, help="override parallel.tp")
     p.add_argument("--pp", type=int, default=None, help="override parallel.pp (pipeline stages)")
     p.add_argument("--dp", type=int, default=None, help="override parallel.dp")
+    p.add_argument("--ep", type=int, default=None, help="override parallel.ep: expert-parallel size (MoE; divides dp)")
     p.add_argument("--layout", default=None, help="tp=N,pp=N,dp=N (any subset): the layout `shardwise plan` recommends")
     p.add_argument(
         "--schedule", choices=["1f1b", "gpipe", "interleaved"], default=None, help="override parallel.schedule"
@@ -105,13 +107,20 @@ def _train_rank(world: Communicator, cfg, p2p_check: bool = False) -> dict:
         "plot": result.plot,
         "tp": cfg.parallel.tp,
         "dp": cfg.parallel.dp,
+        "ep": cfg.parallel.ep,
         "backend": world.backend,
-        "dp_sync": cfg.parallel.dp_sync if cfg.parallel.pp == 1 else "bucketed",
+        "dp_sync": cfg.parallel.dp_sync if cfg.parallel.pp == 1 and not _is_moe(cfg) else "bucketed",
         "sequence_parallel": cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
         "recompute": cfg.run.recompute,
         **pipeline_summary(cfg),
         "p2p_check": p2p_check,
     }
+
+
+def _is_moe(cfg) -> bool:
+    from shardwise.train import model_config
+
+    return bool(model_config(cfg).num_experts)
 
 
 def _train_rank_p2p_check(world: Communicator, cfg) -> dict:
@@ -201,6 +210,8 @@ def load_config(args: argparse.Namespace):
             parallel["pp_layers"] = parse_pp_layers(args.pp_layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if args.ep is not None:
+        parallel["ep"] = args.ep
     if args.timeout is not None:
         parallel["timeout_s"] = args.timeout
     if args.sequence_parallel:
@@ -264,6 +275,7 @@ def prepare(cfg) -> tuple:
 
     model_cfg = model_config(cfg)
     cfg.check_stages(model_cfg.num_layers)  # a pretrained model's layers are known only now
+    cfg.check_experts(model_cfg)
     check_tp(model_cfg, cfg.parallel.tp)
     check_world(cfg)
     backend = train_backend(cfg.parallel.backend)
@@ -342,6 +354,12 @@ def startup_line(cfg, model_cfg, tokens, backend: str) -> str:
         line += f", sequence parallel ({cfg.data.seq_len // par.tp} of {cfg.data.seq_len} positions per tp rank)"
     if cfg.run.recompute != "none":
         line += f", recompute {cfg.run.recompute}"
+    if model_cfg.num_experts:
+        line += f", {model_cfg.num_experts} experts (top-{model_cfg.experts_per_token})"
+        if par.ep > 1:
+            line += f" over ep={par.ep}"
+        if model_cfg.router_aux_loss_coef:
+            line += f", aux loss coef {model_cfg.router_aux_loss_coef:g}"
     return line + f", steps to {cfg.run.steps}, out {cfg.run.out_dir}"
 
 

@@ -1,10 +1,12 @@
 """Tensor-parallel layers: each takes this rank's slice of an unsharded module."""
 
+from shardwise.layers.dispatch import ExpertDispatch, check_owners, dispatch_experts
 from shardwise.layers.embedding import VocabParallelEmbedding, VocabParallelLMHead, VocabShard
 from shardwise.layers.fused import MergedColumnParallelLinear, QKVParallelLinear, SumReplicaGrads
 from shardwise.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardwise.layers.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from shardwise.layers.moe import ParallelMoE, expert_ranges, expert_specs
+from shardwise.layers.moe_ep import ExpertParallelMoE, ep_expert_specs, expert_block_specs
 from shardwise.layers.partition import (
     HeadLayout,
     ShardError,
@@ -31,6 +33,12 @@ __all__ = [
     "ParallelMoE",
     "expert_ranges",
     "expert_specs",
+    "dispatch_experts",
+    "ExpertDispatch",
+    "check_owners",
+    "ExpertParallelMoE",
+    "ep_expert_specs",
+    "expert_block_specs",
     "VocabParallelCrossEntropy",
     "vocab_parallel_cross_entropy",
     "SequenceParallelLinear",

@@ -10,12 +10,13 @@ from shardwise.train.config import (
     TrainConfig,
 )
 from shardwise.train.data import DataError, DPSampler, TokenFile, tokenize_text, write_token_file
+from shardwise.train.experts import ExpertLayout, router_aux_loss, unsharded_state
 from shardwise.train.layout import all_rank_specs, build_model, full_state, owned_intervals, rank_specs, train_plan
 from shardwise.train.loop import Checkpointing, TrainResult, model_config, plot_losses, setup, token_file, train
 from shardwise.train.optim import GradNorm, build_optimizer, lr_at
 from shardwise.train.rng import RNGTracker
 from shardwise.train.step import StepStats, Trainer, train_step
-from shardwise.train.sync import BucketedSync, DDPSync, GradSync, NoSync, make_grad_sync
+from shardwise.train.sync import BucketedSync, DDPSync, ExpertParallelSync, GradSync, NoSync, make_grad_sync
 
 __all__ = [
     "ConfigError",
@@ -36,6 +37,9 @@ __all__ = [
     "owned_intervals",
     "rank_specs",
     "train_plan",
+    "ExpertLayout",
+    "router_aux_loss",
+    "unsharded_state",
     "Checkpointing",
     "TrainResult",
     "model_config",
@@ -52,6 +56,7 @@ __all__ = [
     "train_step",
     "BucketedSync",
     "DDPSync",
+    "ExpertParallelSync",
     "GradSync",
     "NoSync",
     "make_grad_sync",

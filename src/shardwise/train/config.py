@@ -78,6 +78,19 @@ class ModelSection:
     """Written into exported configs; None = unset."""
     eos_token_id: int | None = None
     """Written into exported configs and used by `shardwise generate` to stop; None = unset."""
+    num_experts: int = 0
+    """Mixture of experts: routed experts in every layer's MLP (0 = a dense model). A model
+    with experts is a Mixtral (or, with shared_expert_size, a Qwen2-MoE) of these sizes."""
+    experts_per_token: int = 2
+    """Experts each token is routed to (top-k)."""
+    expert_size: int | None = None
+    """Each expert's intermediate size; None = intermediate_size."""
+    shared_expert_size: int = 0
+    """A shared expert (with a sigmoid gate) every token goes through, Qwen2-MoE; 0 = none."""
+    norm_topk_prob: bool = True
+    """Renormalize the top-k routing weights to sum to 1 (Mixtral)."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the router's load-balancing loss added to the training loss (0 = off)."""
 
     def __post_init__(self) -> None:
         _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
@@ -91,11 +104,21 @@ class ModelSection:
             raise ConfigError(
                 f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}"
             )
+        _positive(self, "expert_size")
+        if self.num_experts < 0 or self.shared_expert_size < 0 or self.router_aux_loss_coef < 0:
+            raise ConfigError(
+                f"model.num_experts={self.num_experts}, shared_expert_size={self.shared_expert_size} and "
+                f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0"
+            )
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError(
+                f"model.experts_per_token={self.experts_per_token} must be in [1, model.num_experts={self.num_experts}]"
+            )
 
     def model_config(self) -> ModelConfig:
         """The ModelConfig of a randomly initialised model (not used when `pretrained` is set)."""
         return ModelConfig(
-            family="llama",
+            **{"family": "llama", **self._moe_fields()},
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -107,6 +130,21 @@ class ModelSection:
             rope_theta=self.rope_theta,
             tie_embeddings=self.tie_embeddings,
         )
+
+    def _moe_fields(self) -> dict:
+        if not self.num_experts:
+            return {}
+        shared = self.shared_expert_size
+        return {
+            "family": "qwen2_moe" if shared else "mixtral",
+            "num_experts": self.num_experts,
+            "experts_per_token": self.experts_per_token,
+            "expert_size": self.expert_size or self.intermediate_size,
+            "shared_expert_size": shared,
+            "shared_expert_gate": bool(shared),
+            "norm_topk_prob": self.norm_topk_prob,
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+        }
 
 
 @dataclass(frozen=True)
@@ -222,11 +260,19 @@ class ParallelSection:
     boundary at pp > 1) instead of all of them; each all-reduce becomes a reduce-scatter and
     an all-gather of the same volume. Same results; less activation memory. data.seq_len
     must be a multiple of tp. No effect at tp = 1."""
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts models): each block of ep dp ranks deals the
+    experts out among its ranks (a contiguous range each, every expert's width still split
+    over tp) and exchanges routed tokens with all_to_all; expert gradients are averaged over
+    the dp / ep ranks holding the same experts. Must divide dp and be <= num_experts."""
     timeout_s: float = 120.0
     """Collective timeout, seconds."""
 
     def __post_init__(self) -> None:
-        _positive(self, "tp", "dp", "pp", "virtual_stages", "bucket_mb", "timeout_s")
+        _positive(self, "tp", "dp", "pp", "ep", "virtual_stages", "bucket_mb", "timeout_s")
+        if self.dp % self.ep:
+            valid = ", ".join(str(k) for k in range(1, self.dp + 1) if self.dp % k == 0)
+            raise ConfigError(f"parallel.ep={self.ep} must divide parallel.dp={self.dp}; valid ep: {valid}")
         if self.dp_sync not in ("auto", "ddp", "bucketed"):
             raise ConfigError(f"parallel.dp_sync must be auto, ddp or bucketed, got {self.dp_sync!r}")
         if self.pp > 1 and self.dp_sync == "ddp":
@@ -341,9 +387,25 @@ class TrainConfig:
             )
         if self.model.pretrained is None:
             self.check_stages(self.model.num_layers)
+            self.check_experts(self.model.model_config())
         if self.model.pretrained is None and self.data.seq_len > self.model.max_positions:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_positions={self.model.max_positions}"
+            )
+
+    def check_experts(self, model_cfg: ModelConfig) -> None:
+        """ConfigError (one line, before any collective) for what mixture-of-experts training
+        does not support at this layout (see shardwise.train.experts)."""
+        from shardwise.train.experts import check_moe_training
+
+        par = self.parallel
+        check_moe_training(model_cfg, ep=par.ep, dp=par.dp, pp=par.pp)
+        if model_cfg.num_experts and par.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel is not supported for mixture-of-experts models")
+        if model_cfg.num_experts and par.dp_sync == "ddp" and par.dp > 1:
+            raise ConfigError(
+                "parallel.dp_sync='ddp' is not supported for mixture-of-experts models (an expert that gets no "
+                "token leaves DDP waiting); use 'auto' or 'bucketed'"
             )
 
     def check_stages(self, num_layers: int):

@@ -25,6 +25,7 @@ from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.meta import materialize, on_meta
 from shardwise.models.modules import Norm
+from shardwise.models.moe import Experts, MoE
 from shardwise.pipeline.stage import StageLayout, keep_stage, stage_plan
 from shardwise.sharding import parallelize
 from shardwise.sharding.plan import Plan
@@ -40,6 +41,7 @@ __all__ = [
     "owned_mask",
     "local_segments",
     "full_state",
+    "gather_tp",
     "plan_summary",
 ]
 
@@ -62,8 +64,8 @@ def plan_summary(cfg: ModelConfig) -> dict[str, str]:
 
 
 def init_weights(model: nn.Module, std: float, seed: int = 0) -> None:
-    """Normal(0, std) for every linear and embedding weight, zero biases, norms at their
-    identity (in place, on unsharded modules).
+    """Normal(0, std) for every linear and embedding weight and the stacked expert weights,
+    zero biases, norms at their identity (in place, on unsharded modules).
 
     Each weight draws from its own generator, seeded from (seed, its name), so a tensor's
     initial values do not depend on which other tensors this rank builds: a pipeline
@@ -77,6 +79,11 @@ def init_weights(model: nn.Module, std: float, seed: int = 0) -> None:
                 module.weight.copy_(torch.randn(module.weight.shape, generator=g) * std)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
+            elif isinstance(module, Experts):  # stacked expert weights: plain Parameters, not Linears
+                for name in ("up", "down"):
+                    weight = getattr(module, name)
+                    g = torch.Generator().manual_seed(_name_seed(seed, f"{prefix}.{name}"))
+                    weight.copy_(torch.randn(weight.shape, generator=g) * std)
             elif isinstance(module, Norm):
                 module.weight.fill_(1.0 - module.offset)
                 if module.bias is not None:
@@ -95,6 +102,7 @@ def build_model(
     seed: int = 0,
     stage: tuple[StageLayout, int] | None = None,
     sequence_parallel: bool = False,
+    ep: Communicator | None = None,
 ) -> nn.Module:
     """This rank's shard of a DecoderLM, in train mode.
 
@@ -103,6 +111,8 @@ def build_model(
     the same values at every tp and pp), then sliced to its tp shard.
     init_std None: parameters stay on the meta device, for a checkpoint loader to fill.
     sequence_parallel: shard by train_plan(cfg, sequence_parallel=True).
+    ep: an expert-parallel group of more than one rank: each MoE block becomes an
+    ExpertParallelMoE over tp and ep (shardwise.train.experts) instead of the plan's style.
     """
     with on_meta():
         model = DecoderLM(cfg)
@@ -112,6 +122,14 @@ def build_model(
         materialize(model, "cpu")
         init_weights(model, init_std, seed)
     plan = stage_plan(train_plan(cfg, sequence_parallel=sequence_parallel), model)
+    if ep is not None and ep.size > 1:
+        from shardwise.layers.moe_ep import ExpertParallelMoE
+        from shardwise.sharding.styles import MixtureOfExperts
+
+        plan = {k: v for k, v in plan.items() if not isinstance(v, MixtureOfExperts)}
+        for layer in model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp = ExpertParallelMoE(layer.mlp, tp=tp, ep=ep)
     return parallelize(model, plan, comm=tp).train()
 
 
@@ -186,19 +204,22 @@ def owned_mask(specs: list[ShardSpec], rank: int) -> torch.Tensor | None:
 def full_state(model: nn.Module, tp: Communicator, specs: dict[str, list[ShardSpec]]) -> dict[str, torch.Tensor]:
     """Every parameter, unsharded, on every tp rank (collective: one all-reduce per tensor)."""
     params = dict(model.named_parameters())
-    out = {}
-    for name, per_rank in specs.items():
-        spec, local = per_rank[tp.rank], params[name].detach()
-        full = local.new_zeros(spec.global_shape)
-        if spec.dim is None:
-            if tp.rank == 0:
-                full.copy_(local)
-        else:
-            for o_start, o_len in owned_intervals(per_rank, tp.rank):
-                for l_start, g_start, length in local_segments(spec):
-                    a, b = max(g_start, o_start), min(g_start + length, o_start + o_len)
-                    if b > a:
-                        src = local.narrow(spec.dim, l_start + a - g_start, b - a)
-                        full.narrow(spec.dim, a, b - a).copy_(src)
-        out[name] = tp.all_reduce(full)
-    return out
+    return {name: gather_tp(params[name].detach(), per_rank, tp) for name, per_rank in specs.items()}
+
+
+def gather_tp(local: torch.Tensor, per_rank: list[ShardSpec], tp: Communicator) -> torch.Tensor:
+    """One tensor, unsharded, from every tp rank's `local` (its spec per_rank[rank]), on every
+    tp rank: the owned rows summed over tp (collective: one all-reduce)."""
+    spec = per_rank[tp.rank]
+    full = local.new_zeros(spec.global_shape)
+    if spec.dim is None:
+        if tp.rank == 0:
+            full.copy_(local)
+    else:
+        for o_start, o_len in owned_intervals(per_rank, tp.rank):
+            for l_start, g_start, length in local_segments(spec):
+                a, b = max(g_start, o_start), min(g_start + length, o_start + o_len)
+                if b > a:
+                    src = local.narrow(spec.dim, l_start + a - g_start, b - a)
+                    full.narrow(spec.dim, a, b - a).copy_(src)
+    return tp.all_reduce(full)

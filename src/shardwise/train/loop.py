@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from shardwise.comm import Communicator, ParallelDims, agree
+from shardwise.layers import ExpertParallelMoE, ParallelMoE
 from shardwise.log import get_logger
 from shardwise.models.meta import materialize
 from shardwise.pipeline import build_schedule
@@ -29,12 +30,13 @@ from shardwise.pipeline.stage import stage_plan
 from shardwise.sharding import enable_sequence_parallel, partial_grad_names
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import DataError, DPSampler, TokenFile, tokenize_text
-from shardwise.train.layout import all_rank_specs, build_model, full_state, train_plan
+from shardwise.train.experts import ep_groups, expert_layout, unsharded_state
+from shardwise.train.layout import all_rank_specs, build_model, train_plan
 from shardwise.train.optim import GradNorm, build_optimizer
 from shardwise.train.recompute import apply_recompute
 from shardwise.train.rng import RNGTracker
 from shardwise.train.step import StepStats, Trainer, train_step
-from shardwise.train.sync import make_grad_sync
+from shardwise.train.sync import ExpertParallelSync, make_grad_sync
 
 __all__ = ["Checkpointing", "TrainResult", "setup", "train", "token_file", "model_config", "plot_losses"]
 
@@ -89,8 +91,13 @@ def _vocab_size(cfg: TrainConfig) -> int:
 def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing | None = None) -> Trainer:
     """Mesh, data, model, optimizer, RNG; resumed from cfg.run.resume if set. Collective."""
     par = cfg.parallel
+    cfg.check_experts(model_config(cfg))  # before any collective
     mesh = ParallelDims(world_size=world.size, tp=par.tp, dp=par.dp, pp=par.pp).build(world)
     tp, dp = mesh.tp, mesh.dp
+    ep = edp = None
+    if par.ep > 1:
+        ep_g, edp_g = ep_groups(mesh.dims, par.ep)
+        ep, edp = world.split(ep_g, name="ep"), world.split(edp_g, name="edp")
     # Rank 0 tokenizes data.text (once); then every rank opens the token file, failing together.
     agree(world, lambda: token_file(cfg) if world.rank == 0 else None, catch=(DataError, OSError))
     tokens = Path(cfg.data.tokens) if cfg.data.tokens is not None else Path(cfg.run.out_dir) / "tokens.safetensors"
@@ -108,6 +115,10 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
         model_cfg = report.config
         if model.lm_head is not None:
             model.lm_head.gather_output = False  # vocab-parallel logits for the loss
+        if ep is not None:  # the experts loaded tensor-parallel, cut down to this ep rank's
+            for layer in model.layers.values() if isinstance(model.layers, dict) else model.layers:
+                if isinstance(layer.mlp, ParallelMoE):
+                    layer.mlp = ExpertParallelMoE.from_tensor_parallel(layer.mlp, ep=ep)
         if sp:
             enable_sequence_parallel(model, stage_plan(train_plan(model_cfg, sequence_parallel=True), model), comm=tp)
         model.train()
@@ -119,6 +130,7 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
             seed=cfg.run.seed,
             stage=stage,
             sequence_parallel=sp,
+            ep=ep,
         )
         if resuming:
             materialize(model, "cpu")  # this rank's shards only; the checkpoint fills them
@@ -138,6 +150,9 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
     )
     params = dict(model.named_parameters())
     specs = {n: per_rank for n, per_rank in all_rank_specs(model_cfg, tp.size).items() if n in params}
+    experts = expert_layout(model, ep, edp) if ep is not None else None
+    if experts is not None:  # an expert weight's tp slices within this ep rank's block of experts
+        specs |= experts.tp_specs(model_cfg, tp.size)
     # At pp > 1 a tied embedding has a copy on the first and the last stage; the first owns it
     # (counted once in the gradient norm, written once in a checkpoint).
     copies = {"embed.weight"} if stage is not None and model_cfg.tie_embeddings and mesh.pp_rank != 0 else set()
@@ -149,12 +164,15 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
         specs=specs,
         optimizer=build_optimizer(model, cfg.optim),
         sync=None,  # type: ignore[arg-type]  - set below, after resuming
-        grad_norm=GradNorm(model, specs, tp, pp=mesh.pp, skip=copies),
+        grad_norm=GradNorm(
+            model, specs, tp, pp=mesh.pp, skip=copies, ep=ep, experts=experts.names if experts else frozenset()
+        ),
         data=data,
         sampler=sampler,
         rng=RNGTracker(cfg.run.seed, tp_rank=tp.rank, dp_rank=dp.rank, pp_rank=mesh.pp_rank),
         layout=layout,
         copies=copies,
+        experts=experts,
         partial_grads=partial_grad_names(model, stage_plan(train_plan(model_cfg, sequence_parallel=sp), model))
         + head_norm_names(model, tp.size),
         extra={
@@ -168,8 +186,12 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
             raise ValueError("run.resume is set but no checkpointer was given to train()/setup()")
         checkpointer.resume(tr, cfg.run.resume)
     # A pipeline stage's forward does not go through the module, so DDP cannot wrap it: bucketed.
-    mode = par.dp_sync if stage is None else "bucketed"
-    tr.sync = make_grad_sync(model, dp, mode=mode, bucket_mb=par.bucket_mb)
+    # MoE: bucketed (an expert that gets no token would leave DDP waiting for its gradient).
+    mode = par.dp_sync if stage is None and not model_cfg.num_experts else "bucketed"
+    if experts is not None:
+        tr.sync = ExpertParallelSync(model, dp, experts.edp, experts.names, par.bucket_mb)
+    else:
+        tr.sync = make_grad_sync(model, dp, mode=mode, bucket_mb=par.bucket_mb)
     if stage is not None:
         tr.pipeline = PipelineRunner(
             model,
@@ -235,6 +257,12 @@ def train(
             else "off" + (" (tp=1)" if cfg.parallel.sequence_parallel else ""),
             run.recompute,
         )
+    if tr.experts is not None:
+        log.info(
+            "experts: ep=%d (%d edp replica%s of each expert); this rank holds %s per MoE layer",
+            tr.experts.ep.size, tr.experts.edp.size, "" if tr.experts.edp.size == 1 else "s",
+            _held(tr),
+        )  # fmt: skip
     if tr.pipeline is not None:
         log.info(
             "pipeline: %s schedule, %d micro-batch%s; %s",
@@ -251,9 +279,15 @@ def train(
         bar.update(1)
         bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{tok_s:,.0f}", ms=f"{stats.seconds * 1e3:.0f}")
         if stats.step % run.log_every == 0 or stats.step == run.steps:
+            parts = (
+                ""
+                if stats.aux_loss is None
+                else (f" (ce {stats.ce_loss:.4f} + {tr.model_cfg.router_aux_loss_coef:g} x aux {stats.aux_loss:.4f})")
+            )
             log.info(
-                "step %d/%d  loss %.4f  grad norm %.3f  lr %.2e  %s tok/s  %.0f ms/step",
-                stats.step, run.steps, stats.loss, stats.grad_norm, stats.lr, f"{tok_s:,.0f}", stats.seconds * 1e3,
+                "step %d/%d  loss %.4f%s  grad norm %.3f  lr %.2e  %s tok/s  %.0f ms/step",
+                stats.step, run.steps, stats.loss, parts, stats.grad_norm, stats.lr, f"{tok_s:,.0f}",
+                stats.seconds * 1e3,
             )  # fmt: skip
         if checkpointer is not None and run.save_every and stats.step % run.save_every == 0:
             result.checkpoint, saved_at = str(checkpointer.save(tr)), tr.step
@@ -267,8 +301,16 @@ def train(
     if run.plot and lead and tr.history:
         result.plot = str(plot_losses(tr.history, Path(run.out_dir) / "loss.png", title=_title(tr)))
     if return_state:
-        result.state = full_state(tr.model, tr.mesh.tp, tr.specs)
+        result.state = unsharded_state(tr)
     return result
+
+
+def _held(tr: Trainer) -> str:
+    """ "experts 0-2 of 5" for this rank."""
+    from shardwise.layers import expert_ranges
+
+    first, end = expert_ranges(tr.model_cfg.num_experts, tr.experts.ep.size)[tr.experts.ep.rank]
+    return f"experts {first}-{end - 1} of {tr.model_cfg.num_experts}"
 
 
 def _title(tr: Trainer) -> str:

@@ -8,6 +8,9 @@ A row held by several ranks (a replicated norm weight, or a KV head replicated w
 tp > num_kv_heads) is counted once, by its owner (see shardwise.train.layout). The dp
 replicas hold identical, already averaged gradients, so an all-reduce over tp and one
 over pp suffice (a tied embedding's copy on the last stage is not counted), and every rank of the job gets the same norm and the same clipping factor.
+
+Under expert parallelism (ep > 1) the ranks of an ep group hold different experts: their
+experts' squares are summed over ep (each expert counted once) before the tp sum.
 """
 
 from __future__ import annotations
@@ -56,22 +59,27 @@ class GradNorm:
         *,
         pp: Communicator | None = None,
         skip: set[str] | frozenset[str] = frozenset(),
+        ep: Communicator | None = None,
+        experts: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         """specs: the parameters this rank holds. pp: the pipeline group whose stages' sums
         add up (None = one stage). skip: parameters held here as a copy another stage owns
-        (a tied embedding on the last stage): clipped, not counted."""
-        self.tp, self.pp = tp, pp
+        (a tied embedding on the last stage): clipped, not counted. ep, experts: the
+        expert-parallel group and the parameters whose squares are summed over it."""
+        self.tp, self.pp, self.ep = tp, pp, ep
         params = dict(model.named_parameters())
-        # (param, None | bool mask over rows of the split dim, split dim, counted)
-        self.items: list[tuple[nn.Parameter, torch.Tensor | None, int, bool]] = []
+        # (param, None | bool mask over rows of the split dim, split dim, counted, an ep-sharded expert)
+        self.items: list[tuple[nn.Parameter, torch.Tensor | None, int, bool, bool]] = []
         for name, per_rank in specs.items():
             spec = per_rank[tp.rank]
-            self.items.append((params[name], owned_mask(per_rank, tp.rank), spec.dim or 0, name not in skip))
+            mask = owned_mask(per_rank, tp.rank)
+            self.items.append((params[name], mask, spec.dim or 0, name not in skip, name in experts))
 
     def norm(self) -> torch.Tensor:
         """The unsharded gradient's L2 norm, as a 0-d fp32 tensor (collective over tp)."""
-        total = torch.zeros((), dtype=torch.float64)
-        for p, mask, dim, counted in self.items:
+        dense = torch.zeros((), dtype=torch.float64)
+        expert = torch.zeros((), dtype=torch.float64)
+        for p, mask, dim, counted, is_expert in self.items:
             if p.grad is None or not counted:
                 continue
             sq = p.grad.detach().double().pow(2)
@@ -82,8 +90,13 @@ class GradNorm:
                     sq = sq * mask.view(shape)
                 else:
                     sq = sq * mask.any()
-            total += sq.sum()
-        total = self.tp.all_reduce(total.view(1))
+            if is_expert:
+                expert += sq.sum()
+            else:
+                dense += sq.sum()
+        if self.ep is not None:
+            expert = self.ep.all_reduce(expert.view(1))[0]  # each ep rank's own experts
+        total = self.tp.all_reduce((dense + expert).view(1))
         if self.pp is not None:
             total = self.pp.all_reduce(total)  # every stage's layers (tied copies counted once)
         return total.sqrt().float()[0]

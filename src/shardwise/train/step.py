@@ -6,6 +6,10 @@ global-norm clipping, AdamW.
 Each micro-batch contributes its own token mean / grad_accum, and dp averages the
 ranks' gradients; every micro-batch has the same number of tokens, so this is exactly
 the mean over the global batch, whatever the layout.
+
+A mixture-of-experts model with router_aux_loss_coef > 0 adds coef * the load-balancing
+loss of each micro-step (its statistics pooled over every dp rank's micro-batch: the
+global micro-batch's, whatever the dp size) / grad_accum.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from shardwise.pipeline.stage import StageLayout
 from shardwise.sharding import sum_partial_grads
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import DPSampler, TokenFile
+from shardwise.train.experts import ExpertLayout, router_aux_loss
 from shardwise.train.optim import GradNorm, lr_at
 from shardwise.train.rng import RNGTracker
 from shardwise.train.sync import GradSync
@@ -43,6 +48,10 @@ class StepStats:
     tokens: int
     """Target tokens in the global batch."""
     seconds: float
+    ce_loss: float | None = None
+    """The cross-entropy part of `loss`, when an auxiliary loss is added (else None: loss is all of it)."""
+    aux_loss: float | None = None
+    """The router's load-balancing loss (mean over the micro-steps, before its coefficient), or None."""
 
 
 @dataclass
@@ -78,6 +87,8 @@ class Trainer:
     partial_grads: list[str] = field(default_factory=list)
     """Parameters used on this tp rank's sequence shard only (sequence parallelism: the
     norms), whose gradients are summed over tp after backward."""
+    experts: ExpertLayout | None = None
+    """Expert parallelism (ep > 1): the ep groups and where this rank's experts sit."""
 
 
 def train_step(tr: Trainer) -> StepStats:
@@ -87,40 +98,54 @@ def train_step(tr: Trainer) -> StepStats:
     for group in tr.optimizer.param_groups:
         group["lr"] = lr
     micro = tr.sampler.micro_batches(tr.step)  # m lists of sample indices
-    total = _pipeline_micro_steps(tr, micro) if tr.pipeline is not None else _micro_steps(tr, micro)
+    aux = torch.zeros(())
+    if tr.pipeline is not None:
+        total = _pipeline_micro_steps(tr, micro)
+    else:
+        total, aux = _micro_steps(tr, micro)
     tr.sync.finish()
     sum_partial_grads(tr.model, tr.partial_grads, comm=tr.mesh.tp)  # sequence parallelism's norms
-    mean_loss = dp.all_reduce(total.view(1))[0] / dp.size
+    mean_loss = dp.all_reduce(total.view(1))[0] / dp.size  # the cross-entropy
+    coef = tr.model_cfg.router_aux_loss_coef if tr.model_cfg.num_experts else 0.0
     norm = tr.grad_norm.clip_(cfg.optim.grad_clip)
     tr.optimizer.step()
     tr.optimizer.zero_grad(set_to_none=True)
     tr.step += 1
     stats = StepStats(
         step=tr.step,
-        loss=float(mean_loss),
+        loss=float(mean_loss) + coef * float(aux),
         grad_norm=norm,
         lr=lr,
         tokens=cfg.data.global_batch_size * cfg.data.seq_len,
         seconds=time.perf_counter() - start,
+        ce_loss=float(mean_loss) if coef else None,
+        aux_loss=float(aux) if coef else None,
     )
     tr.history.append((tr.step, stats.loss))
     return stats
 
 
-def _micro_steps(tr: Trainer, micro: list) -> torch.Tensor:
+def _micro_steps(tr: Trainer, micro: list) -> tuple[torch.Tensor, torch.Tensor]:
     """pp = 1: forward and backward of each micro-batch through the dp wrapper (DDP syncs
-    during the last one's backward); the sum of their scaled losses."""
+    during the last one's backward); the sum of their scaled cross-entropies, and the mean
+    of their load-balancing losses (0 when off)."""
     cfg, tp = tr.cfg, tr.mesh.tp
-    total = torch.zeros(())
+    coef = tr.model_cfg.router_aux_loss_coef if tr.model_cfg.num_experts else 0.0
+    total, aux_total = torch.zeros(()), torch.zeros(())
     for m, indices in enumerate(micro):
         x, y = tr.data.batch(indices)  # (B, L) inputs and targets
         with tr.sync.micro_step(last=m == len(micro) - 1):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.run.bf16):
                 logits = tr.sync.module(x)  # (B, L, V_pad / tp), this rank's vocabulary columns
             loss = vocab_parallel_cross_entropy(logits, y, comm=tp).mean() / len(micro)
-            loss.backward()
+            objective = loss
+            if coef:
+                aux = router_aux_loss(tr.model, tr.model_cfg, tr.mesh.dp)  # the same on every rank
+                objective = loss + coef * aux / len(micro)
+                aux_total += aux.detach() / len(micro)
+            objective.backward()
         total += loss.detach()
-    return total
+    return total, aux_total
 
 
 def _pipeline_micro_steps(tr: Trainer, micro: list) -> torch.Tensor:

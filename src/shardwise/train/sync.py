@@ -15,6 +15,10 @@ Two ways, chosen by ParallelSection.dp_sync:
   works on any Communicator (MPI included), with one collective per bucket.
 
 Both leave each rank with the dp mean of the gradients.
+
+- ExpertParallelSync (parallel.ep > 1): the dense parameters bucketed over dp; the experts'
+  gradients summed over the ranks holding the same experts only (edp) and divided by dp
+  (see shardwise.train.experts).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from torch import nn
 from shardwise.comm import CollectiveError, Communicator
 from shardwise.comm.communicator import Pending
 
-__all__ = ["GradSync", "NoSync", "DDPSync", "BucketedSync", "make_grad_sync"]
+__all__ = ["GradSync", "NoSync", "DDPSync", "BucketedSync", "ExpertParallelSync", "make_grad_sync"]
 
 
 class GradSync:
@@ -103,14 +107,27 @@ def _all_reduce_hook(sync: DDPSync, bucket):  # NOTE: DDP rejects string annotat
 
 
 class BucketedSync(GradSync):
-    """Flat-bucket all-reduce of the gradients through any Communicator."""
+    """Flat-bucket all-reduce of the gradients through any Communicator.
 
-    def __init__(self, model: nn.Module, dp: Communicator, bucket_mb: float) -> None:
+    params: the parameters to reduce (default: all of the model's); divide_by: what the sums
+    are divided by (default: dp.size, the mean)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dp: Communicator,
+        bucket_mb: float,
+        *,
+        params: list[nn.Parameter] | None = None,
+        divide_by: int | None = None,
+    ) -> None:
         self.module, self.dp = model, dp
+        self.divide_by = dp.size if divide_by is None else divide_by
         self.buckets: list[list[nn.Parameter]] = []
         limit, size, current = int(bucket_mb * 2**20), 0, []
+        params = [p for p in model.parameters() if p.requires_grad] if params is None else params
         # Reverse registration order, as DDP: roughly the order backward produces gradients.
-        for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        for p in reversed(params):
             if current and (size + p.numel() * p.element_size() > limit or p.dtype != current[0].dtype):
                 self.buckets.append(current)
                 size, current = 0, []
@@ -123,12 +140,32 @@ class BucketedSync(GradSync):
         for bucket in self.buckets:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
             flat = torch.cat([g.reshape(-1) for g in grads])  # (bucket numel,)
-            flat = self.dp.all_reduce(flat).div_(self.dp.size)
+            flat = self.dp.all_reduce(flat).div_(self.divide_by)
             for p, part in zip(bucket, flat.split([g.numel() for g in grads]), strict=True):
                 if p.grad is None:
                     p.grad = part.view_as(p).clone()
                 else:
                     p.grad.copy_(part.view_as(p))
+
+
+class ExpertParallelSync(GradSync):
+    """ep > 1: dense parameters averaged over dp, experts summed over edp and divided by dp."""
+
+    def __init__(
+        self, model: nn.Module, dp: Communicator, edp: Communicator, experts: set[str], bucket_mb: float
+    ) -> None:
+        self.module = model
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        dense = [p for n, p in named if n not in experts]
+        expert = [p for n, p in named if n in experts]
+        self.parts = [
+            BucketedSync(model, dp, bucket_mb, params=dense),
+            BucketedSync(model, edp, bucket_mb, params=expert, divide_by=dp.size),
+        ]
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish()
 
 
 def make_grad_sync(model: nn.Module, dp: Communicator, *, mode: str, bucket_mb: float) -> GradSync:
