@@ -6,11 +6,13 @@ no orphans). The server helpers are test_serve.py's."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_serve import Server, _fault_case, _until
+from test_serve import Server, _backend, _fault_case, _until
 
 from processes import run_cli_inline
 
@@ -129,9 +131,10 @@ def test_scheduler_keeps_groups_in_flight_apart():
     assert sched.next_batch(groups=2).slots.tolist() == [2, 0]
 
 
-def test_last_stage_rank_killed_mid_generation(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_last_stage_rank_killed_mid_generation(tmp_path, backend):
     # tp=1 x pp=2: rank 1 is the last stage, the one that sends the logits back to rank 0
-    s = Server(tmp_path, "--tp", "1", "--pp", "2", "--timeout", "10", "--backend", "gloo")
+    s = Server(tmp_path, "--tp", "1", "--pp", "2", "--timeout", "10", "--backend", _backend(backend))
     try:
         pids = httpx.get(f"{s.url}/health", timeout=10).json()["pids"]
         _fault_case(s, lambda: os.kill(pids[1], signal.SIGKILL))
@@ -141,10 +144,13 @@ def test_last_stage_rank_killed_mid_generation(tmp_path):
         s.stop()
 
 
-def test_middle_stage_rank_raising_mid_generation(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_middle_stage_rank_raising_mid_generation(tmp_path, backend):
     # tp=1 x pp=3: rank 1 is the middle stage; it raises at its 61st step. gloo: its peers'
-    # receives fail at once ("connection closed") and rank 0 hears it from the last stage
-    args = ("--tp", "1", "--pp", "3", "--timeout", "10", "--backend", "gloo", "--health-timeout", "1")
+    # receives fail at once ("connection closed") and rank 0 hears it from the last stage;
+    # MPI: the launcher tells them. Rank 1's own error is the one reported, however late
+    # rank 0 learns of it (the launcher waits for every live rank's report)
+    args = ("--tp", "1", "--pp", "3", "--timeout", "10", "--backend", _backend(backend), "--health-timeout", "1")
     args += ("--debug-fail-rank", "1", "--debug-fail-after", "60")
     s = Server(tmp_path, *args)
     try:
@@ -152,3 +158,33 @@ def test_middle_stage_rank_raising_mid_generation(tmp_path):
         assert "rank 1 failed: RuntimeError: injected failure on rank 1 at step 61" in s.log.read_text()
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize(
+    "backend,rank",
+    [("gloo", 1), ("gloo", 2), ("mpi", 1), ("mpi", 2)],
+    ids=["gloo-middle", "gloo-last", "mpi-middle", "mpi-last"],
+)
+def test_stopped_stage_rank_is_named_and_the_server_exits_1(tmp_path, backend, rank):
+    # tp=1 x pp=3, rank 1 (the middle stage) or 2 (the last) stopped mid-stream: rank 0 waits for
+    # the item that never comes back; the heartbeat turns /health 503 after --health-timeout,
+    # the receive times out after --timeout, and the error names the stopped rank
+    timeout = 3.0
+    args = ("--tp", "1", "--pp", "3", "--timeout", str(timeout), "--health-timeout", "1")
+    s = Server(tmp_path, *args, "--backend", _backend(backend))
+    try:
+        pids = httpx.get(f"{s.url}/health", timeout=10).json()["pids"]
+        stopped_at: list[float] = []
+
+        def stop() -> None:
+            stopped_at.append(time.monotonic())
+            os.kill(pids[rank], signal.SIGSTOP)
+
+        _fault_case(s, stop)  # error event, 503, exit 1
+        ended = time.monotonic() - stopped_at[0]
+        log = s.log.read_text()
+        assert re.search(rf"shardwise: error: rank {rank} failed: stuck: ", log), log[-3000:]
+        assert f"stopped (process {pids[rank]}, state T; " in log
+        assert ended < 4 * timeout, f"the server exited {ended:.1f} s after rank {rank} stopped"
+    finally:
+        s.stop()  # asserts that no rank process remains: the stopped one was killed
