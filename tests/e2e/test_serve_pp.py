@@ -1,7 +1,8 @@
 """`shardwise serve` across pipeline stages (tp x pp ranks): bad sizes refused in one line,
-greedy completions under continuous batching equal to tp=1 generate, a client that leaves
-frees its slot on every stage, and a killed last-stage rank ends the server (503, exit 1,
-no orphans). The server helpers are test_serve.py's."""
+greedy completions under continuous batching equal to tp=1 generate, clients that leave
+free their slots on every stage, and a rank that dies, raises or stops (SIGSTOP), in a
+middle or the last stage, on gloo and on MPI, ends the server: 503, an error that names
+it, exit 1, no orphans. The server helpers are test_serve.py's."""
 
 from __future__ import annotations
 
@@ -55,18 +56,26 @@ def test_concurrent_greedy_equals_tp1_and_disconnect_frees_slots(tmp_path, offli
         assert (health["tp"], health["pp"], len(health["pids"])) == (tp, pp, tp * pp)
         assert s.metric("shardwise_pipeline_parallel_size") == pp
         client = s.client()
-        # a client that leaves mid-stream: its slot is freed (and reused below) on every stage
-        stream = client.completions.create(
-            model="default",
-            prompt=[9, 8, 7],
-            max_tokens=200,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        next(iter(stream))
-        stream.close()
+        # as many clients as slots leave mid-stream, their steps in flight on different stages:
+        # every slot is freed (and reused below: 8 requests need all 4) on every stage
+        streams = [
+            client.completions.create(
+                model="default",
+                prompt=[9, 8, i],
+                max_tokens=200,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for i in range(4)
+        ]
+        for stream in streams:
+            next(iter(stream))
+        assert s.metric("shardwise_running_sequences") == 4
+        for stream in streams:
+            stream.close()
         assert _until(lambda: s.metric("shardwise_running_sequences") == 0)
+        assert _until(lambda: s.metric('shardwise_requests_total{outcome="cancelled"}') == 4)
         rng = random.Random(pp * 10 + tp)
         jobs = [([rng.randrange(2, 512) for _ in range(rng.randint(1, 30))], rng.randint(4, 12)) for _ in range(8)]
         steps_before = s.metric("shardwise_step_seconds_count")
