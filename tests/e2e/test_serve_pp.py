@@ -169,15 +169,31 @@ def test_middle_stage_rank_raising_mid_generation(tmp_path, backend):
         s.stop()
 
 
+def _idle_fault_case(s: Server, trigger) -> None:
+    """No request is running when `trigger()` breaks a rank: the heartbeat's bubble finds it;
+    /health answers 503 while the server is up, then it exits 1."""
+    trigger()
+    seen: list[int | None] = []
+    while None not in seen and 503 not in seen:
+        try:
+            seen.append(httpx.get(f"{s.url}/health", timeout=1).status_code)
+        except httpx.TransportError:
+            seen.append(None)
+        time.sleep(0.05)
+    assert 503 in seen, f"/health answered {seen} after the fault"
+    assert s.proc.wait(20) == 1
+
+
 @pytest.mark.parametrize(
-    "backend,rank",
-    [("gloo", 1), ("gloo", 2), ("mpi", 1), ("mpi", 2)],
-    ids=["gloo-middle", "gloo-last", "mpi-middle", "mpi-last"],
+    "backend,rank,busy",
+    [("gloo", 1, True), ("gloo", 2, False), ("mpi", 1, False), ("mpi", 2, True)],
+    ids=["gloo-middle-streaming", "gloo-last-idle", "mpi-middle-idle", "mpi-last-streaming"],
 )
-def test_stopped_stage_rank_is_named_and_the_server_exits_1(tmp_path, backend, rank):
-    # tp=1 x pp=3, rank 1 (the middle stage) or 2 (the last) stopped mid-stream: rank 0 waits for
-    # the item that never comes back; the heartbeat turns /health 503 after --health-timeout,
-    # the receive times out after --timeout, and the error names the stopped rank
+def test_stopped_stage_rank_is_named_and_the_server_exits_1(tmp_path, backend, rank, busy):
+    # tp=1 x pp=3, rank 1 (the middle stage) or 2 (the last) stopped, mid-stream or idle (only
+    # the heartbeat's bubbles run then): rank 0 waits for the item that never comes back;
+    # /health turns 503 after --health-timeout, the receive times out after --timeout, and
+    # the error names the stopped rank
     timeout = 3.0
     args = ("--tp", "1", "--pp", "3", "--timeout", str(timeout), "--health-timeout", "1")
     s = Server(tmp_path, *args, "--backend", _backend(backend))
@@ -189,10 +205,10 @@ def test_stopped_stage_rank_is_named_and_the_server_exits_1(tmp_path, backend, r
             stopped_at.append(time.monotonic())
             os.kill(pids[rank], signal.SIGSTOP)
 
-        _fault_case(s, stop)  # error event, 503, exit 1
+        (_fault_case if busy else _idle_fault_case)(s, stop)  # (error event,) 503, exit 1
         ended = time.monotonic() - stopped_at[0]
         log = s.log.read_text()
-        assert re.search(rf"shardwise: error: rank {rank} failed: stuck: ", log), log[-3000:]
+        assert re.search(rf"shardwise: error: rank {rank} failed: stuck: never arrived at \w+/pp #", log), log[-3000:]
         assert f"stopped (process {pids[rank]}, state T; " in log
         assert ended < 4 * timeout, f"the server exited {ended:.1f} s after rank {rank} stopped"
     finally:
