@@ -1,16 +1,19 @@
 """`shardwise serve` across pipeline stages (tp x pp ranks): bad sizes refused in one line,
-greedy completions under continuous batching equal to tp=1 generate, a client that leaves
-frees its slot on every stage, and a killed last-stage rank ends the server (503, exit 1,
-no orphans). The server helpers are test_serve.py's."""
+greedy completions under continuous batching equal to tp=1 generate, clients that leave
+free their slots on every stage, and a rank that dies, raises or stops (SIGSTOP), in a
+middle or the last stage, on gloo and on MPI, ends the server: 503, an error that names
+it, exit 1, no orphans. The server helpers are test_serve.py's."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_serve import Server, _fault_case, _until
+from test_serve import Server, _backend, _fault_case, _until
 
 from processes import run_cli_inline
 
@@ -53,18 +56,26 @@ def test_concurrent_greedy_equals_tp1_and_disconnect_frees_slots(tmp_path, offli
         assert (health["tp"], health["pp"], len(health["pids"])) == (tp, pp, tp * pp)
         assert s.metric("shardwise_pipeline_parallel_size") == pp
         client = s.client()
-        # a client that leaves mid-stream: its slot is freed (and reused below) on every stage
-        stream = client.completions.create(
-            model="default",
-            prompt=[9, 8, 7],
-            max_tokens=200,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        next(iter(stream))
-        stream.close()
+        # as many clients as slots leave mid-stream, their steps in flight on different stages:
+        # every slot is freed (and reused below: 8 requests need all 4) on every stage
+        streams = [
+            client.completions.create(
+                model="default",
+                prompt=[9, 8, i],
+                max_tokens=200,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for i in range(4)
+        ]
+        for stream in streams:
+            next(iter(stream))
+        assert s.metric("shardwise_running_sequences") == 4
+        for stream in streams:
+            stream.close()
         assert _until(lambda: s.metric("shardwise_running_sequences") == 0)
+        assert _until(lambda: s.metric('shardwise_requests_total{outcome="cancelled"}') == 4)
         rng = random.Random(pp * 10 + tp)
         jobs = [([rng.randrange(2, 512) for _ in range(rng.randint(1, 30))], rng.randint(4, 12)) for _ in range(8)]
         steps_before = s.metric("shardwise_step_seconds_count")
@@ -129,9 +140,10 @@ def test_scheduler_keeps_groups_in_flight_apart():
     assert sched.next_batch(groups=2).slots.tolist() == [2, 0]
 
 
-def test_last_stage_rank_killed_mid_generation(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_last_stage_rank_killed_mid_generation(tmp_path, backend):
     # tp=1 x pp=2: rank 1 is the last stage, the one that sends the logits back to rank 0
-    s = Server(tmp_path, "--tp", "1", "--pp", "2", "--timeout", "10", "--backend", "gloo")
+    s = Server(tmp_path, "--tp", "1", "--pp", "2", "--timeout", "10", "--backend", _backend(backend))
     try:
         pids = httpx.get(f"{s.url}/health", timeout=10).json()["pids"]
         _fault_case(s, lambda: os.kill(pids[1], signal.SIGKILL))
@@ -141,10 +153,13 @@ def test_last_stage_rank_killed_mid_generation(tmp_path):
         s.stop()
 
 
-def test_middle_stage_rank_raising_mid_generation(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_middle_stage_rank_raising_mid_generation(tmp_path, backend):
     # tp=1 x pp=3: rank 1 is the middle stage; it raises at its 61st step. gloo: its peers'
-    # receives fail at once ("connection closed") and rank 0 hears it from the last stage
-    args = ("--tp", "1", "--pp", "3", "--timeout", "10", "--backend", "gloo", "--health-timeout", "1")
+    # receives fail at once ("connection closed") and rank 0 hears it from the last stage;
+    # MPI: the launcher tells them. Rank 1's own error is the one reported, however late
+    # rank 0 learns of it (the launcher waits for every live rank's report)
+    args = ("--tp", "1", "--pp", "3", "--timeout", "10", "--backend", _backend(backend), "--health-timeout", "1")
     args += ("--debug-fail-rank", "1", "--debug-fail-after", "60")
     s = Server(tmp_path, *args)
     try:
@@ -152,3 +167,49 @@ def test_middle_stage_rank_raising_mid_generation(tmp_path):
         assert "rank 1 failed: RuntimeError: injected failure on rank 1 at step 61" in s.log.read_text()
     finally:
         s.stop()
+
+
+def _idle_fault_case(s: Server, trigger) -> None:
+    """No request is running when `trigger()` breaks a rank: the heartbeat's bubble finds it;
+    /health answers 503 while the server is up, then it exits 1."""
+    trigger()
+    seen: list[int | None] = []
+    while None not in seen and 503 not in seen:
+        try:
+            seen.append(httpx.get(f"{s.url}/health", timeout=1).status_code)
+        except httpx.TransportError:
+            seen.append(None)
+        time.sleep(0.05)
+    assert 503 in seen, f"/health answered {seen} after the fault"
+    assert s.proc.wait(20) == 1
+
+
+@pytest.mark.parametrize(
+    "backend,rank,busy",
+    [("gloo", 1, True), ("gloo", 2, False), ("mpi", 1, False), ("mpi", 2, True)],
+    ids=["gloo-middle-streaming", "gloo-last-idle", "mpi-middle-idle", "mpi-last-streaming"],
+)
+def test_stopped_stage_rank_is_named_and_the_server_exits_1(tmp_path, backend, rank, busy):
+    # tp=1 x pp=3, rank 1 (the middle stage) or 2 (the last) stopped, mid-stream or idle (only
+    # the heartbeat's bubbles run then): rank 0 waits for the item that never comes back;
+    # /health turns 503 after --health-timeout, the receive times out after --timeout, and
+    # the error names the stopped rank
+    timeout = 3.0
+    args = ("--tp", "1", "--pp", "3", "--timeout", str(timeout), "--health-timeout", "1")
+    s = Server(tmp_path, *args, "--backend", _backend(backend))
+    try:
+        pids = httpx.get(f"{s.url}/health", timeout=10).json()["pids"]
+        stopped_at: list[float] = []
+
+        def stop() -> None:
+            stopped_at.append(time.monotonic())
+            os.kill(pids[rank], signal.SIGSTOP)
+
+        (_fault_case if busy else _idle_fault_case)(s, stop)  # (error event,) 503, exit 1
+        ended = time.monotonic() - stopped_at[0]
+        log = s.log.read_text()
+        assert re.search(rf"shardwise: error: rank {rank} failed: stuck: never arrived at \w+/pp #", log), log[-3000:]
+        assert f"stopped (process {pids[rank]}, state T; " in log
+        assert ended < 4 * timeout, f"the server exited {ended:.1f} s after rank {rank} stopped"
+    finally:
+        s.stop()  # asserts that no rank process remains: the stopped one was killed

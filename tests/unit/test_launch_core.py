@@ -231,3 +231,34 @@ def test_a_rank_that_ends_without_a_word_fails_the_job():
     script = _Script(outcomes, [[(0, ok_report(1))]])
     with pytest.raises(RankFailedError, match="rank 1 failed: exited without reporting"):
         outcomes.collect(script, running=lambda: script.polls < 3, deadline=math.inf)
+
+
+def test_collect_waits_past_the_grace_period_for_a_live_rank_whose_report_is_the_cause(short_grace):
+    # pp > 1 serving: rank 2's receive fails first (its peer rank 1 exited); rank 1's own error,
+    # the cause, is slow to arrive (a loaded host), and rank 0 reports after it
+    outcomes = Outcomes(3, pids=[10, 11, 12])
+    first = [(2, _error("CollectiveError: recv failed", 1.0, secondary=True))]
+    cause = [(1, _error("RuntimeError: injected", 2.0))]
+    script = _Script(outcomes, [first, *[[]] * 20, cause, [(0, ok_report(None))]])  # 20 polls: > GRACE_S
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        outcomes.collect(script, running=lambda: True, deadline=math.inf, settle_s=30)
+    assert info.value.rank == 1 and info.value.summary == "RuntimeError: injected"
+    assert script.polls == 23, "it stopped as soon as every rank had reported, well before settle_s"
+    assert time.monotonic() - start < 10
+
+
+def test_collect_waits_for_no_rank_named_stuck_and_at_most_settle_s(short_grace):
+    hang = _stuck_rank_3()
+    timed_out = ("error", 2.0, "CollectiveError: timed out", "Traceback: timed out", True, (3,), hang.summary)
+    outcomes = Outcomes(4, pids=[10, 11, 12, 13])
+    script = _Script(outcomes, [[(2, timed_out), (0, ok_report(None)), (1, ok_report(None))]])
+    with pytest.raises(RankFailedError) as info:  # rank 3 never reports: it is stopped
+        outcomes.collect(script, running=lambda: True, deadline=math.inf, settle_s=math.inf)
+    assert info.value.rank == 3
+    outcomes = Outcomes(3, pids=[10, 11, 12])  # a rank that never reports nor is named: settle_s bounds the wait
+    script = _Script(outcomes, [[(0, _error("CollectiveError: recv failed", 1.0, secondary=True))]])
+    start = time.monotonic()
+    with pytest.raises(RankFailedError):
+        outcomes.collect(script, running=lambda: True, deadline=math.inf, settle_s=0.5)
+    assert 0.5 <= time.monotonic() - start < 5

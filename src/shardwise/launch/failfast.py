@@ -2,9 +2,10 @@
 
 - A rank reports once, over its pipe or socket: `ok_report(result)` or
   `error_report(exception)`, sent with `send_report` and read with `recv_report`.
-- The parent collects the reports with `Outcomes.collect`: every rank's result; or, at
-  the first failure, a grace period of GRACE_S to hear from the others, then
-  RankFailedError naming the root cause (`root_cause`): a rank that raised something
+- The parent collects the reports with `Outcomes.collect`: every rank's result; or, after
+  the first failure, every other rank's report (at least GRACE_S, at most the collective
+  timeout: each live rank fails within it; a rank a report names as stuck is not waited
+  for), then RankFailedError naming the root cause (`root_cause`): a rank that raised something
   other than a failed collective, or died, in preference to the CollectiveErrors
   ("connection closed by peer") its failure causes on the others; among those, a timeout
   that names the rank(s) it waited for (a hang: shardwise.comm.hang) comes first, and the
@@ -47,7 +48,11 @@ __all__ = [
 ]
 
 GRACE_S = 1.0
-"""After a first failure, how long to collect the other ranks' errors (one may be the cause)."""
+"""After a first failure, how long at least to collect the other ranks' errors (one may be
+the cause); longer while a rank that is not named stuck has not reported, up to `settle_s`
+(the launchers pass the collective timeout). NOTE: the cause may report last: at pp > 1 a
+server's rank 0 learns of a middle stage's error through the last stage, and needs its
+own report (after answering 503 and ending its streams) before it is killed."""
 _POLL_S = 0.2  # how long one wait for reports lasts, between deadline checks
 
 
@@ -189,6 +194,11 @@ class Outcomes:
     def settled(self, rank: int) -> bool:
         return rank in self.results or any(f.rank == rank for f in self.failures)
 
+    def awaited(self) -> list[int]:
+        """The ranks whose report may still come: not settled, and named stuck by no report."""
+        stuck = {r for f in self.failures for r in f.stuck}
+        return [r for r in range(self.world_size) if not self.settled(r) and r not in stuck]
+
     def collect(
         self,
         poll: Callable[[float], None],
@@ -197,10 +207,12 @@ class Outcomes:
         deadline: float,
         on_first_failure: Callable[[Failure], None] | None = None,
         diagnose: Callable[[], Hang | None] | None = None,
+        settle_s: float = GRACE_S,
     ) -> list[Any]:
         """Call poll(seconds) (which waits that long at most and records what arrived) while
         running(); return the results by rank, or raise RankFailedError for the root cause
-        GRACE_S after the first failure, or JobTimeoutError past the deadline.
+        once every rank the first failure left running has reported (`awaited`), but not
+        before GRACE_S nor after max(GRACE_S, settle_s); or JobTimeoutError past the deadline.
         on_first_failure(failure) is called once, e.g. to tell the survivors. diagnose()
         reads the progress board when no rank's report names a hang and no rank raised a
         real error (their collectives failed without a diagnosis, or NCCL's watchdog aborted
@@ -208,7 +220,8 @@ class Outcomes:
         first_failure_at: float | None = None
         while running():
             now = time.monotonic()
-            if first_failure_at is not None and now - first_failure_at > GRACE_S:
+            waited = now - first_failure_at if first_failure_at is not None else None
+            if waited is not None and waited > GRACE_S and (not self.awaited() or waited > settle_s):
                 break
             if now > deadline:
                 stuck = sorted(r for r in range(self.world_size) if r not in self.results)

@@ -136,6 +136,7 @@ def launch_local(
             running=lambda: bool(pending) or any(p.is_alive() for p in procs),
             deadline=deadline,
             diagnose=lambda: boards.diagnose_dir(board_dir, world_size),
+            settle_s=timeout_s,  # a live rank fails within it: its report may be the cause
         )
     finally:
         _kill_all(procs)

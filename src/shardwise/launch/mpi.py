@@ -99,7 +99,7 @@ def launch_mpi(
                 conn.send_bytes(prep)
                 conn.send_bytes(job)
             time.sleep(0.01)
-        results = _collect(proc, conns, ranks, world_size, deadline, board_dir)
+        results = _collect(proc, conns, ranks, world_size, deadline, board_dir, timeout_s)
         grace = 5.0
         return results
     finally:
@@ -117,6 +117,7 @@ def _collect(
     world_size: int,
     deadline: float,
     board_dir: str,
+    timeout_s: float,
 ) -> list[Any]:
     outcomes = Outcomes(world_size, [proc.pid, *(pid for pid, _ in ranks.values())])
     pending = dict(conns)
@@ -139,6 +140,7 @@ def _collect(
         deadline=deadline,
         on_first_failure=lambda f: _notify(pending, f),
         diagnose=lambda: boards.diagnose_dir(board_dir, world_size),
+        settle_s=timeout_s,  # the ranks told of the failure report at once, or within it
     )
 
 
