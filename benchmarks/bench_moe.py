@@ -373,8 +373,10 @@ def _plot(data: dict, png: Path) -> None:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks(list(x), ["decode b=1", "decode b=8", "prefill 512"])
         ax.set_title("random router" if case == "even" else f"skewed router (+{data['skew']} on experts 0, 1)")
+    top = max(v for c in data["ratios"].values() for n in c.values() for s in n.values() for v in s.values())
+    axes[0].set_ylim(0, 1.3 * top)  # room for the legend above the bars and ceilings
     axes[0].set_ylabel("speed-up over tp=1 (bars); ceiling (black)")
-    axes[0].legend(fontsize=8, loc="upper left")
+    axes[0].legend(fontsize=8, loc="upper left", ncol=2)
     fig.suptitle("Mixtral-shaped MoE (fp32), tp=2 on one CPU host, 1 thread per rank (higher is better)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
