@@ -231,11 +231,13 @@ def _hf_rank(world, path: str, repeats: int) -> dict:
 # ---- the run ------------------------------------------------------------------------------
 def _measure(path: Path, rounds: int, repeats: int, skew: float) -> dict:
     from shardwise.launch import launch
+    from shardwise.launch.env import resolve_backend
 
+    backend = resolve_backend("auto")  # what the commands use: MPI when mpi4py is installed
     jobs = {
         ROWS[0]: lambda: launch(_rank, 1, args=(str(path), False, repeats, skew)),
-        ROWS[1]: lambda: launch(_rank, 2, args=(str(path), False, repeats, skew), timeout_s=600),
-        ROWS[2]: lambda: launch(_rank, 2, args=(str(path), True, repeats, skew), timeout_s=600),
+        ROWS[1]: lambda: launch(_rank, 2, args=(str(path), False, repeats, skew), backend=backend, timeout_s=600),
+        ROWS[2]: lambda: launch(_rank, 2, args=(str(path), True, repeats, skew), backend=backend, timeout_s=600),
         ROWS[3]: lambda: launch(_hf_rank, 1, args=(str(path), repeats)),
     }
     runs: dict[str, list] = {n: [] for n in ROWS}
@@ -245,7 +247,7 @@ def _measure(path: Path, rounds: int, repeats: int, skew: float) -> dict:
             print(f"round {r + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
             loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
             runs[name].append(jobs[name]())
-    return {"runs": runs, "loads": loads}
+    return {"runs": runs, "loads": loads, "backend": backend}
 
 
 def _load_stats(ranks: list[dict], case: str, step: str) -> dict:
@@ -310,7 +312,8 @@ def render(data: dict) -> str:
     pc = data["params"]
     lines = [
         f"Mixtral-shaped, {pc['total'] / 1e6:.1f}M parameters ({pc['active_per_token'] / 1e6:.1f}M active per token), "
-        f"fp32, one thread per rank; medians of {data['rounds']} rounds; load average during the run "
+        f"fp32, one thread per rank, tp=2 on {data.get('backend', 'gloo')}; medians of {data['rounds']} rounds; "
+        "load average during the run "
         f"{min(data['loads']):.1f}-{max(data['loads']):.1f}.",
         "",
         "| configuration | decode ms/token b=1 | decode ms/step b=8 | b=8 tok/s | prefill 512 ms |",
@@ -407,6 +410,7 @@ def main() -> None:
         data = {
             **summarise(raw),
             "loads": raw["loads"],
+            "backend": raw["backend"],
             "params": param_counts(),
             "rounds": rounds,
             "repeats": args.repeats,

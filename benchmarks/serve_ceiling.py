@@ -3,11 +3,12 @@ every stage running at once (one process per stage, as the server runs them), ag
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_ceiling.py --pp 2 --clients 16
 
-With C clients, tp=1 decodes all C sequences in each step, while pp stages keep pp steps in
-flight, so each step holds C / pp sequences. A step of stage s reads stage s's weights; the
-pipeline delivers C / pp tokens per (slowest stage's step). The ceiling is
+With C clients, tp=1 decodes all C sequences in each step, while pp stages keep up to pp
+steps in flight: the sequences form g = min(pp, C) groups of C / g, and a sequence's next
+token comes after its group's pass through every stage, or after g of the slowest stage's
+steps, whichever is longer (the planner's model). The ceiling is
 
-    (C / pp) / max_s t_s(C / pp)   against   C / t_tp1(C)
+    C / max(sum_s t_s(C / g), g * max_s t_s(C / g))   against   C / t_tp1(C)
 
 with no scheduling, sampling, HTTP or messages: what the serving run's ratio is measured
 against. On a CPU whose cores share one memory bus, and where a batch of C / pp rows
@@ -77,11 +78,13 @@ def stage_times(path: Path, pp: int, batch: int, steps: int = 24) -> list[float]
 def ceiling(path: Path, pp: int, clients: int, rounds: int = 3) -> dict:
     """tokens/s of tp=1 and of tp=1 x pp without serving overheads, and their ratio
     (medians over `rounds` interleaved measurements)."""
-    per = max(1, clients // pp)
+    groups = min(pp, clients)
+    per = -(-clients // groups)
     tp1, staged = [], []
     for _ in range(rounds):
         tp1.append(clients / stage_times(path, 1, clients)[0])
-        staged.append(per / max(stage_times(path, pp, per)))
+        st = stage_times(path, pp, per)
+        staged.append(clients / max(sum(st), groups * max(st)))
     a, b = statistics.median(tp1), statistics.median(staged)
     return {"tp1_tokens_per_s": a, "pp_tokens_per_s": b, "ratio": b / a, "rows_per_step": per}
 
