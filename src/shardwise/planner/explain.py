@@ -142,7 +142,8 @@ def _speedups(rec, pick) -> list[tuple[int, float, object]]:
     r = rec.recommended
     out = []
     for c in rec.candidates:
-        if c.fits and c.layout.pp == 1 and c.layout.tp > r.layout.tp and not c.cross_node_tp:
+        same = c.layout.ep == r.layout.ep or c.layout.tp == 1
+        if c.fits and c.layout.pp == 1 and c.layout.tp > r.layout.tp and not c.cross_node_tp and same:
             out.append((c.layout.tp, pick(r) / pick(c), c))
     return sorted(out, key=lambda x: x[0])
 

@@ -17,16 +17,26 @@ from shardwise.layers.partition import padded_size
 from shardwise.models.config import ModelConfig
 from shardwise.pipeline.stage import inference_layout
 from shardwise.planner.cost import (
+    EXPERT_LAUNCHES,
     Collective,
+    all_to_all_s,
     attention_core_flops_per_token,
+    ep_all_to_alls,
+    experts_computed,
     head_flops_per_token,
-    layer_flops_per_token,
+    layers_flops_per_token,
     p2p_bytes_per_message,
     tp_backward_collectives,
     tp_forward_collectives,
     training_flops_per_token,
 )
-from shardwise.planner.footprint import kv_bytes_per_token, optimizer_bytes_per_param, stage_params, streamed_params
+from shardwise.planner.footprint import (
+    expert_params,
+    kv_bytes_per_token,
+    optimizer_bytes_per_param,
+    stage_params,
+    streamed_params,
+)
 from shardwise.planner.schedule import PipelineSchedule
 from shardwise.planner.specs import Cluster, TrainingWorkload
 
@@ -47,14 +57,28 @@ class Layout:
     tp: int
     pp: int
     dp: int
+    ep: str = ""
+    """A mixture of experts' routed experts dealt out whole over this group: "tp" (inference,
+    `--expert-parallel`), "dp" (training, tokens dispatched by all_to_all); "": every expert
+    split over tp (tensor-parallel experts)."""
 
     @property
     def replica(self) -> int:
         """Devices of one model replica: tp x pp."""
         return self.tp * self.pp
 
+    @property
+    def expert_parallel(self) -> bool:
+        return self.ep == "tp"
+
+    @property
+    def ep_dp(self) -> int:
+        """The data-parallel ranks the experts are dealt over (1: none)."""
+        return self.dp if self.ep == "dp" else 1
+
     def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}"
+        t, d = ("(ep)" if self.ep == "tp" else ""), ("(ep)" if self.ep == "dp" else "")
+        return f"tp={self.tp}{t} pp={self.pp} dp={self.dp}{d}"
 
     def arg(self) -> str:
         """ "tp=2,pp=2,dp=1": what `shardwise train --layout` takes (ParallelSection.layout())."""
@@ -133,6 +157,8 @@ def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s:
         s = link.all_gather_s(each, group_size)
     elif c.op == "send":
         s = link.send_s(each)
+    elif c.op == "all_to_all":
+        s = all_to_all_s(link, each, group_size)
     else:  # all_reduce, broadcast (a tiny payload: its latency)
         s = link.all_reduce_s(each, group_size)
     s += link.extra_after_s(burst_s) if group_size > 1 else 0.0
@@ -152,17 +178,20 @@ def merge(colls: list[Collective]) -> list[Collective]:
 
 
 def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: int, *, layers: int, batch: int,
-                   tokens: int, context: float, width: int, dtype: str, busy: bool) -> tuple[float, list]:  # fmt: skip
+                   tokens: int, context: float, width: int, dtype: str, busy: bool,
+                   expert_parallel: bool = False) -> tuple[float, list]:  # fmt: skip
     """One stage's forward of `tokens` new tokens for `batch` sequences: (compute seconds,
     [(collective, group size, span of ranks)]), its sends to the next stage included."""
     dev = cluster.device
     first, last = stage == 0, stage == pp - 1
-    flops = batch * tokens * layers * layer_flops_per_token(cfg, context, tp)
+    ep = dict(expert_parallel=expert_parallel)
+    flops = batch * tokens * layers_flops_per_token(cfg, context, tp, layers, **ep)
     flops += batch * head_flops_per_token(cfg, tp) if last else 0.0  # the last position only
     kv = batch * context * kv_bytes_per_token(cfg, tp, width, layers)
-    nbytes = streamed_params(cfg, tp, pp, stage, layers=layers) * width + kv
+    nbytes = streamed_params(cfg, tp, pp, stage, layers=layers, rows=batch * tokens, **ep) * width + kv
     rate = dev.flops_at(batch * tokens, dtype, busy)  # rows through every matmul
-    t = max(flops / rate, nbytes / dev.bytes_per_s(busy)) + layers * dev.layer_overhead_us * 1e-6
+    fixed = layers + EXPERT_LAUNCHES * experts_computed(cfg, tp, layers, batch * tokens, **ep)
+    t = max(flops / rate, nbytes / dev.bytes_per_s(busy)) + fixed * dev.layer_overhead_us * 1e-6
     raw = []
     kw = dict(batch=batch, tokens=tokens, width=width, layers=layers, first=first, last=last)
     for c in tp_forward_collectives(cfg, tp, **kw):
@@ -174,7 +203,8 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
 
 
 def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int, tokens: int, context: float,
-             width: int, dtype: str, busy: bool | None = None) -> tuple[Timing, list[Collective], list[float]]:  # fmt: skip
+             width: int, dtype: str, busy: bool | None = None,
+             expert_parallel: bool = False) -> tuple[Timing, list[Collective], list[float]]:  # fmt: skip
     """One forward of `tokens` new tokens per sequence through every stage, one stage after the
     other (the runtime's inference split, pipeline.stage.inference_layout): its timing, its
     collectives, and each stage's own time (compute and collectives). busy: every device
@@ -184,7 +214,8 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
     compute, raw, per_stage = cluster.device.step_overhead_us * 1e-6, [], []
     for stage, layers in enumerate(split):
         t, r = _stage_forward(cfg, cluster, tp, pp, stage, layers=layers, batch=batch, tokens=tokens,
-                              context=context, width=width, dtype=dtype, busy=busy)  # fmt: skip
+                              context=context, width=width, dtype=dtype, busy=busy,
+                              expert_parallel=expert_parallel)  # fmt: skip
         compute += t
         raw += r
         per_stage.append((t, r))
@@ -208,7 +239,7 @@ def predict_inference(cfg: ModelConfig, cluster: Cluster, layout: Layout, *, bat
     sequence's next token comes after its group's pass through every stage, or after g of the
     slowest stage's steps, whichever is longer (every device then computes at once)."""
     tp, pp = layout.tp, layout.pp
-    kw = dict(width=width, dtype=dtype)
+    kw = dict(width=width, dtype=dtype, expert_parallel=layout.expert_parallel)
     prefill, _, _ = _forward(cfg, cluster, tp, pp, batch=batch, tokens=prompt_len, context=prompt_len, **kw)
     context = prompt_len + output_len / 2
     decode, colls, stages = _forward(cfg, cluster, tp, pp, batch=batch, tokens=1, context=context, **kw)
@@ -243,16 +274,18 @@ def _micro_batch(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: Trainin
     width, tokens = prec.weight_bytes, wl.micro_batch * wl.seq_len
     passes = 4 if wl.recompute == "full" else 3  # forward, backward = 2 forwards (+ 1 recomputed forward)
     busy = tp * pp * dp > 1  # every device of the layout works at once
-    layer_flops = tokens * layers * layer_flops_per_token(cfg, wl.seq_len, tp)
+    moe = dict(ep_dp=layout.ep_dp)
+    layer_flops = tokens * layers_flops_per_token(cfg, wl.seq_len, tp, layers, **moe)
     head_flops = tokens * head_flops_per_token(cfg, tp) if last else 0.0
     # selective recompute: each attention core's forward once more, in backward
     redo = tokens * layers * attention_core_flops_per_token(cfg, wl.seq_len, tp) if wl.recompute == "selective" else 0.0
-    streamed = streamed_params(cfg, tp, pp, stage, layers=layers) * width
+    streamed = streamed_params(cfg, tp, pp, stage, layers=layers, **moe) * width
+    launches = EXPERT_LAUNCHES * experts_computed(cfg, tp, layers, None, **moe)  # every expert held
     flops_s = dev.train_flops(prec.compute, busy)
     if dev.train_layer_overhead_us is not None:  # measured for a forward and backward: 1/3 and 2/3 of it
-        overhead = (layers * dev.train_layer_overhead_us + (dev.train_step_overhead_us or 0.0)) * 1e-6 / 3
+        overhead = ((layers + launches) * dev.train_layer_overhead_us + (dev.train_step_overhead_us or 0.0)) * 1e-6 / 3
     else:
-        overhead = (layers * dev.layer_overhead_us + dev.step_overhead_us) * 1e-6
+        overhead = ((layers + launches) * dev.layer_overhead_us + dev.step_overhead_us) * 1e-6
 
     def compute(forwards: int, heads: int, reads: int, extra: float = 0.0) -> float:
         flops = forwards * layer_flops + heads * head_flops + extra
@@ -261,7 +294,7 @@ def _micro_batch(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: Trainin
     # gradient accumulation: every micro-batch after the first adds its gradients into .grad
     # (reads both, writes the sum), a memory-bound pass over the stage's gradients
     m = wl.global_batch // (wl.micro_batch * dp)
-    grads = stage_params(cfg, tp, pp, stage, layers=layers) * prec.grad_bytes
+    grads = stage_params(cfg, tp, pp, stage, layers=layers, **moe) * prec.grad_bytes
     accumulate = 3 * grads / dev.bytes_per_s(busy) * (m - 1) / m
     fwd_c, bwd_c = compute(1, 1, 1), compute(passes - 1, 2, 2, redo) + accumulate
     kw = dict(batch=wl.micro_batch, tokens=wl.seq_len, width=width, layers=layers, last=last)
@@ -269,9 +302,10 @@ def _micro_batch(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: Trainin
     bwd = tp_backward_collectives(
         cfg, tp, recompute=wl.recompute == "full", sequence_parallel=wl.sequence_parallel, **kw
     )
-    burst = mean_burst_s(fwd_c + bwd_c, sum(c.calls for c in fwd + bwd) + round(transfers))
-    fwd_t = [_timed(c, cluster, tp, tp, burst) for c in fwd]
-    bwd_t = [_timed(c, cluster, tp, tp, burst) for c in bwd]
+    a2a_f, a2a_b = ep_all_to_alls(cfg, layout.ep_dp, tokens=tokens, width=width, layers=layers)
+    burst = mean_burst_s(fwd_c + bwd_c, sum(c.calls for c in fwd + bwd + a2a_f + a2a_b) + round(transfers))
+    fwd_t = [_timed(c, cluster, tp, tp, burst) for c in fwd] + [_timed(c, cluster, dp, tp * dp, burst) for c in a2a_f]
+    bwd_t = [_timed(c, cluster, tp, tp, burst) for c in bwd] + [_timed(c, cluster, dp, tp * dp, burst) for c in a2a_b]
     f = Timing(fwd_c, sum(c.seconds for c in fwd_t))
     b = Timing(bwd_c, sum(c.seconds for c in bwd_t))
     return f, b, fwd_t + bwd_t
@@ -323,9 +357,11 @@ def predict_training(
             tied = Collective("all_reduce", "embed", 1, padded_size(cfg.vocab_size, tp) // tp * cfg.hidden_size
                               * prec.grad_bytes)  # fmt: skip
             per_step.append(_timed(tied, cluster, 2, tp * dp * pp, f.compute_s + b.compute_s))
-    n_params = stage_params(cfg, tp, pp, stage, layers=layers)
+    n_params = stage_params(cfg, tp, pp, stage, layers=layers, ep_dp=layout.ep_dp)
+    # experts dealt over dp have one copy each: their gradients are not all-reduced over dp
+    replicated = n_params - (expert_params(cfg, tp, layers, ep_dp=dp) if layout.ep == "dp" else 0)
     if dp > 1:  # after the last micro-batch's backward: all of it is the burst before
-        grads = Collective("all_reduce", "dp", 1, n_params * prec.grad_bytes)
+        grads = Collective("all_reduce", "dp", 1, replicated * prec.grad_bytes)
         per_step.append(_timed(grads, cluster, dp, tp * dp, f.compute_s + b.compute_s))
     per_step = merge(per_step)
     state = prec.weight_bytes + prec.grad_bytes + optimizer_bytes_per_param(wl.optimizer, prec.master_bytes)

@@ -19,6 +19,12 @@ at most the number of layers (the runtime's balanced split when pp does not divi
 m = global_batch / (micro_batch x dp) micro-batches, and for pp > 1 a schedule the runtime
 accepts for that m (schedule.schedule_options: the fastest that fits, or the one asked for).
 
+A mixture of experts gets each layout twice where both placements can run (Layout.ep):
+inference with the experts split over tp (tensor-parallel experts) or dealt out whole over
+tp (`--expert-parallel`, tp <= E); training with the experts split over tp and replicated
+over dp, or dealt over all dp ranks (ep = dp <= E, tokens dispatched by all_to_all). The
+cost model picks between them like between any two layouts: by time at the same size.
+
 NOTE: shardwise runs pipelines for training only: an inference layout with pp > 1 is
 predicted and shown, labelled NOT_RUNNABLE, and ranked (rank_key) after the fitting layouts
 it can run; recommend.py says when one of them would win.
@@ -108,6 +114,8 @@ def check_inputs(cfg: ModelConfig, wl: Workload, headroom: float) -> None:
             )
     elif wl.seq_len > cfg.max_positions:
         raise PlannerError(f"seq_len={wl.seq_len} exceeds the model's context of {cfg.max_positions} tokens")
+    elif wl.sequence_parallel and cfg.num_experts:
+        raise PlannerError("sequence parallelism is not supported for mixture-of-experts models")
 
 
 def _layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, allow_cross: bool) -> tuple[list[Layout], list[str]]:
@@ -148,6 +156,20 @@ def _layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, allow_cross: bool
                     skipped.append(f"tp={tp} pp={pp} dp={dp}: {why}")
                     continue
             out.append(Layout(tp, pp, dp))
+            if cfg.num_experts and training and 1 < dp <= cfg.num_experts:
+                out.append(Layout(tp, pp, dp, ep="dp"))
+    if cfg.num_experts and not training:  # whole experts over the tp group
+        ep_tps = set(model_tp_sizes(cfg, expert_parallel=True))
+        out += [Layout(x.tp, x.pp, x.dp, ep="tp") for x in out if x.tp > 1 and x.tp in ep_tps]
+        extra = [
+            t for t in ep_tps - set(tps) if 1 < t <= cluster.devices and (allow_cross or t <= cluster.devices_per_node)
+        ]
+        out += [
+            Layout(t, p, cluster.devices // (t * p), ep="tp")
+            for t in sorted(extra)
+            for p in pps
+            if t * p <= cluster.devices
+        ]
     return out, skipped
 
 
@@ -158,11 +180,13 @@ def _candidate(cfg: ModelConfig, wl: Workload, cluster: Cluster, lay: Layout, he
         width = DTYPE_BYTES[dtype]
         budget = cluster.memory_budget_gib(lay.replica) * GIB
         kw = dict(batch=wl.batch, prompt_len=wl.prompt_len, output_len=wl.output_len, width=width)
-        mem = inference_memory(cfg, lay.tp, lay.pp, flash=wl.flash_attention, budget=budget, **kw)
+        mem = inference_memory(
+            cfg, lay.tp, lay.pp, flash=wl.flash_attention, budget=budget, expert_parallel=lay.expert_parallel, **kw
+        )
         fits = mem.fits(headroom)
         if cluster.shared_memory and fits:  # replicas share the node's memory too
             node = cluster.memory_budget_gib(1) * GIB * (1 - headroom)
-            lay = Layout(lay.tp, lay.pp, max(1, min(lay.dp, int(node // (lay.replica * mem.total)))))
+            lay = replace(lay, dp=max(1, min(lay.dp, int(node // (lay.replica * mem.total)))))
         pred = predict_inference(cfg, cluster, lay, dtype=dtype, **kw)
         meets = None if wl.target_latency_ms is None else pred.request_s * 1e3 <= wl.target_latency_ms
         why_not = NOT_RUNNABLE if lay.pp > 1 else None
@@ -185,7 +209,7 @@ def _training_candidate(
             weight_bytes=p.weight_bytes, grad_bytes=p.grad_bytes, optimizer=wl.optimizer, master_bytes=p.master_bytes,
             recompute=wl.recompute, flash=wl.flash_attention, budget=budget,
             sequence_parallel=wl.sequence_parallel and lay.tp > 1,
-            loads=sched.loads() if sched is not None else None,
+            loads=sched.loads() if sched is not None else None, ep_dp=lay.ep_dp,
         )  # fmt: skip
         c = Candidate(lay, mem, mem.fits(headroom), cross, training=predict_training(cfg, cluster, lay, wl, sched))
         if best is None or (not c.fits, c.time_s, mem.total) < (not best.fits, best.time_s, best.memory.total):
@@ -197,8 +221,8 @@ def model_key(c: Candidate) -> tuple:
     """The cost model's order, best first, whether shardwise can run the layout or not.
     An uneven tp goes first only where it is faster than every fitting even layout."""
     if c.inference is not None:
-        return (not c.fits, c.meets_target is False, c.outrun, c.layout.replica, c.time_s, c.layout.tp)
-    return (not c.fits, c.outrun, c.layout.tp, c.time_s, c.layout.pp)
+        return (not c.fits, c.meets_target is False, c.outrun, c.layout.replica, c.time_s, c.layout.tp, c.layout.ep)
+    return (not c.fits, c.outrun, c.layout.tp, c.time_s, c.layout.pp, c.layout.ep)
 
 
 def rank_key(c: Candidate) -> tuple:
@@ -214,7 +238,12 @@ def evaluate(
     check_inputs(cfg, wl, headroom)
     layouts, skipped = _layouts(cfg, wl, cluster, allow_cross_node_tp)
     cands = [_candidate(cfg, wl, cluster, lay, headroom) for lay in layouts]
-    cands = [replace(c, balance=balance(cfg, c.layout.tp)) if c.layout.tp > 1 else c for c in cands]
+    cands = [
+        replace(c, balance=balance(cfg, c.layout.tp, expert_parallel=c.layout.expert_parallel))
+        if c.layout.tp > 1
+        else c
+        for c in cands
+    ]
     even = [c.time_s for c in cands if c.fits and c.runnable and (c.balance is None or c.balance.even)]
     fastest_even = min(even, default=float("inf"))
     cands = [replace(c, outrun=True) if _uneven(c) and c.time_s >= fastest_even else c for c in cands]
