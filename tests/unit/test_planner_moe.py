@@ -66,3 +66,16 @@ def test_the_placement_flips_with_the_batch():
         picks[batch] = ranked[0].layout
     assert picks[1].tp == picks[64].tp == 2
     assert picks[1].ep == "" and picks[64].ep == "tp"
+
+
+def test_the_explanation_says_which_placement_wins_and_why():
+    from shardwise.planner import recommend
+
+    for batch, which, reads in (
+        (1, "tensor-parallel experts decode", "2.00 experts"),
+        (64, "expert parallelism decode", "4.00 whole experts"),
+    ):
+        wl = InferenceWorkload(batch=batch, prompt_len=128, output_len=32)
+        rec = recommend("mixtral-8x7b", model_preset("mixtral-8x7b"), wl, cluster_preset("dgx-h100"))
+        (line,) = [w for w in rec.explanation if w.startswith("Experts: ")]
+        assert which in line and reads in line and "faster than the other placement at 2 ranks" in line, line

@@ -83,10 +83,10 @@ def test_warns_when_tp_crosses_a_node_boundary():
     r = p.recommended
     assert r.cross_node_tp and r.layout.tp == 2
     assert any("crosses a node boundary" in w for w in p.warnings)
-    # not allowed: the cost model picks a pipeline instead, which inference cannot run yet
+    # not allowed: the cost model picks a pipeline instead, which `serve --pp` runs
     no_cross = plan("llama-3-8b", two)
-    assert no_cross.pipeline.layout.pp == 2 and no_cross.recommended is None
-    assert "without a pipeline" in no_cross.nothing_fits
+    assert no_cross.recommended.layout.pp == 2 and not no_cross.recommended.cross_node_tp
+    assert no_cross.pipeline is None and no_cross.nothing_fits is None
     assert any("would cross a node boundary" in s for s in plan("llama-3-8b", two).skipped)
 
 

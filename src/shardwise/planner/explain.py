@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardwise.planner.footprint import kv_bytes_per_token, stage_params
+from shardwise.planner.footprint import kv_bytes_per_token, stage_params, touched_experts
 from shardwise.planner.search import NOT_RUNNABLE, evaluate
 from shardwise.planner.specs import DTYPE_BYTES, GIB, InferenceWorkload, PlannerError, TrainingWorkload
 
@@ -148,6 +148,37 @@ def _speedups(rec, pick) -> list[tuple[int, float, object]]:
     return sorted(out, key=lambda x: x[0])
 
 
+def _placement(rec) -> str:
+    """Why tensor-parallel experts or expert parallelism wins at the recommended tp: the experts
+    the busiest rank reads per decode step under each, and what routing skew would do."""
+    r, cfg, wl = rec.recommended, rec.cfg, rec.workload
+    lay = r.layout
+    twins = {
+        c.layout.expert_parallel: c
+        for c in rec.candidates
+        if (c.layout.tp, c.layout.pp, c.layout.dp) == (lay.tp, lay.pp, lay.dp) and c.fits
+    }
+    if len(twins) < 2:
+        return f"Experts at {lay}: {'whole experts per rank' if lay.expert_parallel else 'every expert split over tp'}."
+    tpe, epp = twins[False], twins[True]
+    rows = wl.batch
+    touched = {ep: touched_experts(cfg, lay.tp, rows, expert_parallel=ep) for ep in (False, True)}
+    win, lose = (epp, tpe) if lay.expert_parallel else (tpe, epp)
+    ratio = lose.inference.decode.total_s / win.inference.decode.total_s
+    how = (
+        f"per MoE layer and decode step of {rows} sequence(s) the busiest rank reads slices of "
+        f"{touched[False]:.2f} experts (1/{lay.tp} of each) with tensor-parallel experts, and "
+        f"{touched[True]:.2f} whole experts with expert parallelism (uniform routing)"
+    )
+    which = "expert parallelism" if lay.expert_parallel else "tensor-parallel experts"
+    skew = (
+        "; a skewed router only makes the busiest expert-parallel rank busier (measured: benchmarks/bench_moe.py)"
+        if lay.expert_parallel
+        else "; a skewed router would widen the gap (tensor-parallel experts split every routed pair evenly)"
+    )
+    return f"Experts: {which} decode {ratio:.2f}x faster than the other placement at {lay.tp} ranks: {how}{skew}."
+
+
 def _inference(rec, why: list[str], warn: list[str]) -> None:
     r, wl, cfg = rec.recommended, rec.workload, rec.cfg
     p, lay = r.inference, r.layout
@@ -162,6 +193,8 @@ def _inference(rec, why: list[str], warn: list[str]) -> None:
         f"({1 - comm:.0%} compute, {comm:.0%} communication), {_ms(p.request_s)} per request; "
         f"{lay.dp} replica(s) of batch {wl.batch} give {p.tokens_per_s:.4g} tokens/s."
     )
+    if cfg.num_experts and lay.tp > 1:
+        why.append(_placement(rec))
     ups = _speedups(rec, lambda c: c.inference.decode.total_s)
     if ups:
         link = rec.cluster.link_for(ups[-1][0]).name

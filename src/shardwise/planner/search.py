@@ -25,9 +25,9 @@ tp (`--expert-parallel`, tp <= E); training with the experts split over tp and r
 over dp, or dealt over all dp ranks (ep = dp <= E, tokens dispatched by all_to_all). The
 cost model picks between them like between any two layouts: by time at the same size.
 
-NOTE: shardwise runs pipelines for training only: an inference layout with pp > 1 is
-predicted and shown, labelled NOT_RUNNABLE, and ranked (rank_key) after the fitting layouts
-it can run; recommend.py says when one of them would win.
+Inference layouts with pp > 1 are candidates like any other: `generate --pp` and `serve --pp`
+run them, a server keeps up to pp steps in flight (predict.predict_inference), and those
+predictions are checked against measurement (benchmarks/validate_planner.py, serving part).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ __all__ = ["Candidate", "evaluate", "compute_dtype", "model_key", "NOT_RUNNABLE"
 Workload = InferenceWorkload | TrainingWorkload
 
 NOT_RUNNABLE = "pp>1: not recommended for inference until validated"
-"""The label of an inference layout with a pipeline: `generate --pp` and `serve --pp` run it,
-but the planner's pipeline decode and serving predictions have not been checked against
-measurement yet (benchmarks/validate_planner.py), so it is shown and never recommended."""
+"""The label an inference pipeline carried until its decode and serving predictions were
+checked against `generate --pp` and `serve --pp` (benchmarks/validate_planner.py, the serving
+part: within ±25%); no layout carries it now. Kept for readers of older JSON plans."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ def _candidate(cfg: ModelConfig, wl: Workload, cluster: Cluster, lay: Layout, he
             lay = replace(lay, dp=max(1, min(lay.dp, int(node // (lay.replica * mem.total)))))
         pred = predict_inference(cfg, cluster, lay, dtype=dtype, **kw)
         meets = None if wl.target_latency_ms is None else pred.request_s * 1e3 <= wl.target_latency_ms
-        why_not = NOT_RUNNABLE if lay.pp > 1 else None
+        why_not = None  # pp > 1 too: generate/serve --pp run it, and its predictions are validated
         return Candidate(lay, mem, fits, cross, inference=pred, meets_target=meets, why_not=why_not)
     return _training_candidate(cfg, wl, cluster, lay, headroom, cross)
 
