@@ -18,6 +18,7 @@ import torch
 
 from cases.moe_pp import moe_pp_case
 from shardwise.comm import LocalCommunicator
+from shardwise.launch import launch
 from train_helpers import TINY_MODEL, tiny_config, write_tiny_tokens
 
 STEPS, M = 3, 2
@@ -62,8 +63,29 @@ def _reference(tokens, out, dp: int) -> dict:
 def test_moe_pipeline_training_matches_one_process(rank_pool, tokens, tmp_path, case):
     dp, ep = CASES[case]
     cfg = _config(tokens, tmp_path, dp, ep, pp=2)
-    results = rank_pool.run(moe_pp_case, 2 * dp, args=(cfg,))
-    ref = _reference(tokens, tmp_path, dp)
+    _assert_matches(rank_pool.run(moe_pp_case, 2 * dp, args=(cfg,)), _reference(tokens, tmp_path, dp), case)
+
+
+def _mpi_available() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+
+        from shardwise.launch.mpi import find_mpiexec
+
+        find_mpiexec()
+    except (ImportError, RuntimeError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _mpi_available(), reason="needs mpi4py and mpiexec")
+def test_moe_pipeline_training_on_mpi(tokens, tmp_path):
+    cfg = _config(tokens, tmp_path, 2, 2, pp=2).replace(parallel={"backend": "mpi"})
+    results = launch(moe_pp_case, 4, args=(cfg,), backend="mpi", timeout_s=240)
+    _assert_matches(results, _reference(tokens, tmp_path, 2), "mpi pp2-dp2-ep2")
+
+
+def _assert_matches(results: list[dict], ref: dict, case: str) -> None:
     assert min(ref["norms"]) > CLIP, f"every step should clip: norms {ref['norms']}"
     assert all(a is not None and a > 0 for a in ref["aux"]), "the load-balancing loss is on"
     assert {r["pp_rank"] for r in results} == {0, 1}
