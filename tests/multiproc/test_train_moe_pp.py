@@ -7,6 +7,8 @@ carries the totals with the activations and gradients.
 
 - pp=2 (tp=1, dp=1), world 2
 - pp=2 x dp=2 with ep=2 (experts split over the dp ranks of each stage), world 4
+- pp=2 interleaved (2 model chunks per rank, 4 layers), world 2
+- on MPI (one job): pp=2 x dp=2 with ep=2
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ LOSS_TOL, PARAM_TOL, GRAD_TOL = 2e-5, 1e-4, 1e-5
 CLIP = 0.5
 MIXTRAL = {"num_experts": 4, "experts_per_token": 2, "expert_size": 48, "router_aux_loss_coef": 0.1}
 
-# name: (dp, ep)
-CASES = {"pp2": (1, 1), "pp2-dp2-ep2": (2, 2)}
+# name: (dp, ep, schedule, virtual stages, layers)
+CASES = {
+    "pp2": (1, 1, "1f1b", 1, 2),
+    "pp2-dp2-ep2": (2, 2, "1f1b", 1, 2),
+    "pp2-interleaved-v2": (1, 1, "interleaved", 2, 4),  # 4 virtual stages, 2 on each rank
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,35 +41,36 @@ def tokens(tmp_path_factory):
     return write_tiny_tokens(tmp_path_factory.mktemp("tok") / "tokens.safetensors")
 
 
-def _config(tokens, out, dp: int, ep: int, pp: int):
+def _config(tokens, out, dp: int, ep: int, pp: int, schedule: str = "1f1b", v: int = 1, layers: int = 2):
     return tiny_config(
         tokens,
         out,
         dp=dp,
         steps=STEPS,
-        model={**TINY_MODEL, **MIXTRAL},
+        model={**TINY_MODEL, **MIXTRAL, "num_layers": layers},
         data={"global_batch_size": 8, "micro_batch_size": 8 // (dp * M)},
         optim={"grad_clip": CLIP},
-        parallel={"ep": ep, "pp": pp, "schedule": "1f1b"},
+        parallel={"ep": ep, "pp": pp, "schedule": schedule, "virtual_stages": v},
     )
 
 
 _REFS: dict[str, dict] = {}
 
 
-def _reference(tokens, out, dp: int) -> dict:
-    key = json.dumps(dp)
+def _reference(tokens, out, dp: int, layers: int = 2) -> dict:
+    key = json.dumps([dp, layers])
     if key not in _REFS:
-        cfg = _config(tokens, out, 1, 1, 1).replace(data={"micro_batch_size": 8 // M})
+        cfg = _config(tokens, out, 1, 1, 1, layers=layers).replace(data={"micro_batch_size": 8 // M})
         _REFS[key] = moe_pp_case(LocalCommunicator(), cfg, (dp, M))
     return _REFS[key]
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_moe_pipeline_training_matches_one_process(rank_pool, tokens, tmp_path, case):
-    dp, ep = CASES[case]
-    cfg = _config(tokens, tmp_path, dp, ep, pp=2)
-    _assert_matches(rank_pool.run(moe_pp_case, 2 * dp, args=(cfg,)), _reference(tokens, tmp_path, dp), case)
+    dp, ep, schedule, v, layers = CASES[case]
+    cfg = _config(tokens, tmp_path, dp, ep, pp=2, schedule=schedule, v=v, layers=layers)
+    ref = _reference(tokens, tmp_path, dp, layers)
+    _assert_matches(rank_pool.run(moe_pp_case, 2 * dp, args=(cfg,)), ref, case)
 
 
 def _mpi_available() -> bool:
