@@ -8,6 +8,7 @@ carries the totals with the activations and gradients.
 - pp=2 (tp=1, dp=1), world 2
 - pp=2 x dp=2 with ep=2 (experts split over the dp ranks of each stage), world 4
 - pp=2 interleaved (2 model chunks per rank, 4 layers), world 2
+- tp=2 x pp=2 (tensor-parallel experts), world 4
 - on MPI (one job): pp=2 x dp=2 with ep=2
 """
 
@@ -34,6 +35,7 @@ CASES = {
     "pp2-dp2-ep2": (2, 2, "1f1b", 1, 2),
     "pp2-interleaved-v2": (1, 1, "interleaved", 2, 4),  # 4 virtual stages, 2 on each rank
 }
+TP_CASE = (2, 1, 1, "1f1b", 1, 2)  # tp=2 x pp=2: tensor-parallel experts, world 4
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +43,11 @@ def tokens(tmp_path_factory):
     return write_tiny_tokens(tmp_path_factory.mktemp("tok") / "tokens.safetensors")
 
 
-def _config(tokens, out, dp: int, ep: int, pp: int, schedule: str = "1f1b", v: int = 1, layers: int = 2):
+def _config(tokens, out, dp: int, ep: int, pp: int, schedule: str = "1f1b", v: int = 1, layers: int = 2, tp: int = 1):
     return tiny_config(
         tokens,
         out,
+        tp=tp,
         dp=dp,
         steps=STEPS,
         model={**TINY_MODEL, **MIXTRAL, "num_layers": layers},
@@ -71,6 +74,12 @@ def test_moe_pipeline_training_matches_one_process(rank_pool, tokens, tmp_path, 
     cfg = _config(tokens, tmp_path, dp, ep, pp=2, schedule=schedule, v=v, layers=layers)
     ref = _reference(tokens, tmp_path, dp, layers)
     _assert_matches(rank_pool.run(moe_pp_case, 2 * dp, args=(cfg,)), ref, case)
+
+
+def test_moe_pipeline_training_with_tensor_parallel_experts(rank_pool, tokens, tmp_path):
+    tp, dp, ep, schedule, v, layers = TP_CASE
+    cfg = _config(tokens, tmp_path, dp, ep, pp=2, schedule=schedule, v=v, layers=layers, tp=tp)
+    _assert_matches(rank_pool.run(moe_pp_case, 4, args=(cfg,)), _reference(tokens, tmp_path, dp, layers), "tp2-pp2")
 
 
 def _mpi_available() -> bool:
