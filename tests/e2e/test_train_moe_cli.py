@@ -107,11 +107,6 @@ def test_bad_expert_parallel_input_fails_with_one_line(tmp_path):
             (moe, "--dp", "8", "--ep", "8", "--microbatches", "1"),
             "parallel.ep=8 exceeds num_experts=4: every ep rank needs at least one expert; valid ep at dp=8: 1, 2, 4",
         ),
-        (
-            (moe, "--pp", "2"),
-            "mixture-of-experts training at pp=2 is not supported (experts, ep and the load-balancing loss run at "
-            "pp = 1); use tp x dp with parallel.ep",
-        ),
     ]
     (tmp_path / "dense").mkdir()
     dense = _toml(tmp_path / "dense", TINY_MODEL)

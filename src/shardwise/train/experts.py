@@ -76,11 +76,6 @@ def check_moe_training(model_cfg: ModelConfig, *, ep: int, dp: int, pp: int) -> 
             f"parallel.ep={ep} exceeds num_experts={model_cfg.num_experts}: every ep rank needs at least one expert; "
             f"valid ep at dp={dp}: {', '.join(str(k) for k in range(1, model_cfg.num_experts + 1) if dp % k == 0)}"
         )
-    if pp > 1:
-        raise ConfigError(
-            f"mixture-of-experts training at pp={pp} is not supported (experts, ep and the load-balancing loss "
-            "run at pp = 1); use tp x dp with parallel.ep"
-        )
 
 
 @dataclass

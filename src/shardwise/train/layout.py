@@ -127,7 +127,8 @@ def build_model(
         from shardwise.sharding.styles import MixtureOfExperts
 
         plan = {k: v for k, v in plan.items() if not isinstance(v, MixtureOfExperts)}
-        for layer in model.layers:
+        layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+        for layer in layers:  # a stage's layers are a ModuleDict (keep_stage)
             if isinstance(layer.mlp, MoE):
                 layer.mlp = ExpertParallelMoE(layer.mlp, tp=tp, ep=ep)
     return parallelize(model, plan, comm=tp).train()

@@ -25,7 +25,7 @@ from shardwise.layers import ExpertParallelMoE, ParallelMoE
 from shardwise.log import get_logger
 from shardwise.models.meta import materialize
 from shardwise.pipeline import build_schedule
-from shardwise.pipeline.runtime import PipelineRunner
+from shardwise.pipeline.runtime import PipelineRunner, RouterAux
 from shardwise.pipeline.stage import stage_plan
 from shardwise.sharding import enable_sequence_parallel, partial_grad_names
 from shardwise.train.config import TrainConfig
@@ -201,6 +201,9 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
             hidden_size=model_cfg.hidden_size,
             autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.run.bf16),
             seq_shards=tp.size if sp else 1,
+            router=RouterAux(model_cfg.num_experts, model_cfg.experts_per_token, model_cfg.router_aux_loss_coef, dp)
+            if model_cfg.num_experts and model_cfg.router_aux_loss_coef
+            else None,
         )
     return tr
 

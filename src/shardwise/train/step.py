@@ -9,7 +9,8 @@ the mean over the global batch, whatever the layout.
 
 A mixture-of-experts model with router_aux_loss_coef > 0 adds coef * the load-balancing
 loss of each micro-step (its statistics pooled over every dp rank's micro-batch: the
-global micro-batch's, whatever the dp size) / grad_accum.
+global micro-batch's, whatever the dp size) / grad_accum. At pp > 1 the statistics of the
+stages' layers are pooled too (pipeline/runtime.py: the totals travel with the transfers).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def train_step(tr: Trainer) -> StepStats:
     micro = tr.sampler.micro_batches(tr.step)  # m lists of sample indices
     aux = torch.zeros(())
     if tr.pipeline is not None:
-        total = _pipeline_micro_steps(tr, micro)
+        total, aux = _pipeline_micro_steps(tr, micro)
     else:
         total, aux = _micro_steps(tr, micro)
     tr.sync.finish()
@@ -148,9 +149,10 @@ def _micro_steps(tr: Trainer, micro: list) -> tuple[torch.Tensor, torch.Tensor]:
     return total, aux_total
 
 
-def _pipeline_micro_steps(tr: Trainer, micro: list) -> torch.Tensor:
+def _pipeline_micro_steps(tr: Trainer, micro: list) -> tuple[torch.Tensor, torch.Tensor]:
     """The schedule's forwards and backwards over the step's micro-batches; the tied
-    embedding's two copies summed; the loss (summed on the last stage) sent to every stage."""
+    embedding's two copies summed; the loss (summed on the last stage) and the mean
+    load-balancing loss (0 when off; pipeline/runtime.py) sent to every stage."""
     tp, m = tr.mesh.tp, len(micro)
     batches = [tr.data.batch(indices) for indices in micro]  # [(B, L) inputs, (B, L) targets] * m
 
@@ -164,4 +166,5 @@ def _pipeline_micro_steps(tr: Trainer, micro: list) -> torch.Tensor:
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         embed.all_reduce_(weight.grad)  # first stage's (lookup) + last stage's (head) gradient
-    return tr.mesh.pp.all_reduce(total.view(1))[0]  # non-zero on the last stage only
+    both = tr.mesh.pp.all_reduce(torch.stack([total, tr.pipeline.aux_sum.float()]))  # non-zero on the last stage only
+    return both[0], both[1]
