@@ -9,6 +9,10 @@ connection with an authkey, run fn(world, *args), send back the result or the er
 
 - Each case starts as in a fresh process: the communication counters are reset, torch's
   random generator is re-seeded with the process's initial seed, gradients are enabled.
+- Nothing a case creates outlives it: the communicators it split from the world (their
+  gloo threads and sockets) are released when it ends (`Communicator.close_splits`), so a
+  rank's threads and descriptors stay bounded however many cases it runs
+  (`RankPool.resources`; tests/multiproc/test_rank_pool.py guards it).
 - A case that fails on any rank raises RankFailedError with that rank's own traceback
   (the root cause, as launch chooses it); the ranks may be out of step after a failure,
   so the job is killed and the next case of that world size starts a new one.
@@ -33,10 +37,15 @@ from typing import Any
 from shardwise.launch import JobTimeoutError, RankFailedError, launch
 from shardwise.launch.failfast import Outcomes, error_report, ok_report, recv_report, send_report
 
-__all__ = ["RankPool"]
+__all__ = ["RankPool", "resources"]
 
 CASE_TIMEOUT_S = 150.0  # under pytest's per-test timeout, so a hung case fails by its own name
 START_TIMEOUT_S = 120.0
+
+
+def resources(world=None) -> tuple[int, int]:
+    """This process's (threads, open file descriptors), from /proc."""
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
 
 
 def _serve_cases(world, address: tuple[str, int], authkey: bytes) -> None:
@@ -58,9 +67,11 @@ def _serve_cases(world, address: tuple[str, int], authkey: bytes) -> None:
         torch.manual_seed(seed)
         try:
             with torch.enable_grad():
-                report = ok_report(fn(world, *args))
+                result = fn(world, *args)
+            world.close_splits()  # collective: every rank's case has finished with them
+            report = ok_report(result)
         except BaseException as e:  # noqa: BLE001 - every failure is reported to the test
-            report = error_report(e)
+            report = error_report(e)  # the job is killed: nothing to release
         send_report(conn, report)
     conn.close()
 
@@ -198,6 +209,10 @@ class RankPool:
         except BaseException:  # a failed, hung or interrupted case leaves the ranks out of step
             self._jobs.pop(world_size).kill()
             raise
+
+    def resources(self, world_size: int) -> list[tuple[int, int]]:
+        """Each pooled rank's (threads, open file descriptors) now, between cases."""
+        return self.run(resources, world_size)
 
     def close(self) -> None:
         while self._jobs:

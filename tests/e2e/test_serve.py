@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import process_tag, run_cli, run_cli_inline, wait_gone
+from processes import process_tag, run_cli, run_cli_inline, tagged_pids, wait_gone
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -233,6 +233,38 @@ def _until(cond, seconds: float = 30) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def _resources(pids: list[int]) -> dict[int, tuple[int, int]]:
+    """(threads, open descriptors) of each process, from /proc."""
+    return {p: (len(os.listdir(f"/proc/{p}/task")), len(os.listdir(f"/proc/{p}/fd"))) for p in pids}
+
+
+def test_a_long_running_server_keeps_its_threads_and_descriptors(server):
+    """Rounds of requests, streams and clients that leave mid-stream: the server's and its
+    ranks' thread and descriptor counts after the last round equal those after the first."""
+    pids = sorted(tagged_pids(server.tag))
+    client = server.client()
+
+    def one_round(i: int) -> None:
+        kw = dict(model="default", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda k: client.completions.create(prompt=[5, k + 2], **kw), range(8), timeout=120))
+        leaving = [
+            _raw_request(server.port, {"prompt": [9, k], "max_tokens": 400, "stream": True, "ignore_eos": True})
+            for k in range(4)
+        ]
+        assert _until(lambda: server.metric("shardwise_running_sequences") >= 1)
+        for sock in leaving:
+            sock.close()  # clients that leave mid-stream
+        assert _until(lambda: server.metric("shardwise_running_sequences") == 0), f"round {i}: slots not freed"
+
+    one_round(0)
+    first = _resources(pids)
+    for i in range(1, 6):
+        one_round(i)
+    last = _resources(pids)
+    assert last == first, f"threads and descriptors per process grew over 5 rounds: {first} -> {last}"
 
 
 def test_full_queue_is_429_disconnect_frees_slot_and_killing_server_kills_ranks(tmp_path):

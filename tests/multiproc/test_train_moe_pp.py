@@ -25,7 +25,9 @@ from shardwise.launch import launch
 from train_helpers import TINY_MODEL, tiny_config, write_tiny_tokens
 
 STEPS, M = 3, 2
-LOSS_TOL, PARAM_TOL, GRAD_TOL = 2e-5, 1e-4, 1e-5
+# NOTE: gradients are compared relative to the largest; expert dispatch reorders fp32 sums
+# (2e-5 of the largest seen at pp=2 x dp=2 x ep=2 on an AMD EPYC, 7e-6 elsewhere).
+LOSS_TOL, PARAM_TOL, GRAD_TOL = 2e-5, 1e-4, 5e-5
 CLIP = 0.5
 MIXTRAL = {"num_experts": 4, "experts_per_token": 2, "expert_size": 48, "router_aux_loss_coef": 0.1}
 

@@ -106,6 +106,7 @@ class Communicator(ABC):
     _board: Board | None = None
     _chan: str = ""
     _p2p_chans: dict[tuple[str, int], str]
+    _splits: list[Communicator] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -126,7 +127,26 @@ class Communicator(ABC):
         sub.members = members
         sub.p2p_check = self.p2p_check
         sub.attach_board(self._board)
+        if self._splits is None:
+            self._splits = []
+        self._splits.append(sub)
         return sub
+
+    def close_splits(self) -> None:
+        """Release every communicator split from this one (and from those), keeping this one.
+
+        Collective: every rank of this group calls it, after its last operation on them.
+        A job builds its groups once and `close` ends them all; a process that builds
+        meshes again and again (the test suite's pooled ranks, between cases) calls this,
+        or every split's backend threads and sockets (gloo: 3 threads, 5 descriptors at
+        world size 4) outlive their use."""
+        while self._splits:
+            sub = self._splits.pop()
+            sub.close_splits()
+            sub._release()
+
+    def _release(self) -> None:  # noqa: B027 - optional hook
+        """Free this split's backend resources; it is unusable afterwards."""
 
     def _p2p_channel(self, op: str, peer: int) -> str:
         key = (op, peer)

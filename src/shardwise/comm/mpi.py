@@ -181,3 +181,7 @@ class MPICommunicator(Communicator):
 
     def close(self) -> None:
         pass  # MPI is finalised by mpi4py at interpreter exit
+
+    def _release(self) -> None:
+        if self.comm not in (self._MPI.COMM_WORLD, self._MPI.COMM_NULL):
+            self.comm.Free()  # collective over this split's ranks, as close_splits is

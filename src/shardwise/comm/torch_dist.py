@@ -152,7 +152,16 @@ class TorchDistCommunicator(Communicator):
 
     def close(self) -> None:
         if self.group is None and dist.is_initialized():
+            self._splits = None  # destroyed with the default group
             dist.destroy_process_group()
+
+    def _release(self) -> None:
+        # NOTE: a rank outside a group holds GroupMember.NON_GROUP_MEMBER, nothing to free;
+        # destroy_process_group shuts the group down (joins gloo's threads, closes its sockets)
+        # even while stale Python references to it remain.
+        if self.group is not None and self.group != dist.GroupMember.NON_GROUP_MEMBER and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = dist.GroupMember.NON_GROUP_MEMBER
 
 
 def store_client(host: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:
