@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed
 # PYTHONDONTWRITEBYTECODE lets that happen even where the environment sets it.
 export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: install demo test test-fast lint clean bench-load bench-inference
+.PHONY: install demo test test-fast test-full lint clean bench-load bench-inference
 
 install: $(STAMP)
 
@@ -29,12 +29,22 @@ lint: install
 	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
 	$(VENV)/bin/ruff format --check src tests $(wildcard benchmarks)
 
+# Two pytest workers (one per core here), a test file each at a time: its module fixtures
+# (references, checkpoints, a server) are built once. See tests/conftest.py for the tiers.
+PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n 2 --dist loadfile
+
+# CI's gate, under 5 minutes on 2 cores: every unit and pooled multi-process case, each
+# command's representative end-to-end cases, MPI parity and fail-fast.
 test: lint
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q
+	$(PYTEST) -m "not full"
 
 # Unit tests, one parity case per layer kind at tp=2, one CLI smoke: under 90 s on 2 cores.
 test-fast: lint
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
+
+# Everything: every end-to-end case, every job under mpiexec, every injected fault.
+test-full: lint
+	$(PYTEST)
 
 bench-load: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/load_memory.py

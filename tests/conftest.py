@@ -1,8 +1,14 @@
 """Fixtures and markers shared by every test.
 
-Markers: a test under tests/multiproc or tests/e2e is `slow` (left out of `make test-fast`)
-unless it is marked `smoke`: one representative case of each kind. A unit test that is
-slow says so with @pytest.mark.slow.
+Three tiers, each a superset of the one before:
+- `make test-fast` leaves out `slow`: a test under tests/multiproc or tests/e2e is `slow`
+  unless it is marked `smoke` (one representative case of each kind); a unit test that
+  is slow says so with @pytest.mark.slow.
+- `make test` (CI's gate, under 5 minutes) leaves out `full`: a test under tests/e2e is
+  `full` unless it is marked `smoke` or `gate` (each command's representative end-to-end
+  cases); elsewhere a test that starts its own job (mpiexec, a fresh launch) where a
+  cheaper case in the gate covers the same code says so with @pytest.mark.full.
+- `make test-full` runs everything (CI runs it after the gate).
 """
 
 from __future__ import annotations
@@ -19,15 +25,19 @@ from shardwise.launch import local
 local.PRELOAD += ["torch._dynamo", "torch.fx.experimental.symbolic_shapes"]
 
 _SLOW_DIRS = ("multiproc", "e2e")
+_FULL_DIRS = ("e2e",)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     root = Path(__file__).parent
     for item in items:
         path = Path(str(item.path))
-        in_slow_dir = path.is_relative_to(root) and path.relative_to(root).parts[0] in _SLOW_DIRS
-        if in_slow_dir and item.get_closest_marker("smoke") is None:
+        top = path.relative_to(root).parts[0] if path.is_relative_to(root) else ""
+        smoke = item.get_closest_marker("smoke") is not None
+        if top in _SLOW_DIRS and not smoke:
             item.add_marker(pytest.mark.slow)
+        if top in _FULL_DIRS and not smoke and item.get_closest_marker("gate") is None:
+            item.add_marker(pytest.mark.full)
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,7 @@ def test_demo_runs_under_torchrun():
     assert "sharded over tp=2 ranks (gloo)" in out.stdout
 
 
+@pytest.mark.gate
 def test_demo_refuses_invalid_tp_before_starting_ranks():
     out = run_cli_inline("demo", "--tp", "9")
     assert out.returncode == 2
@@ -45,11 +46,13 @@ def test_demo_refuses_invalid_tp_before_starting_ranks():
     assert "PASS" not in out.stdout
 
 
+@pytest.mark.gate
 def test_version():
     out = run_cli_inline("--version")
     assert out.returncode == 0 and out.stdout.startswith("shardwise ")
 
 
+@pytest.mark.gate
 def test_info_describes_the_plan_without_starting_ranks():
     import json
 
@@ -71,6 +74,7 @@ def test_info_describes_the_plan_without_starting_ranks():
     assert uneven["balance"]["query_heads"] == [3, 3, 2] and uneven["balance"]["even"] is False
 
 
+@pytest.mark.gate
 def test_info_refuses_invalid_tp():
     out = run_cli_inline("info", "--tp", "16")
     assert out.returncode == 2

@@ -73,6 +73,7 @@ def test_serve_expert_parallel_answers_with_transformers_tokens(mixtral, tmp_pat
         s.stop()
 
 
+@pytest.mark.gate
 def test_info_shows_the_experts_each_rank_holds(mixtral):
     path, _ = mixtral
     out = run_cli_inline("info", "--model", path, "--tp", "3", "--expert-parallel")
@@ -86,12 +87,14 @@ def test_info_shows_the_experts_each_rank_holds(mixtral):
     assert [held[0]["expert_width"] for held in info["experts_by_rank"]] == [20, 20]
 
 
+@pytest.mark.gate
 def test_expert_parallel_on_a_dense_model_is_one_line():
     out = run_cli_inline("generate", "--tp", "2", "--expert-parallel")
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and "has no experts" in lines[0], out.stderr
 
 
+@pytest.mark.gate
 def test_more_ranks_than_experts_is_one_line(tmp_path):
     path = save_tiny("mixtral", tmp_path, overrides={"num_local_experts": 2})  # 4 query heads, 2 experts
     for command in ("generate", "serve", "verify", "info"):

@@ -80,7 +80,6 @@ def _json_of(runs: list[dict]) -> dict:
     return json.loads(lines[0])
 
 
-@pytest.mark.smoke
 def test_generate_refuses_a_tp_group_across_two_torchrun_hosts_unless_allowed(tmp_path):
     runs = _two_torchrun_hosts(tmp_path, 1, *GENERATE)
     name = socket.gethostname()

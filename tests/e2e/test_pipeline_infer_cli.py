@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from processes import run_cli, run_cli_inline
 
 
@@ -29,6 +31,7 @@ def test_verify_pp2_passes_layer_by_layer():
     assert all(x["vs_unsharded"] is not None for x in r["layers"])
 
 
+@pytest.mark.gate
 def test_info_pp2_names_each_stage():
     out = run_cli_inline("info", "--tp", "2", "--pp", "2")
     assert out.returncode == 0, out.stderr
@@ -41,6 +44,7 @@ def test_info_pp2_names_each_stage():
     assert "send/pp" in stages[0]["decode_step"] and "recv/pp" in stages[1]["decode_step"]
 
 
+@pytest.mark.gate
 def test_bad_pp_refused_in_one_line_before_ranks_start():
     for cmd in ("generate", "verify", "info"):
         out = run_cli_inline(cmd, "--tp", "1", "--pp", "6")

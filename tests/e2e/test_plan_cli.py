@@ -6,6 +6,7 @@ import json
 import platform
 import subprocess
 
+import pytest
 import torch
 
 from processes import run_cli_inline
@@ -17,6 +18,7 @@ def _plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return run_cli_inline("plan", *args, env=env)
 
 
+@pytest.mark.gate
 def test_plan_a_preset_as_json_and_bad_input():
     out = _plan("--model", "Llama-3-8B", "--cluster", "dgx-a100-80gb", "--batch", "4", "--json")
     assert out.returncode == 0, out.stderr
@@ -32,6 +34,7 @@ def test_plan_a_preset_as_json_and_bad_input():
     assert none.returncode == 2 and "Nothing fits on" in none.stdout and "GiB short" in none.stdout
 
 
+@pytest.mark.gate
 def test_plan_this_host_from_the_cache_with_a_plot(tmp_path):
     from shardwise.bench.calibrate import VERSION, _cores
 
@@ -56,6 +59,7 @@ def test_plan_this_host_from_the_cache_with_a_plot(tmp_path):
     assert "backend 'mpi' has no calibration on this host (test)" in uncalibrated.stderr
 
 
+@pytest.mark.gate
 def test_plan_recommends_a_training_pipeline_with_the_line_that_runs_it():
     from shardwise.train.config import ParallelSection
 
@@ -87,6 +91,7 @@ def test_plan_recommends_a_training_pipeline_with_the_line_that_runs_it():
     assert "  shardwise train --config CONFIG.toml --layout tp=2,pp=1,dp=4 --microbatches 16" in gpipe.stdout
 
 
+@pytest.mark.gate
 def test_plan_inference_ranks_pipelines_like_other_layouts():
     out = _plan("--model", "llama-3-70b", "--cluster", "dgx-a100-80gb", "--batch", "8", "--top", "20")
     assert out.returncode == 0, out.stdout + out.stderr

@@ -93,6 +93,7 @@ def offline():
     return text
 
 
+@pytest.mark.gate
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -106,6 +107,7 @@ def test_bad_options_are_one_line_and_start_no_rank(args, message):
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("shardwise: error: ") and message in lines[0]
 
 
+@pytest.mark.gate
 def test_greedy_completions_equal_offline_generate_cli(server):
     prompts = [[5, 6, 7], [40, 41, 300, 12, 99, 7, 250, 3], [200]]
     args = ["generate", "--tp", "2", "--backend", "gloo", "--json", "--ignore-eos", "--max-new-tokens", "12"]
@@ -122,6 +124,7 @@ def test_greedy_completions_equal_offline_generate_cli(server):
         assert streamed == text
 
 
+@pytest.mark.gate
 def test_32_concurrent_streams_all_complete_correctly(server, offline):
     import random
 
@@ -156,6 +159,7 @@ def test_32_concurrent_streams_all_complete_correctly(server, offline):
     assert server.metric("shardwise_running_sequences") == 0 and server.metric("shardwise_queue_depth") == 0
 
 
+@pytest.mark.gate
 def test_chat_stream_equals_chat_and_usage(server):
     client = server.client()
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is tensor parallelism?"}]
@@ -169,6 +173,7 @@ def test_chat_stream_equals_chat_and_usage(server):
     assert [m.id for m in client.models.list().data] == ["default"]
 
 
+@pytest.mark.gate
 def test_stop_strings_and_seeded_sampling(server):
     client = server.client()
     kw = dict(
@@ -203,6 +208,7 @@ BAD = [
 ]
 
 
+@pytest.mark.gate
 @pytest.mark.parametrize("body,status,message", BAD, ids=[f"{s}-{m[:24]}" for _, s, m in BAD])
 def test_bad_input_is_answered_on_rank0_before_any_step(server, body, status, message):
     steps, prompt_tokens = server.metric("shardwise_step_seconds_count"), server.metric("shardwise_prompt_tokens_total")
@@ -240,6 +246,7 @@ def _resources(pids: list[int]) -> dict[int, tuple[int, int]]:
     return {p: (len(os.listdir(f"/proc/{p}/task")), len(os.listdir(f"/proc/{p}/fd"))) for p in pids}
 
 
+@pytest.mark.gate
 def test_a_long_running_server_keeps_its_threads_and_descriptors(server):
     """Rounds of requests, streams and clients that leave mid-stream: the server's and its
     ranks' thread and descriptor counts after the last round equal those after the first."""

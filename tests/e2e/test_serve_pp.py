@@ -21,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 
+@pytest.mark.gate
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -102,6 +103,7 @@ def test_concurrent_greedy_equals_tp1_and_disconnect_frees_slots(tmp_path, offli
         s.stop()
 
 
+@pytest.mark.gate
 def test_scheduler_keeps_groups_in_flight_apart():
     """At pp > 1 a sequence in flight neither steps again nor frees its slot: the running
     sequences split into groups that take turns through the stages."""

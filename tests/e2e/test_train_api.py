@@ -39,6 +39,7 @@ def test_run_training_at_tp2_returns_the_summary_and_matches_one_process(tokens,
     assert Path(summary["checkpoint"]).name.endswith(f"{STEPS:08d}")
 
 
+@pytest.mark.gate
 def test_run_training_refuses_a_tp_the_model_cannot_split(tokens, tmp_path):
     cfg = tiny_config(tokens, tmp_path / "run", tp=5, steps=STEPS, parallel={"backend": "gloo"})
     with pytest.raises(ShardError, match="tp=5 is more than the model's num_attention_heads=4"):

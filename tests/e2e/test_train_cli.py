@@ -59,6 +59,7 @@ def trained(tmp_path_factory):
     return tmp, out
 
 
+@pytest.mark.gate
 def test_train_prints_progress_summary_checkpoint_and_plot(trained):
     tmp, out = trained
     assert "tp=3 x pp=1 x dp=1 (gloo), steps to 8" in out.stdout
@@ -114,6 +115,7 @@ def test_reshard_export_transformers_and_generate(trained):
     assert result["tp"] == 3 and len(result["tokens"][0]) >= 1
 
 
+@pytest.mark.gate
 def test_info_and_bad_input_fail_with_one_line(trained, tmp_path):
     tmp, _ = trained
     out = run_cli_inline("checkpoint", "info", str(tmp / "run" / "checkpoints"), "--verify")
@@ -225,6 +227,7 @@ _TORCHRUN_2 = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MAST
 _LAYOUT_FORM = "the form is tp=N,pp=N,dp=N (any of the three, as `shardwise plan` prints), e.g. tp=2,pp=2,dp=1"
 
 
+@pytest.mark.gate
 @pytest.mark.smoke  # no rank starts: as cheap as a unit test
 @pytest.mark.parametrize(
     "args,env,message",
@@ -291,6 +294,7 @@ def test_bad_pipeline_input_fails_with_one_line_before_any_rank(tmp_path, args, 
     assert not (tmp_path / "run").exists(), "nothing may be written before the input is checked"
 
 
+@pytest.mark.gate
 @pytest.mark.smoke
 def test_a_pretrained_models_layers_bound_pp_before_any_rank(tmp_path):
     from shardwise.engine.text import DEFAULT_MODEL  # 4 layers, read from its config.json

@@ -98,6 +98,7 @@ def test_train_ep_reshard_and_export_to_transformers(trained):
         torch.testing.assert_close(theirs(ids).logits, ours(ids), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.gate
 @pytest.mark.smoke
 def test_bad_expert_parallel_input_fails_with_one_line(tmp_path):
     moe, dense = _toml(tmp_path, TINY_MODEL | MOE), None

@@ -146,6 +146,7 @@ def test_verify_corrupted_layer_is_the_first_diverging_one(ckpts):
     assert r["layers"][1]["vs_unsharded"]["max_rel"] is None
 
 
+@pytest.mark.gate
 def test_verify_refuses_a_tp_the_model_cannot_split(ckpts):
     out = run_cli_inline("verify", "--model", ckpts["llama3"], "--tp", "9")
     assert out.returncode == 2
@@ -184,6 +185,7 @@ def test_embed_human_output_shows_values_and_cosines(ckpts):
     assert "cosine similarity" in out.stdout and rows[2].split()[1] == "1.0000"
 
 
+@pytest.mark.gate
 def test_embed_refuses_a_decoder_and_a_missing_tokenizer(ckpts, tmp_path):
     out = run_cli_inline("embed", "--model", ckpts["llama3"], "--tp", "2", "--text", "hi")
     assert out.returncode == 2 and out.stdout == ""

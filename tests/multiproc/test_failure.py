@@ -76,7 +76,9 @@ _MPI = pytest.mark.skipif(not _mpi_available(), reason="needs mpi4py and mpiexec
 
 
 @pytest.mark.parametrize(
-    "backend,hangs", [("gloo", {3: "stop"}), pytest.param("mpi", {1: "sleep", 3: "stop"}, marks=_MPI)], ids=str
+    "backend,hangs",
+    [("gloo", {3: "stop"}), pytest.param("mpi", {1: "sleep", 3: "stop"}, marks=[_MPI, pytest.mark.full])],
+    ids=str,
 )
 def test_a_stuck_training_rank_is_named_and_its_checkpoint_resumes(tmp_path, monkeypatch, backend, hangs):
     """tp=2 x dp=2, right after the step-2 checkpoint. gloo: rank 3 stops; rank 2 waits for it

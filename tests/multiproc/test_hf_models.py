@@ -62,9 +62,15 @@ CASES = [(family, tp) for family, (_, _, _, tps) in TINY.items() for tp in tps]
 SMOKE = ("llama3", 2)  # in `make test-fast`
 
 
+def _marks(family: str, tp: int) -> list:
+    if (family, tp) == SMOKE:
+        return [pytest.mark.smoke]
+    return [pytest.mark.full] if tp > 4 else []  # 8 ranks on this 2-core machine: make test-full
+
+
 @pytest.mark.parametrize(
     "family,tp",
-    [pytest.param(f, t, id=f"{f}-tp{t}", marks=[pytest.mark.smoke] if (f, t) == SMOKE else []) for f, t in CASES],
+    [pytest.param(f, t, id=f"{f}-tp{t}", marks=_marks(f, t)) for f, t in CASES],
 )
 def test_logits_and_greedy_tokens_match_transformers(rank_pool, reference, family, tp):
     path, ref_logits, ref_tokens = reference(family)

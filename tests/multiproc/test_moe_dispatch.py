@@ -53,6 +53,7 @@ def _mpi_checks(world) -> dict:
     return out
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_dispatch_on_mpi(world_size):
     pytest.importorskip("mpi4py")

@@ -90,7 +90,9 @@ def llama(tmp_path_factory):
     return path, logits, gen[:, ids.shape[1] :].tolist(), mask
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize(
+    "world_size", [2, pytest.param(3, marks=pytest.mark.full), pytest.param(4, marks=pytest.mark.full)]
+)
 def test_parity_on_mpi(world_size, llama):
     path, ref_logits, ref_gen, mask = llama
     hf_path = str(path)  # at 3 ranks: 8 query heads split 3/3/2, the 2 KV heads shared (uneven)
@@ -110,6 +112,7 @@ def test_parity_on_mpi(world_size, llama):
             assert r["generated"] == ref_gen
 
 
+@pytest.mark.full  # `make test` has the same on MPI through the CLI (test_generate_cli, auto backend)
 def test_mpi_raising_rank_takes_the_job_down():
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
@@ -119,6 +122,7 @@ def test_mpi_raising_rank_takes_the_job_down():
     assert wait_gone(pids=info.value.pids) == []
 
 
+@pytest.mark.full
 @pytest.mark.parametrize(
     "case,message,missed",
     [
@@ -162,6 +166,7 @@ def _idle_wait_cpu(world) -> tuple[float, float]:
     return time.process_time() - cpu, time.perf_counter() - wall
 
 
+@pytest.mark.full
 def test_a_waiting_mpi_rank_does_not_occupy_a_core():
     # A rank waiting for a peer that is busy elsewhere (an idle server's follower) naps
     # between polls: a spinning rank would burn about 2 s of CPU here.
@@ -185,6 +190,7 @@ def _peer_raises(world, out: str) -> None:
         raise
 
 
+@pytest.mark.full
 def test_mpi_survivors_fail_at_once_when_a_peer_raises(tmp_path):
     # The launcher tells the other ranks: their collectives fail with the peer's error
     # well before their own timeout (30 s here), e.g. so a server can answer 503.

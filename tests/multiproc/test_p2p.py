@@ -47,6 +47,7 @@ def _tp2_pp2_dp2(world) -> list[dict]:
     return [p2p_case(world, 2, 2, check) for check in (False, True)]
 
 
+@pytest.mark.full  # 8 ranks on 2 cores
 def test_tp2_pp2_dp2_on_8_ranks():
     # One launch of its own: a rank pool of 8 did not start within its 120 s here.
     for rank, results in enumerate(launch(_tp2_pp2_dp2, 8, timeout_s=60)):

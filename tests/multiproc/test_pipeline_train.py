@@ -181,9 +181,15 @@ def _refusals(tokens, out, tp, pp, dp) -> None:
             _cfg(tokens, out, tp, pp, dp, LAYERS, "interleaved", pp, v=2)
 
 
+def _marks(tp: int, pp: int, dp: int) -> list:
+    if (tp, pp, dp) == (1, 2, 1):
+        return [pytest.mark.smoke]
+    return [pytest.mark.full] if tp * pp * dp > 4 else []  # 8 ranks on 2 cores: make test-full
+
+
 @pytest.mark.parametrize(
     "tp,pp,dp",
-    [pytest.param(*k, marks=[pytest.mark.smoke] if k == (1, 2, 1) else [], id="x".join(map(str, k))) for k in LAYOUTS],
+    [pytest.param(*k, marks=_marks(*k), id="x".join(map(str, k))) for k in LAYOUTS],
 )
 def test_pipeline_training_matches_single_process(rank_pool, tokens, reference, tmp_path, tp, pp, dp):
     _refusals(tokens, tmp_path, tp, pp, dp)
@@ -205,6 +211,7 @@ def _mpi_available() -> bool:
         return False
 
 
+@pytest.mark.full
 @pytest.mark.skipif(not _mpi_available(), reason="needs mpi4py and mpiexec")
 def test_pipeline_training_on_mpi_matches_single_process(tokens, reference, tmp_path):
     """One 4-rank job under mpiexec: 2x2x1 (1f1b tied, interleaved) and 1x4x1 (gpipe, and

@@ -274,6 +274,7 @@ def _mpi_job(world, cfgs: list[TrainConfig]) -> dict:
     return {"parts": _parts(world, world.size), "train": sp_train_many(world, cfgs)}
 
 
+@pytest.mark.full
 @pytest.mark.skipif(not _mpi_available(), reason="needs mpi4py and mpiexec")
 def test_sequence_parallel_on_mpi_matches_single_process(tokens, reference, tmp_path):
     """One 4-rank job under mpiexec: the regions, the block's accounting, the tiny LM with

@@ -95,6 +95,7 @@ def _mpi_available() -> bool:
         return False
 
 
+@pytest.mark.full
 @pytest.mark.skipif(not _mpi_available(), reason="needs mpi4py and mpiexec")
 def test_dp2_on_mpi_uses_the_bucketed_all_reduce_and_matches(tokens, tmp_path):
     """On MPI there is no process group for DDP: dp_sync="auto" picks the Communicator's

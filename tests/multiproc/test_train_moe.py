@@ -149,6 +149,7 @@ def _mpi_cases(world, cfgs: dict) -> dict:
     return {name: moe_train_case(world, cfg) for name, cfg in cfgs.items()}
 
 
+@pytest.mark.full
 @pytest.mark.skipif(not _mpi_available(), reason="needs mpi4py and mpiexec")
 def test_expert_parallel_training_on_mpi(tokens, tmp_path):
     cfgs = {name: _config(tokens, tmp_path, tp, dp, ep, model) for name, (tp, dp, ep, model) in MPI_CASES.items()}

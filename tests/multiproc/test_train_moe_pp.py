@@ -96,6 +96,7 @@ def _mpi_available() -> bool:
     return True
 
 
+@pytest.mark.full
 @pytest.mark.skipif(not _mpi_available(), reason="needs mpi4py and mpiexec")
 def test_moe_pipeline_training_on_mpi(tokens, tmp_path):
     cfg = _config(tokens, tmp_path, 2, 2, pp=2).replace(parallel={"backend": "mpi"})
