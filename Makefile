@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed
 # PYTHONDONTWRITEBYTECODE lets that happen even where the environment sets it.
 export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: install demo test test-fast test-full lint clean bench-load bench-inference
+.PHONY: install demo test test-fast test-more test-full lint clean bench-load bench-inference
 
 install: $(STAMP)
 
@@ -42,9 +42,13 @@ test: lint
 test-fast: lint
 	$(PYTEST) -m "not slow"
 
-# Everything: every end-to-end case, every job under mpiexec, every injected fault.
-test-full: lint
-	$(PYTEST)
+# What `make test` leaves out: every other end-to-end case, every job under mpiexec, every
+# injected fault, the 8-rank layouts. One worker: the fault cases time what they see.
+test-more: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -m full
+
+# Everything.
+test-full: test test-more
 
 bench-load: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/load_memory.py
