@@ -247,6 +247,17 @@ def _resources(pids: list[int]) -> dict[int, tuple[int, int]]:
 
 
 @pytest.mark.gate
+def _settled(pids: list[int]) -> dict[int, tuple[int, int]]:
+    """The counts once they stop changing (the same over half a second)."""
+    now = _resources(pids)
+    for _ in range(20):
+        time.sleep(0.5)
+        now, before = _resources(pids), now
+        if now == before:
+            break
+    return now
+
+
 def test_a_long_running_server_keeps_its_threads_and_descriptors(server):
     """Rounds of requests, streams and clients that leave mid-stream: the server's and its
     ranks' thread and descriptor counts after the last round equal those after the first."""
@@ -267,11 +278,13 @@ def test_a_long_running_server_keeps_its_threads_and_descriptors(server):
         assert _until(lambda: server.metric("shardwise_running_sequences") == 0), f"round {i}: slots not freed"
 
     one_round(0)
-    first = _resources(pids)
+    first = _settled(pids)
     for i in range(1, 6):
         one_round(i)
-    last = _resources(pids)
-    assert last == first, f"threads and descriptors per process grew over 5 rounds: {first} -> {last}"
+    # a left client's socket closes a moment after its sequence is freed: allow it that moment
+    assert _until(lambda: _resources(pids) == first, 10), (
+        f"threads and descriptors per process grew over 5 rounds: {first} -> {_resources(pids)}"
+    )
 
 
 def test_full_queue_is_429_disconnect_frees_slot_and_killing_server_kills_ranks(tmp_path):
