@@ -30,6 +30,16 @@ except RuntimeError:
     pytest.skip("mpiexec not installed", allow_module_level=True)
 
 
+def _release_splits(world) -> list[bool]:
+    """close_splits frees every MPI communicator split so far (each case above split some);
+    a split made afterwards works."""
+    made = list(world._splits or [])
+    world.close_splits()
+    freed = [sub.comm == sub._MPI.COMM_NULL for sub in made]
+    again = world.split([[r] for r in range(world.size)], name="again")
+    return [bool(made), all(freed), again.all_reduce(torch.ones(1)).item() == 1.0, world._splits == [again]]
+
+
 def _all_checks(world, hf_path: str | None) -> dict:
     ws = world.size
     done = []
@@ -59,6 +69,7 @@ def _all_checks(world, hf_path: str | None) -> dict:
     done.append("p2p")
     out = {"done": done, "block_counts": counts, "backend": world.backend, "p2p": p2p}
     out["p2p_mismatch"] = mismatch_case(world)
+    out["splits_released"] = _release_splits(world)
     if hf_path is not None:
         from helpers import tp_group
         from hf_models import greedy
@@ -100,6 +111,7 @@ def test_parity_on_mpi(world_size, llama):
     both = "point-to-point mismatch on group 'pp': rank 0 sends float32 (2, 3) to rank 1, which expects bfloat16 (2, 4)"
     for rank, r in enumerate(results):
         assert r["backend"] == "mpi"
+        assert r["splits_released"] == [True, True, True, True], r["splits_released"]
         assert len(r["done"]) >= 10
         assert all(p["counted"] == p["expected"] and p["other_ops"] == [] for p in r["p2p"]), r["p2p"]
         assert len(r["p2p_mismatch"]) == (rank < 2) and all(both in e for e in r["p2p_mismatch"])
