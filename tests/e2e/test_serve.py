@@ -262,12 +262,13 @@ def test_a_long_running_server_keeps_its_threads_and_descriptors(server):
     """Rounds of requests, streams and clients that leave mid-stream: the server's and its
     ranks' thread and descriptor counts after the last round equal those after the first."""
     pids = sorted(tagged_pids(server.tag))
-    client = server.client()
 
     def one_round(i: int) -> None:
         kw = dict(model="default", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        client = server.client()  # closed at the end of the round: its pooled connections end too
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda k: client.completions.create(prompt=[5, k + 2], **kw), range(8), timeout=120))
+        client.close()
         leaving = [
             _raw_request(server.port, {"prompt": [9, k], "max_tokens": 400, "stream": True, "ignore_eos": True})
             for k in range(4)
