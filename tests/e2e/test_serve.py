@@ -282,10 +282,14 @@ def test_a_long_running_server_keeps_its_threads_and_descriptors(server):
     first = _settled(pids)
     for i in range(1, 6):
         one_round(i)
-    # a left client's socket closes a moment after its sequence is freed: allow it that moment
-    assert _until(lambda: _resources(pids) == first, 10), (
-        f"threads and descriptors per process grew over 5 rounds: {first} -> {_resources(pids)}"
-    )
+
+    # NOTE: a left client's socket closes a moment after its sequence is freed, and the HTTP
+    # thread's worker threads (anyio's) end after 10 s idle: allow them that
+    def no_more() -> bool:
+        now = _resources(pids)
+        return all(now[p][0] <= first[p][0] and now[p][1] <= first[p][1] for p in pids)
+
+    assert _until(no_more, 20), f"threads and descriptors per process grew over 5 rounds: {first} -> {_resources(pids)}"
 
 
 def test_full_queue_is_429_disconnect_frees_slot_and_killing_server_kills_ranks(tmp_path):
