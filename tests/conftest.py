@@ -8,7 +8,8 @@ Three tiers, each a superset of the one before:
   `full` unless it is marked `smoke` or `gate` (each command's representative end-to-end
   cases); elsewhere a test that starts its own job (mpiexec, a fresh launch) where a
   cheaper case in the gate covers the same code says so with @pytest.mark.full.
-- `make test-full` runs everything (CI runs it after the gate).
+- `make test-more` runs only the `full` tests, `make test-full` both (CI runs the gate, then
+  `make test-more`).
 """
 
 from __future__ import annotations
