@@ -17,6 +17,7 @@ from shardwise.log import setup_logging
 
 __all__ = [
     "add_model_args",
+    "add_quantize_arg",
     "add_run_args",
     "add_host_args",
     "add_pp_arg",
@@ -45,6 +46,30 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size: ranks to start (default 2)")
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: the checkpoint's"
+    )
+    add_quantize_arg(p)
+
+
+def quantize_scheme(text: str) -> str:
+    """argparse type of --quantize: the scheme if this machine can run it (one-line error otherwise)."""
+    import torch
+
+    from shardwise.quant import QuantizeError, check_quantize
+
+    try:
+        return check_quantize(text, device="cuda" if torch.cuda.is_available() else "cpu")
+    except QuantizeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_quantize_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quantize",
+        type=quantize_scheme,
+        default=None,
+        metavar="{fp16,int8}",
+        help="store the projections, experts, LM head and embedding table as fp16 or int8 "
+        "(each rank converts its own slices as it loads them; inference only; see docs/models.md)",
     )
 
 

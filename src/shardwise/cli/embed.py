@@ -48,7 +48,7 @@ def _embed_rank(world: Communicator, opts: dict) -> dict:
     from shardwise.hf import load_pretrained
 
     tp = tp_only(world)
-    model, report = load_pretrained(opts["model"], comm=tp, dtype=opts["dtype"])
+    model, report = load_pretrained(opts["model"], comm=tp, dtype=opts["dtype"], quantize=opts.get("quantize"))
     ids = torch.tensor(opts["ids"])  # (B, T)
     mask = torch.tensor(opts["mask"])  # (B, T)
     with torch.no_grad():
@@ -87,7 +87,14 @@ def run(args: argparse.Namespace) -> int:
         bad = [t for t in row[:n] if not 0 <= t < cfg.vocab_size]
         if bad:
             return fail(f"--text {i}: token id {bad[0]} is outside the model's vocabulary of {cfg.vocab_size}")
-    opts = {"model": str(model_dir), "dtype": args.dtype, "ids": ids, "mask": mask, "normalize": args.normalize}
+    opts = {
+        "model": str(model_dir),
+        "dtype": args.dtype,
+        "quantize": args.quantize,
+        "ids": ids,
+        "mask": mask,
+        "normalize": args.normalize,
+    }
     r = job(
         _embed_rank,
         args.tp,

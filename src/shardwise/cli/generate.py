@@ -90,6 +90,7 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
             progress=world.rank == 0 and opts["progress"],
             stage=stage,
             expert_parallel=opts.get("expert_parallel", False),
+            quantize=opts.get("quantize"),
         )
     log.debug("rank %d/%d holds %.1f MiB of parameters", world.rank, world.size, report.param_bytes / 2**20)
     if opts["fail_rank"] == world.rank:  # after loading, so the others are already in a collective
@@ -136,6 +137,7 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
         "backend": tp.backend,
         "model": opts["model_name"],
         "dtype": report.config.dtype,
+        "quantize": opts.get("quantize"),
         "prefill_ms": round(res.prefill_ms, 3),
         "decode_ms_per_token": round(statistics.median(res.decode_ms), 3) if res.decode_ms else None,
         "param_bytes_per_rank": per_rank[:, 0].tolist(),
@@ -161,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         "model": str(model_dir),
         "model_name": "default (trained on Jane Austen)" if model_dir == DEFAULT_MODEL else str(model_dir),
         "dtype": args.dtype,
+        "quantize": args.quantize,
         "prompts": prompts,
         "max_new_tokens": args.max_new_tokens,
         "sampling": {
@@ -205,7 +208,9 @@ def run(args: argparse.Namespace) -> int:
     where = f"tp={result['tp']}" if result["pp"] == 1 else f"tp={result['tp']} x pp={result['pp']}"
     where += ", expert-parallel" if args.expert_parallel else ""
     print(
-        f"{where} ({result['backend']}), {result['dtype']}: {n} tokens, "
+        f"{where} ({result['backend']}), {result['dtype']}"
+        + (f", {result['quantize']} weights" if result["quantize"] else "")
+        + f": {n} tokens, "
         f"prefill {result['prefill_ms']:.1f} ms, decode {result['decode_ms_per_token'] or 0:.2f} ms/token (median), "
         f"{calls} collectives/token" + (" along the pipeline" if result["pp"] > 1 else "")
     )
@@ -216,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     mib = 2**20
     params = ", ".join(f"{b / mib:.1f}" for b in result["param_bytes_per_rank"])
     peaks = ", ".join(f"{b / mib:.1f}" for b in result["peak_load_anon_bytes_per_rank"])
-    print(f"parameters MiB per rank: {params}; peak anonymous MiB while loading, per rank: {peaks}")
+    print(f"{'weights' if result['quantize'] else 'parameters'} MiB per rank: {params}; peak anonymous MiB while loading, per rank: {peaks}")
     if args.compare_tp1:
         verdict = "yes" if result["matches_tp1"] else "NO"
         print(f"same tokens as tp=1: {verdict}")

@@ -73,11 +73,34 @@ def _experts(model) -> list[dict]:
     ]
 
 
+def _tensor_bytes(model, width: int, quantize: str | None, *, local: bool = True) -> dict[str, tuple[int, str]]:
+    """{parameter name: (bytes, format)} of a sharded meta model: `width` bytes per element, or
+    what --quantize makes of it (a tied matrix converted for both of its uses counts twice)."""
+    from shardwise.quant.convert import conversion_targets, quantized_bytes
+
+    targets = conversion_targets(model, quantize) if quantize else {}
+    out = {}
+    for name, spec in model_shard_specs(model).items():
+        shape = spec.local_shape if local else spec.global_shape
+        if name in targets:
+            out[name] = (len(targets[name]) * quantized_bytes(tuple(shape), quantize), quantize)
+        else:
+            out[name] = (width * torch.Size(shape).numel(), "")
+    return out
+
+
 def describe(
-    model_dir, cfg, tp: int, prompt_len: int = 128, dtype: str | None = None, *, expert_parallel: bool = False
+    model_dir,
+    cfg,
+    tp: int,
+    prompt_len: int = 128,
+    dtype: str | None = None,
+    *,
+    expert_parallel: bool = False,
+    quantize: str | None = None,
 ) -> dict:
     """Rank 0's view of the plan: per tensor split and bytes, totals, collectives per step; for a
-    mixture of experts, the experts every rank holds."""
+    mixture of experts, the experts every rank holds. quantize: bytes as --quantize stores them."""
     from shardwise.hf import FAMILIES
 
     family = FAMILIES[cfg.family]
@@ -88,17 +111,19 @@ def describe(
     parallelize(model, _plan(family, cfg, expert_parallel), comm=comm)
     specs = model_shard_specs(model)
     width = _BYTES[dtype]
+    sized = _tensor_bytes(model, width, quantize)
     tensors = [
         {
             "name": name,
             "global_shape": list(spec.global_shape),
             "split": _split(spec),
             "local_shape": list(spec.local_shape),
-            "bytes_per_rank": width * torch.Size(spec.local_shape).numel(),
+            "format": sized[name][1] or dtype,
+            "bytes_per_rank": sized[name][0],
         }
         for name, spec in specs.items()
     ]
-    full = width * sum(torch.Size(s.global_shape).numel() for s in specs.values())
+    full = sum(b for b, _ in _tensor_bytes(model, width, quantize, local=False).values())
     bal = balance(cfg, tp, expert_parallel=expert_parallel) if tp > 1 else None
     per_rank = [sum(t["bytes_per_rank"] for t in tensors)]
     experts = [_experts(model)] if cfg.num_experts else []
@@ -107,7 +132,7 @@ def describe(
             with on_meta():
                 other = family.model(cfg)
             parallelize(other, _plan(family, cfg, expert_parallel), comm=DryRunCommunicator(tp, r))
-            per_rank.append(width * sum(torch.Size(s.local_shape).numel() for s in model_shard_specs(other).values()))
+            per_rank.append(sum(b for b, _ in _tensor_bytes(other, width, quantize).values()))
             if experts:
                 experts.append(_experts(other))
     counts = {}
@@ -125,6 +150,7 @@ def describe(
         "family": family.name,
         "tp": tp,
         "dtype": dtype,
+        "quantize": quantize,
         "tensors": tensors,
         "bytes_per_rank": per_rank[0],
         "bytes_by_rank": per_rank if len(per_rank) == tp else per_rank * tp,
@@ -147,7 +173,14 @@ def describe(
 
 
 def describe_stages(
-    cfg, tp: int, layout: StageLayout, prompt_len: int = 128, dtype: str | None = None, *, expert_parallel: bool = False
+    cfg,
+    tp: int,
+    layout: StageLayout,
+    prompt_len: int = 128,
+    dtype: str | None = None,
+    *,
+    expert_parallel: bool = False,
+    quantize: str | None = None,
 ) -> list[dict]:
     """Per pipeline stage (its tp rank 0): layers, embedding / head, parameter bytes per rank,
     and the collectives of one decode step at batch 1 through the inference pipeline."""
@@ -177,7 +210,7 @@ def describe_stages(
                 "embedding": model.embed is not None,
                 "head": model.lm_head is not None,
                 "tensors": len(specs),
-                "bytes_per_rank": width * sum(torch.Size(t.local_shape).numel() for t in specs.values()),
+                "bytes_per_rank": sum(b for b, _ in _tensor_bytes(model, width, quantize).values()),
                 "decode_step": decode.snapshot(),
             }
         )
@@ -221,22 +254,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardwise: error: --pp {args.pp}: pipeline stages need a decoder family, not {cfg.family}")
         return 2
     ep = args.expert_parallel
-    info = describe(model_dir, cfg, args.tp, args.prompt_len, args.dtype, expert_parallel=ep)
+    q = args.quantize
+    info = describe(model_dir, cfg, args.tp, args.prompt_len, args.dtype, expert_parallel=ep, quantize=q)
     if layout is not None:
         info["pp"] = args.pp
-        info["stages"] = describe_stages(cfg, args.tp, layout, args.prompt_len, args.dtype, expert_parallel=ep)
+        info["stages"] = describe_stages(
+            cfg, args.tp, layout, args.prompt_len, args.dtype, expert_parallel=ep, quantize=q
+        )
     if args.json:
         print(json.dumps(info))
         return 0
     mib = 2**20
-    print(f"{info['family']} model at {model_dir}, tp={args.tp}, {info['dtype']} (rank 0 shown)\n")
-    print(f"{'tensor':<34} {'global shape':<14} {'split':<40} {'local shape':<14} {'MiB/rank':>9}")
+    stored = f", --quantize {q}" if q else ""
+    print(f"{info['family']} model at {model_dir}, tp={args.tp}, {info['dtype']}{stored} (rank 0 shown)\n")
+    print(f"{'tensor':<34} {'global shape':<14} {'split':<40} {'local shape':<14} {'format':<9} {'MiB/rank':>9}")
     for t in info["tensors"]:
         shape = "x".join(map(str, t["global_shape"]))
         local = "x".join(map(str, t["local_shape"]))
-        print(f"{t['name']:<34} {shape:<14} {t['split']:<40} {local:<14} {t['bytes_per_rank'] / mib:>9.3f}")
+        print(
+            f"{t['name']:<34} {shape:<14} {t['split']:<40} {local:<14} {t['format']:<9} {t['bytes_per_rank'] / mib:>9.3f}"
+        )
     print(
-        f"\nparameters per rank: {info['bytes_per_rank'] / mib:.2f} MiB of {info['bytes_unsharded'] / mib:.2f} MiB "
+        f"\n{'weights' if q else 'parameters'} per rank: {info['bytes_per_rank'] / mib:.2f} MiB of {info['bytes_unsharded'] / mib:.2f} MiB "
         f"unsharded ({info['bytes_per_rank'] / info['bytes_unsharded']:.0%})"
     )
     if info["balance"] is not None:

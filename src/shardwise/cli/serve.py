@@ -19,6 +19,7 @@ from shardwise.cli.common import (
     add_expert_parallel_arg,
     add_host_args,
     add_pp_arg,
+    add_quantize_arg,
     fail,
     job,
     resolve_model,
@@ -50,6 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: the checkpoint's"
     )
+    add_quantize_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     p.add_argument(
@@ -135,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         model=str(model_dir),
         model_name=args.served_model_name or ("default" if default else model_dir.resolve().name),
         dtype=args.dtype,
+        quantize=args.quantize,
         host=args.host,
         port=args.port,
         max_batch_size=args.max_batch_size,

@@ -42,7 +42,9 @@ __all__ = ["add_parser", "run"]
 
 SEED = 0
 LENGTHS = (8, 5)  # real tokens of the 2 prompts; the second is padded to the first
-TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2, "fp16": 2e-2, "int8": 2e-1}
+"""Default max relative error by dtype, or by --quantize scheme (int8: activations are
+quantized per call, per tensor, so a rank's slice and the whole row round differently)."""
 Err = dict | None  # {"max_abs", "max_rel"} (None values: non-finite), or None: not compared
 
 
@@ -151,6 +153,7 @@ def _staged(world: Communicator, opts: dict):
         dtype=opts["dtype"],
         stage=(layout, mesh.pp_rank),
         expert_parallel=opts["expert_parallel"],
+        quantize=opts["quantize"],
     )
     ids, mask = _inputs(report.config.vocab_size, False)
     outs: list[torch.Tensor] = []
@@ -193,7 +196,11 @@ def _verify_rank(world: Communicator, opts: dict) -> dict | None:
     else:
         tp = tp_only(world)
         model, report = load_pretrained(
-            opts["model"], comm=tp, dtype=opts["dtype"], expert_parallel=opts["expert_parallel"]
+            opts["model"],
+            comm=tp,
+            dtype=opts["dtype"],
+            expert_parallel=opts["expert_parallel"],
+            quantize=opts["quantize"],
         )
         encoder, family = isinstance(model, BertEncoder), report.family
         dtype = next(model.parameters()).dtype
@@ -202,7 +209,7 @@ def _verify_rank(world: Communicator, opts: dict) -> dict | None:
         if tp.rank != 0:
             return None
     del model
-    full, _ = load_pretrained(opts["model"], comm=LocalCommunicator(), dtype=opts["dtype"])
+    full, _ = load_pretrained(opts["model"], comm=LocalCommunicator(), dtype=opts["dtype"], quantize=opts["quantize"])
     unsharded, unsharded_final = _forward(full, family, ids, mask)
     del full
     gc.collect()
@@ -225,6 +232,7 @@ def _verify_rank(world: Communicator, opts: dict) -> dict | None:
         "pp": opts["pp"],
         "backend": world.backend,
         "dtype": str(dtype).replace("torch.", ""),
+        "quantize": opts["quantize"],
         "lengths": list(LENGTHS),
         "layers": layers,
         "final": {
@@ -265,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
     opts = {
         "model": str(model_dir),
         "dtype": args.dtype,
+        "quantize": args.quantize,
         "pp": args.pp,
         "num_layers": cfg.num_layers if cfg else 0,
         "expert_parallel": args.expert_parallel,
@@ -281,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if r is None:  # a non-zero rank under an external launcher
         return 0
-    tol = args.tolerance if args.tolerance is not None else TOLERANCE[r["dtype"]]
+    tol = args.tolerance if args.tolerance is not None else TOLERANCE[r["quantize"] or r["dtype"]]
     layers, final = r["layers"], r["final"]
     within = lambda x: _ok(x["vs_unsharded"], tol) and _ok(x["vs_transformers"], tol)
     first = next((x["layer"] for x in layers if not within(x)), None)
@@ -294,7 +303,9 @@ def run(args: argparse.Namespace) -> int:
     layout = f"tp={r['tp']}" if r["pp"] == 1 else f"tp={r['tp']} x pp={r['pp']}"
     layout += ", expert-parallel" if args.expert_parallel else ""
     print(
-        f"verify: {r['family']} model at {model_dir}, {layout} ({r['backend']}), {r['dtype']}, "
+        f"verify: {r['family']} model at {model_dir}, {layout} ({r['backend']}), {r['dtype']}"
+        + (f", --quantize {r['quantize']} (the unsharded twin too)" if r["quantize"] else "")
+        + ", "
         f"2 prompts of {' and '.join(map(str, r['lengths']))} tokens, real tokens only"
     )
     print(f"\n{'':<10} {'sharded vs unsharded':>23}   {'sharded vs transformers':>23}")

@@ -38,6 +38,7 @@ from shardwise.hf.families import supported_model_types
 from shardwise.hf.fill import DTYPES, LoadReport, assign, bytes_read, dtype_name, refuse_unexpected
 from shardwise.hf.sources import Src, read_shard, segments
 from shardwise.layers import ShardError, model_shard_specs, split_sizes, valid_tp_sizes
+from shardwise.quant.convert import conversion_targets, convert_param, weight_bytes
 from shardwise.sharding import Colwise, Rowwise, Style, Vocab, parallelize
 
 __all__ = ["load_auto", "auto_plan", "check_auto"]
@@ -257,7 +258,12 @@ def check_auto(path: str | Path, tp: int) -> None:
 
 
 def load_auto(
-    path: str | Path, *, comm: Communicator, dtype: str | torch.dtype | None = None, progress: bool = False
+    path: str | Path,
+    *,
+    comm: Communicator,
+    dtype: str | torch.dtype | None = None,
+    progress: bool = False,
+    quantize: str | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """Build the transformers model on meta, shard it by auto_plan and read this rank's slices."""
     path = Path(path)
@@ -281,10 +287,15 @@ def load_auto(
     refuse_unexpected(
         ckpt, segs, ignore, what=f"a {model_type} model with num_hidden_layers={hf_config.num_hidden_layers}"
     )
+    convert = conversion_targets(model, quantize) if quantize else {}
     loaded: dict[str, torch.Tensor] = {}
     n_read = 0
     for n, spec in tqdm(specs.items(), desc=f"loading shards (tp={comm.size})", disable=not progress, leave=False):
-        loaded[n] = read_shard(ckpt, segs[n], spec, params[n].dtype)  # (local shape)
+        t = read_shard(ckpt, segs[n], spec, params[n].dtype)  # (local shape)
+        if n in convert:
+            convert_param(convert[n], t)  # converted now: the float copy is dropped here
+        else:
+            loaded[n] = t
         n_read += bytes_read(spec, ckpt.info(src[n]).dtype)
     assign(model, loaded)
     _fill_buffers(model, ckpt, to_ckpt)
@@ -292,8 +303,7 @@ def load_auto(
     left = [f"{p}.{k}".lstrip(".") for p, m in model.named_modules() for k, v in _tensors(m).items() if v.is_meta]
     if left:
         raise CheckpointError(f"{path}: tensors still on the meta device after loading: {', '.join(left)}")
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return model.eval(), LoadReport(f"auto:{model_type}", hf_config, param_bytes, n_read)
+    return model.eval(), LoadReport(f"auto:{model_type}", hf_config, weight_bytes(model), n_read)
 
 
 def _name_map(ckpt: Checkpoint, model: nn.Module, probe: str):

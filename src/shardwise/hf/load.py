@@ -37,6 +37,8 @@ from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.meta import on_meta
 from shardwise.pipeline.stage import keep_stage
+from shardwise.quant.convert import conversion_targets, convert_param, weight_bytes
+from shardwise.quant.schemes import check_quantize
 from shardwise.sharding import parallelize
 from shardwise.sharding.plans import check_tp
 
@@ -109,6 +111,7 @@ def load_pretrained(
     progress: bool = False,
     stage: tuple | None = None,
     expert_parallel: bool = False,
+    quantize: str | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """Build, shard and fill a model from a Hugging Face directory; returns (model, report).
 
@@ -119,15 +122,20 @@ def load_pretrained(
     expert_parallel: a mixture-of-experts model's layers hold whole experts per rank
     (shardwise.layers.moe) instead of every expert's slice.
 
+    quantize: "fp16" or "int8" converts the projections, experts, LM head and embedding
+    table (shardwise.quant.convert) as each tensor is read, so a rank never holds more than
+    its converted share plus the tensor being converted. Inference only.
+
     Architectures without shardwise model code go to the automatic plan (shardwise.hf.auto).
     """
+    check_quantize(quantize)
     m = resolve_model(path, auto=True, expert_parallel=expert_parallel)
     if m.family is None:
         if stage is not None:
             raise ShardError(
                 f"{path}: pipeline stages need a model family shardwise has code for, not the automatic plan"
             )
-        return load_auto(path, comm=comm, dtype=dtype, progress=progress)
+        return load_auto(path, comm=comm, dtype=dtype, progress=progress, quantize=quantize)
     family, cfg = m.family, m.config
     if dtype is not None:
         cfg = replace(cfg, dtype=dtype_name(dtype))
@@ -156,16 +164,20 @@ def load_pretrained(
         specs = model_shard_specs(model)
 
     target = DTYPES[cfg.dtype]
+    convert = conversion_targets(model, quantize) if quantize else {}
     loaded: dict[str, torch.Tensor] = {}
     n_read = 0
     bar = tqdm(specs.items(), desc=f"loading shards (tp={comm.size})", unit="tensor", disable=not progress, delay=0.5)
     for name, spec in bar:
-        loaded[name] = read_shard(ckpt, plan[name], spec, target)
+        t = read_shard(ckpt, plan[name], spec, target)
+        if name in convert:
+            convert_param(convert[name], t)  # converted now: the float copy is dropped here
+        else:
+            loaded[name] = t
         n_read += bytes_read(spec, ckpt.info(table[name][0].name).dtype)
     ckpt.close()
     assign(model, loaded)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return model.eval(), LoadReport(family.name, cfg, param_bytes, n_read)
+    return model.eval(), LoadReport(family.name, cfg, weight_bytes(model), n_read)
 
 
 def _prefix(ckpt: Checkpoint, family: Family) -> str:

@@ -12,7 +12,6 @@ LM head:    logits_i = X E_i^T, vocab-parallel; gathered only when asked.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region, gather_from_region, reduce_from_region
@@ -20,6 +19,7 @@ from shardwise.comm.regions import reduce_scatter_to_sequence
 from shardwise.layers.partition import padded_size
 from shardwise.layers.sequence import sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec
+from shardwise.quant.weights import embedding, linear
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelLMHead", "VocabShard"]
 
@@ -90,11 +90,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
-            return F.embedding(ids, self.weight)  # (..., D)
+            return embedding(ids, self.weight)  # (..., D)
         s = self.shard
         outside = (ids < s.start) | (ids >= s.end)  # (...,) ids another rank holds
         local_ids = (ids - s.start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0)  # (..., D)
+        out = embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0)  # (..., D)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.comm)  # (B, T/p, D): reduce-scatter fwd, all-gather bwd
         return reduce_from_region(out, self.comm, inplace=True)  # all-reduce fwd (in place), identity bwd
@@ -185,7 +185,7 @@ class VocabParallelLMHead(nn.Module):
             logits = sequence_parallel_linear(x, self.weight, self.bias, self.comm)  # (B, T/p, D) -> (B, T, V_pad/p)
         else:
             x = copy_to_region(x, self.comm)  # (..., D)   identity fwd, all-reduce bwd
-            logits = F.linear(x, self.weight, self.bias)  # (..., V_pad/p)
+            logits = linear(x, self.weight, self.bias)  # (..., V_pad/p)
         n_real = self.shard.real_end - self.shard.start
         if n_real < self.shard.local:  # NOTE: only ranks holding padded rows pay for the mask
             pad = torch.arange(self.shard.local, device=logits.device) >= n_real

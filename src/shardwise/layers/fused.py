@@ -23,6 +23,7 @@ from shardwise.layers.linear import _init_
 from shardwise.layers.partition import HeadLayout, ShardError, divide, split_ranges
 from shardwise.layers.sequence import sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec
+from shardwise.quant.weights import linear
 
 __all__ = ["QKVParallelLinear", "MergedColumnParallelLinear", "SumReplicaGrads"]
 
@@ -152,7 +153,7 @@ class QKVParallelLinear(nn.Module):
             return self._sequence_parallel_forward(x)
         x = copy_to_region(x, self.comm)  # (..., hidden)   identity fwd, all-reduce bwd
         if not self.layout.replicated or not (torch.is_grad_enabled() and self.weight.requires_grad):
-            return F.linear(x, self.weight, self.bias)  # (..., q + 2kv)
+            return linear(x, self.weight, self.bias)  # (..., q + 2kv)
         # NOTE: replicated KV heads: each replica's gradient covers only its own query
         # heads. Route the k/v rows through SumReplicaGrads so that the replicas' weight
         # gradients are summed in backward, giving each the unsharded gradient.
@@ -284,7 +285,7 @@ class MergedColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             return sequence_parallel_linear(x, self.weight, self.bias, self.comm)  # (B, T/p, in) -> (B, T, sum/p)
         x = copy_to_region(x, self.comm)  # (..., in)   identity fwd, all-reduce bwd
-        return F.linear(x, self.weight, self.bias)  # (..., sum(out)/p)
+        return linear(x, self.weight, self.bias)  # (..., sum(out)/p)
 
     def extra_repr(self) -> str:
         return (

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region, gather_from_region, reduce_from_region
@@ -29,6 +28,7 @@ from shardwise.comm.regions import reduce_scatter_to_sequence
 from shardwise.layers.partition import HeadLayout, split_ranges
 from shardwise.layers.sequence import sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec
+from shardwise.quant.weights import linear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -126,7 +126,7 @@ class ColumnParallelLinear(nn.Module):
             y = sequence_parallel_linear(x, self.weight, self.bias, self.comm)  # (B, T/p, in) -> (B, T, out/p)
         else:
             x = copy_to_region(x, self.comm)  # (..., in)        identity fwd, all-reduce bwd
-            y = F.linear(x, self.weight, self.bias)  # (..., out/p)
+            y = linear(x, self.weight, self.bias)  # (..., out/p)
         if self.gather_output:
             y = gather_from_region(y, self.comm, sizes=self.sizes)  # (..., out)
         return y
@@ -216,7 +216,7 @@ class RowParallelLinear(nn.Module):
         return specs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (..., in/p) -> (..., out), a partial sum
+        y = linear(x, self.weight)  # (..., in/p) -> (..., out), a partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.comm)  # (B, T/p, out): reduce-scatter fwd, all-gather bwd
         else:

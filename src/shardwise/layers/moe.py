@@ -20,13 +20,13 @@ the partial sums, so their gradients are partial too; copy_to_region all-reduces
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region, reduce_from_region
 from shardwise.layers.partition import ShardError, split_ranges
 from shardwise.layers.spec import ShardSpec
 from shardwise.models.moe import Experts, MoE, route
+from shardwise.quant.weights import linear
 
 __all__ = ["ParallelMoE", "ShardedExperts", "SlicedLinear", "PartialMLP", "expert_ranges", "expert_specs"]
 
@@ -109,7 +109,7 @@ class SlicedLinear(nn.Module):
         return {"weight": self.spec}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class PartialMLP(nn.Module):

@@ -29,6 +29,7 @@ from torch import nn
 
 from shardwise.models.config import ModelConfig
 from shardwise.models.modules import ACTIVATIONS, MLP
+from shardwise.quant.weights import expert_blocks, linear
 
 __all__ = ["route", "Experts", "MoE", "load_balancing_loss", "moe_blocks"]
 
@@ -63,8 +64,8 @@ class Experts(nn.Module):
         -> (N, H): the weighted outputs of the experts held here (zero rows elsewhere)."""
         N, H = x.shape
         E, k = self.num_local, idx.shape[1]
-        up = self.up.view(E, -1, H)  # (E, 2I, H)
-        down = self.down.view(E, H, -1)  # (E, H, I)
+        up = expert_blocks(self.up, E)  # E x (2I, H)
+        down = expert_blocks(self.down, E)  # E x (H, I)
         local = (idx - self.first).reshape(-1)  # (N * k,)
         mine = ((local >= 0) & (local < E)).nonzero().squeeze(1)  # positions in (N * k) routed here
         expert = local[mine]
@@ -75,8 +76,8 @@ class Experts(nn.Module):
         outs = []
         for e, xe in enumerate(x[tokens].split(counts)):  # (n_e, H) each
             if xe.shape[0]:
-                gate, up_ = F.linear(xe, up[e]).chunk(2, dim=-1)  # (n_e, I) each
-                outs.append(F.linear(self.act(gate) * up_, down[e]))  # (n_e, H)
+                gate, up_ = linear(xe, up[e]).chunk(2, dim=-1)  # (n_e, I) each
+                outs.append(linear(self.act(gate) * up_, down[e]))  # (n_e, H)
         if not outs:
             return x.new_zeros(N, H) + 0 * x  # keeps the graph (and dtype) when nothing is routed here
         y = torch.cat(outs) * weights.reshape(-1)[mine].unsqueeze(1)  # (M, H)

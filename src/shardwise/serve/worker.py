@@ -54,6 +54,7 @@ class ServeOptions:
     model: str
     model_name: str
     dtype: str | None
+    quantize: str | None
     host: str
     port: int
     max_batch_size: int
@@ -106,6 +107,7 @@ class _Engine:
             progress=False,
             stage=stage,
             expert_parallel=opts.expert_parallel,
+            quantize=opts.quantize,
         )
         if stage is not None:
             self.stages = StageForward(self.model, mesh)

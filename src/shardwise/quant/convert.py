@@ -1,0 +1,146 @@
+"""What `--quantize` converts, and converting it: as each tensor is loaded, or a loaded model.
+
+Converted (the choice, measured in docs/benchmarks.md "Quantized weights"):
+    projections   every parallel linear: attention qkv and o, MLP up/gate and down, the
+                  shared expert, the LM head (decode streams these weights every token)
+    experts       each expert's up and down block (a MoE's bulk of bytes)
+    embeddings    the input table (read one row per token: converted for memory; rows are
+                  dequantized on lookup)
+Kept in the model's dtype: norms, biases, position tables, MoE routers (tiny, and routing
+decisions are sensitive to them).
+
+Tied embeddings: the LM head needs its kernel's packed layout, the lookup needs rows, so a
+tied vocabulary matrix is converted twice (int8: 2 bytes per weight where fp32 tied held 4;
+fp16: 4, as fp32 tied).
+
+    targets = conversion_targets(model, "int8")       # {param name: [Target]} on a meta model
+    convert_param(targets[name], tensor)              # as the loader reads each tensor
+    quantize_model(model, "int8")                     # or all at once, for a loaded model
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardwise.layers.embedding import VocabParallelEmbedding, VocabParallelLMHead
+from shardwise.layers.fused import MergedColumnParallelLinear, QKVParallelLinear
+from shardwise.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardwise.layers.moe import SlicedLinear
+from shardwise.models.moe import Experts
+from shardwise.quant.schemes import SCHEMES
+from shardwise.quant.weights import QuantizedExperts, QuantizedTable, QuantizedWeight
+
+__all__ = ["Target", "conversion_targets", "convert_param", "quantize_model", "weight_bytes", "quantized_bytes"]
+
+LINEARS = (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    QKVParallelLinear,
+    MergedColumnParallelLinear,
+    VocabParallelLMHead,
+    SlicedLinear,
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One place a parameter is used and what it becomes there."""
+
+    module: nn.Module
+    attr: str
+    kind: str  # "linear" | "experts" | "table"
+    scheme: str
+
+    def convert(self, t: torch.Tensor):
+        if self.kind == "linear":
+            return QuantizedWeight(t, self.scheme)
+        if self.kind == "experts":
+            return QuantizedExperts(t, self.module.num_local, self.scheme)
+        return QuantizedTable(t, self.scheme)
+
+
+def _kind(module: nn.Module, attr: str) -> str | None:
+    if isinstance(module, LINEARS) and attr == "weight":
+        return "linear"
+    if isinstance(module, Experts) and attr in ("up", "down"):
+        return "experts"
+    if isinstance(module, VocabParallelEmbedding) and attr == "weight":
+        return "table"
+    return None
+
+
+def conversion_targets(model: nn.Module, scheme: str) -> dict[str, list[Target]]:
+    """{parameter name (as model_shard_specs names it): every Target it becomes} for the
+    parameters `scheme` converts. A tied parameter has one name and two targets."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; supported: {', '.join(SCHEMES)}")
+    by_id: dict[int, list[Target]] = {}
+    first_name: dict[int, str] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            first_name.setdefault(id(p), f"{mod_name}.{attr}" if mod_name else attr)
+            kind = _kind(module, attr)
+            if kind is not None and not any(t.module is module and t.attr == attr for t in by_id.get(id(p), [])):
+                by_id.setdefault(id(p), []).append(Target(module, attr, kind, scheme))
+    uses: dict[int, int] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                uses[id(p)] = uses.get(id(p), 0) + 1
+    out = {}
+    for pid, targets in by_id.items():
+        if len(targets) != uses[pid]:  # used somewhere we do not convert: leave it whole
+            continue
+        out[first_name[pid]] = targets
+    return out
+
+
+def convert_param(targets: list[Target], t: torch.Tensor) -> None:
+    """Put `t` (this rank's loaded slice) converted into each of its targets."""
+    for target in targets:
+        q = target.convert(t)
+        target.module._parameters.pop(target.attr, None)
+        setattr(target.module, target.attr, q)
+
+
+def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
+    """Convert a loaded (parallelized or plain) model's weights in place, one tensor at a time."""
+    params = dict(model.named_parameters())
+    for name, targets in conversion_targets(model, scheme).items():
+        convert_param(targets, params[name].detach())
+    return model
+
+
+def quantized_bytes(shape: tuple[int, int], scheme: str) -> int:
+    """Bytes a (rows, cols) tensor takes once converted (for planning on a meta model)."""
+    rows, cols = shape[0], shape[1]
+    per = 2 if scheme == "fp16" else 1
+    scales = 0 if scheme == "fp16" else 4 * rows
+    return per * rows * cols + scales
+
+
+def weight_bytes(model: nn.Module, scheme: str | None = None) -> int:
+    """Bytes of weights this rank holds: parameters plus converted weights, each counted
+    once. With `scheme` on an unconverted (e.g. meta) model: the bytes it would hold."""
+    seen: set[int] = set()
+    total = 0
+    pending = conversion_targets(model, scheme) if scheme else {}
+    planned = {(id(t.module), t.attr) for ts in pending.values() for t in ts}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            if (id(module), attr) in planned:
+                total += quantized_bytes(tuple(p.shape), scheme)
+                continue
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        for v in vars(module).values():
+            if isinstance(v, QuantizedWeight | QuantizedExperts | QuantizedTable) and id(v) not in seen:
+                seen.add(id(v))
+                total += v.nbytes
+    return total
