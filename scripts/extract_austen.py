@@ -1,7 +1,10 @@
-"""Extract the shipped training corpus, data/austen/austen.txt, from Debian's r-cran-janeaustenr.
+"""Extract the shipped texts from Debian's r-cran-janeaustenr: the training corpus,
+data/austen/austen.txt, and the held-out text, data/austen/heldout.txt (Emma's opening).
 
     apt-get download r-cran-janeaustenr && dpkg-deb -x r-cran-janeaustenr_*.deb x
     .venv/bin/python scripts/extract_austen.py x/usr/lib/R/site-library/janeaustenr/data/Rdata
+    .venv/bin/python scripts/extract_austen.py x/usr/lib/R/site-library/janeaustenr/data/Rdata \
+        --books emma --max-bytes 60000 --out data/austen/heldout.txt
 
 The R package stores each novel as a character vector of lines in an R lazy-load
 database (Rdata.rdx: index; Rdata.rdb: zlib-compressed objects in R's XDR
@@ -17,7 +20,8 @@ import struct
 import zlib
 from pathlib import Path
 
-BOOKS = ("prideprejudice", "persuasion", "northangerabbey")
+BOOKS = ("prideprejudice", "persuasion", "northangerabbey")  # the training corpus
+ALL_BOOKS = (*BOOKS, "sensesensibility", "mansfieldpark", "emma")
 OUT = Path(__file__).resolve().parent.parent / "data" / "austen" / "austen.txt"
 
 
@@ -95,9 +99,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rdata", type=Path, help=".../janeaustenr/data/Rdata (without suffix)")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--books", default=",".join(BOOKS), help=f"comma-separated, of {', '.join(ALL_BOOKS)} (default: the corpus)"
+    )
+    parser.add_argument(
+        "--max-bytes", type=int, default=None, help="keep the paragraphs that fit in this many bytes (default: all)"
+    )
     args = parser.parse_args()
+    books = args.books.split(",")
+    if unknown := [b for b in books if b not in ALL_BOOKS]:
+        parser.error(f"unknown book(s) {', '.join(unknown)}; the package holds {', '.join(ALL_BOOKS)}")
     objects = read_lazyload(args.rdata)
-    text = "\n\n\n".join("\n".join(line or "" for line in objects[book]).strip() for book in BOOKS) + "\n"
+    text = "\n\n\n".join("\n".join(line or "" for line in objects[book]).strip() for book in books) + "\n"
+    if args.max_bytes is not None and len(text.encode()) > args.max_bytes:
+        # NOTE: cut at the last paragraph break that fits, so no sentence is left half-written
+        cut = text.encode()[: args.max_bytes].decode("utf-8", errors="ignore")
+        text = cut[: cut.rfind("\n\n")].rstrip() + "\n"
     args.out.write_text(text, encoding="utf-8")
     digest = hashlib.sha256(text.encode()).hexdigest()
     print(f"wrote {args.out}: {len(text):,} characters, {len(text.encode()):,} bytes, sha256 {digest}")

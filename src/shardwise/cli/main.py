@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from shardwise import __version__
-from shardwise.cli import bench, checkpoint, demo, embed, generate, info, plan, serve, train, verify
+from shardwise.cli import bench, checkpoint, demo, embed, eval_ppl, generate, info, plan, serve, train, verify
 
 __all__ = ["main", "build_parser"]
 
@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "train": train,
     "checkpoint": checkpoint,
     "plan": plan,
+    "eval-ppl": eval_ppl,
 }
 
 
