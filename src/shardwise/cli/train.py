@@ -83,6 +83,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["auto", "mpi", "gloo", "nccl"], default=None, help="override parallel.backend")
     p.add_argument("--timeout", type=float, default=None, help="override parallel.timeout_s")
     p.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
+    # accepted only to be refused with the reason (quantized weights are for inference)
+    p.add_argument("--quantize", default=None, help=argparse.SUPPRESS)
     add_host_args(p)
 
 
@@ -366,12 +368,14 @@ def startup_line(cfg, model_cfg, tokens, backend: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from shardwise.hf import CheckpointError
     from shardwise.layers import ShardError
+    from shardwise.quant import QuantizeError, check_quantize
     from shardwise.train import ConfigError, DataError
 
     try:
+        check_quantize(args.quantize, training=True)
         cfg = load_config(args)
         model_cfg, tokens, backend = prepare(cfg)
-    except (ConfigError, DataError, ShardError, CheckpointError, OSError, ValueError) as e:
+    except (ConfigError, DataError, ShardError, CheckpointError, OSError, ValueError, QuantizeError) as e:
         return fail(str(e))
     if not args.json:
         print(startup_line(cfg, model_cfg, tokens, backend), flush=True)
