@@ -24,7 +24,8 @@ def test_plan_a_preset_as_json_and_bad_input():
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["recommended"]["layout"] == plan["layout"] == "tp=1,pp=1,dp=8"
-    assert plan["schedule"] is None and plan["microbatches"] is None and plan["command"] is None
+    assert plan["schedule"] is None and plan["microbatches"] is None and plan["quantize"] is None
+    assert plan["command"] == "shardwise serve --model MODEL --tp 1 --max-batch-size 4 --max-model-len 640"
     assert plan["model"]["parameters"] == 8_030_261_248  # Llama-3-8B
     assert {c["tp"] for c in plan["layouts"]} == set(range(1, 9))  # any tp up to the 8 devices (32 heads)
     assert {c["tp"] for c in plan["layouts"] if c["uneven"] is None} == {1, 2, 4, 8}
@@ -98,3 +99,41 @@ def test_plan_inference_ranks_pipelines_like_other_layouts():
     assert "recommended: tp=2 pp=1 dp=4" in out.stdout
     assert "tp=1 pp=2 dp=4" in out.stdout and "not recommended for inference" not in out.stdout
     assert "shardwise train" not in out.stdout
+
+
+@pytest.mark.gate
+def test_plan_recommends_quantized_weights_when_nothing_else_fits(tmp_path):
+    from shardwise.bench.calibrate import VERSION, _cores
+
+    # this-host with fbgemm's kernels as docs/bench_kernels.json measured them (TFLOP/s by rows)
+    rates = {"fp16": {"1": 0.0080, "4": 0.0251, "16": 0.0328}, "int8": {"1": 0.0153, "4": 0.0671, "16": 0.0972}}
+    cal = {
+        "host": platform.node() or "localhost", "torch": torch.__version__, "devices": _cores(), "memory_gib": 16.0,
+        "gemm_tflops": {"float32": 0.05}, "mem_gbps": 10.7, "layer_overhead_us": 200.0, "step_overhead_us": 200.0,
+        "links": {"gloo": {"latency_us": 300.0, "busbw_gbps": 1.0, "points": []}}, "quantized_rows_tflops": rates,
+        "version": VERSION,
+    }  # fmt: skip
+    (tmp_path / "calibration.json").write_text(json.dumps(cal))
+    env = {"SHARDWISE_CACHE_DIR": str(tmp_path)}
+    # bench-156m: 0.58 GiB of weights in fp32, 0.15 GiB in int8; 0.3 GiB usable (2 GiB kept for the runtime)
+    args = ("--model", "bench-156m", "--prompt-len", "128", "--output-len", "32", "--memory-gib", "2.3")
+    out = _plan(*args, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "model: bench-156m (llama, 0.156B parameters, float32, weights int8)" in out.stdout
+    assert "Quantized weights (--quantize int8): nothing fits in float32" in out.stdout
+    assert "int8 weights: ~4x less weight memory than fp32, activations quantized per call" in out.stdout
+    cmd = "  shardwise serve --model MODEL --tp 1 --quantize int8 --max-batch-size 1 --max-model-len 160"
+    assert cmd in out.stdout.splitlines()
+    plan = json.loads(_plan(*args, "--json", env=env).stdout)
+    assert plan["quantize"] == "int8" and plan["quantize_why"] == "memory" and plan["command"] == cmd.strip()
+    # asked for: planned with that format; in plenty of memory, not chosen unasked
+    fp16 = _plan(*args[:-1], "16", "--quantize", "fp16", env=env)
+    assert fp16.returncode == 0 and "Weights in fp16 (--quantize fp16, as asked)" in fp16.stdout
+    assert "--quantize" not in _plan(*args[:-1], "16", env=env).stdout.split("run it")[-1]
+    # never for training; nor where the kernels were not measured
+    train = _plan("--model", "bench-156m", "--train", "--quantize", "int8", env=env)
+    assert (
+        train.returncode == 2 and "--quantize int8 is for inference; training does not take --quantize" in train.stderr
+    )
+    gpu = _plan("--model", "llama-3-8b", "--cluster", "dgx-h100", "--quantize", "int8")
+    assert gpu.returncode == 2 and "has no measured int8 linear kernel" in gpu.stderr

@@ -136,12 +136,13 @@ def test_inference_pipelines_are_runnable_candidates():
     pipes = [c for c in rec.candidates if c.layout.pp > 1]
     assert pipes and all(c.runnable and c.why_not is None for c in pipes)
     assert all(c.schedule is None and c.microbatches is None for c in rec.candidates)
-    assert rec.command is None
+    assert rec.command == "shardwise serve --model MODEL --tp 2 --max-batch-size 8 --max-model-len 640"
     text = render_text(rec, top=len(rec.candidates))
     assert NOT_RUNNABLE not in text
     d = json.loads(json.dumps(to_json(rec)))
     assert all(x["runnable"] for x in d["layouts"])
-    assert d["layout"] == "tp=2,pp=1,dp=4" and d["schedule"] is None and d["command"] is None
+    assert d["layout"] == "tp=2,pp=1,dp=4" and d["schedule"] is None and d["command"] == rec.command
+    assert "run it (MODEL: the checkpoint directory; 4 replicas: one server each):\n  shardwise serve" in text
 
 
 def test_an_inference_pipeline_that_wins_is_recommended():

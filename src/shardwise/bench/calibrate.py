@@ -16,6 +16,9 @@ starts ranks). Measured (shardwise.bench.measure):
   of hidden 1024, 256 tokens): train_efficiency, for the planner's training steps; the
   same on every core at once (busy_train); and the bytes/s of an AdamW update of those
   weights (optimizer_gbps);
+- `--quantize`'s linear kernels (fbgemm's fp16 and int8 linears, as benchmarks/bench_kernels.py
+  calls them) at 1 to 128 rows through the same layer-shaped weights, alone and on every core
+  at once (quantized_probe_rank), for the planner's quantized projections;
 - `shardwise serve`'s own costs per step, per sequence in a step and per request, on the
   built-in tiny model (shardwise.bench.serve_probe), for the planner's serving throughput;
 - all-reduce latency and bus bandwidth over 2 ranks for every available backend
@@ -53,11 +56,16 @@ __all__ = [
     "fit_link",
     "after_compute_extra_us",
     "wait_idle",
+    "quantized_probe_rank",
+    "QUANT_ROWS",
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 5
-"""Bumped when the measurements change meaning: a cache of another version is measured again."""
+VERSION = 6
+"""Bumped when the measurements change meaning: a cache of another version is measured again
+(6: the quantized linear kernels)."""
+QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+"""Rows of the quantized kernel probe: one sequence decoding up to a short prompt."""
 
 
 @dataclass
@@ -95,6 +103,11 @@ class Calibration:
     optimizer_gbps: float | None = None
     """Bytes/s of PyTorch's AdamW update on one core, counting one read and one write of the
     weights, gradients and moments (it makes several passes; None: mem_gbps)."""
+    quantized_rows_tflops: dict[str, dict[str, float]] = field(default_factory=dict)
+    """`--quantize` scheme -> TFLOP/s of its linear kernel at m rows, by m (one core alone;
+    quantized_probe_rank); a scheme this torch cannot run is missing."""
+    busy_quantized_rows_tflops: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The same with every core busy."""
     links: dict[str, dict] = field(default_factory=dict)
     """backend -> {"latency_us", "busbw_gbps", "points": [{"size_bytes", "latency_us"}, ...],
     "after_compute": [{"burst_us", "extra_us"}, ...]}: all-reduces of idle ranks, and what a
@@ -143,6 +156,8 @@ class Calibration:
             serve_step_us=self.serve_overheads.get("step_us", 0.0),
             serve_row_us=self.serve_overheads.get("row_us", 0.0),
             serve_request_us=self.serve_overheads.get("request_us", 0.0),
+            quantized_rows_tflops=_by_rows(self.quantized_rows_tflops),
+            busy_quantized_rows_tflops=_by_rows(self.busy_quantized_rows_tflops),
         )
         return Cluster(
             name="this-host",
@@ -168,6 +183,66 @@ class Calibration:
     @classmethod
     def from_json(cls, text: str) -> Calibration:
         return cls(**{"version": 0, **json.loads(text)})
+
+
+def _by_rows(table: dict[str, dict[str, float]]) -> dict[str, tuple[tuple[int, float], ...]]:
+    """{scheme: {"m": TFLOP/s}} (JSON) -> {scheme: ((m, TFLOP/s), ...)} by increasing m (specs.Device)."""
+    return {s: tuple(sorted((int(m), v) for m, v in rates.items())) for s, rates in table.items() if rates}
+
+
+def quantized_probe_rank(world, opts: dict) -> dict:
+    """TFLOP/s of `--quantize`'s linear kernels with m rows (QUANT_ROWS) through the fp32
+    probe's layer-shaped weights (measure.probe_rank: 6 layers of hidden 1024, 384 MiB in fp32,
+    beyond the caches), every rank of `world` at once, as benchmarks/bench_kernels.py calls them:
+
+        fp16  torch.ops.quantized.linear_dynamic_fp16 on linear_prepack_fp16(W)
+        int8  torch.ops.quantized.linear_dynamic(x, linear_prepack(W per output channel), True)
+              (activations quantized per call, reduce_range as fbgemm needs on AVX2)
+
+    {"fp16": {"1": TFLOP/s, "2": ...}, "int8": {...}}; empty where fbgemm is missing (not x86)."""
+    import torch
+
+    from shardwise.bench.measure import _layers, best_time
+
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return {}
+    torch.manual_seed(world.rank)
+    out: dict[str, dict[str, float]] = {}
+    for scheme in ("fp16", "int8"):
+        weights = _layers(torch.float32)
+        params = sum(w.numel() for w in weights)
+        run, packed = _quantized_linears(scheme, weights)
+        del weights
+        out[scheme] = {}
+        for m in QUANT_ROWS:
+            xs = {n: torch.randn(m, n) for n in {n for _, n in packed}}
+
+            def through(xs=xs, run=run, packed=packed):
+                for p, n in packed:
+                    run(xs[n], p)
+
+            out[scheme][str(m)] = 2 * m * params / best_time(through, opts["repeats"], sync=world) / 1e12
+    return out
+
+
+def _quantized_linears(scheme: str, weights: list) -> tuple:
+    """(run(x, packed) -> x W^T, [(packed W, in features), ...]): fbgemm's linear for `scheme`."""
+    import warnings
+
+    import torch
+
+    ops = torch.ops.quantized
+    if scheme == "fp16":
+        return ops.linear_dynamic_fp16, [(ops.linear_prepack_fp16(w, None), w.shape[1]) for w in weights]
+    packed = []
+    for w in weights:
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127  # one fp32 scale per output row
+        zeros = torch.zeros(w.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # quantized tensors are deprecated, still fbgemm's input
+            qw = torch.quantize_per_channel(w, scale.double(), zeros, 0, torch.qint8)
+        packed.append((ops.linear_prepack(qw, None), w.shape[1]))
+    return (lambda x, p: ops.linear_dynamic(x, p, True)), packed
 
 
 def cache_path() -> Path:
@@ -306,6 +381,15 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
         busy["rows_tflops"] = {
             m: statistics.median(r["rows_tflops"][m] for r in per_rank) for m in alone["rows_tflops"]
         }
+    log("calibrating: quantized linear kernels (fp16, int8) on one core")
+    quiet()
+    q_alone = launch(quantized_probe_rank, 1, args=({"repeats": repeats},))[0]
+    q_busy = q_alone
+    if devices > 1 and q_alone:
+        log(f"calibrating: the same on {devices} cores at once")
+        quiet()
+        per_rank = launch(quantized_probe_rank, devices, args=({"repeats": repeats},))
+        q_busy = {s: {m: statistics.median(r[s][m] for r in per_rank) for m in v} for s, v in q_alone.items()}
     flops = alone["gemm_tflops"]["float32"] * 1e12
     quiet()
     from shardwise.bench.serve_probe import serving_overheads
@@ -330,6 +414,8 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
         train_step_overhead_us=alone["train_step_overhead_us"],
         busy_train=min(1.0, alone["train_s"] / busy.get("train_s", alone["train_s"])),
         optimizer_gbps=alone["optimizer_gbps"],
+        quantized_rows_tflops=q_alone,
+        busy_quantized_rows_tflops=q_busy,
         serve_overheads=serve,
         links=links,
         unavailable=unavailable,

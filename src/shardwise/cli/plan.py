@@ -10,8 +10,9 @@ by how much they miss are printed, with what would fit instead, and the status i
 Training plans may recommend a pipeline (pp > 1): the answer names its schedule, micro-batch
 count and layer split, and prints the `shardwise train --layout ... --schedule ...
 --microbatches ...` line that runs it (JSON: "layout", "schedule", "microbatches",
-"command"). Inference layouts with pp > 1 are shown but never recommended (inference does
-not run a pipeline yet).
+"command"); an inference plan, the `shardwise serve` line. Inference may store weights
+quantized (`--quantize fp16|int8`): asked for, or chosen by the planner when nothing fits or
+no layout meets the latency target without it (JSON: "quantize", "quantize_why").
 
 `--cluster this-host` is measured, not a preset: the measuring is shardwise.bench.calibrate
 (cached); this command hands its Cluster to the planner.
@@ -56,6 +57,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--output-len", type=int, default=128)
     i.add_argument("--target-latency-ms", type=float, help="end-to-end latency target for one request")
     i.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the model's")
+    i.add_argument(
+        "--quantize",
+        choices=["fp16", "int8"],
+        help="plan with the projections and embeddings stored in this format (default: the dtype's, or a "
+        "measured format when nothing fits or no layout meets --target-latency-ms without it)",
+    )
     t = p.add_argument_group("training workload")
     t.add_argument("--train", action="store_true", help="plan training instead of inference")
     t.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step")
@@ -126,6 +133,8 @@ def _build(args):
         raise PlannerError("--model is required: a checkpoint directory, a config.json or a preset (--list-presets)")
     label, cfg = resolve_model(args.model)
     flash = not args.no_flash_attention
+    if args.train and args.quantize:
+        raise PlannerError(f"--quantize {args.quantize} is for inference; training does not take --quantize")
     if args.train:
         wl = TrainingWorkload(
             global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len,
@@ -136,6 +145,7 @@ def _build(args):
         wl = InferenceWorkload(
             batch=args.batch, prompt_len=args.prompt_len, output_len=args.output_len,
             target_latency_ms=args.target_latency_ms, dtype=args.dtype, flash_attention=flash,
+            quantize=args.quantize,
         )  # fmt: skip
     cluster = _cluster(args)
     cluster = customize(

@@ -15,6 +15,12 @@ Training layouts with pp > 1 are recommended like any other, with the schedule, 
 split `shardwise train` runs (Recommendation.command). Inference layouts with pp > 1 are
 predicted and shown but never recommended: `generate --pp` and `serve --pp` run them, but
 the pipeline predictions are not validated yet (search.NOT_RUNNABLE; Recommendation.pipeline says when one would win).
+
+Inference plans may store the weights quantized (InferenceWorkload.quantize, `--quantize
+fp16|int8`): footprint.weight_bytes counts them, predict times the projections at the
+quantized kernels' measured rates (Device.quantized_rows_tflops: this host's calibration),
+and recommend picks a format itself when nothing fits or no layout meets the latency target
+without one.
 """
 
 from shardwise.planner.predict import Layout

@@ -29,6 +29,7 @@ __all__ = [
     "layer_flops_per_token",
     "layers_flops_per_token",
     "moe_flops_per_token",
+    "routed_flops_per_token",
     "experts_computed",
     "all_to_all_s",
     "ep_all_to_alls",
@@ -82,14 +83,20 @@ def moe_flops_per_token(cfg: ModelConfig, tp: int = 1, *, expert_parallel: bool 
     n of E, computes n / E of every token's k pairs at the full width. Over ep_dp data-parallel
     ranks (each expert split over tp): it computes the pairs of ep_dp ranks' tokens, ep_dp n / E
     per own token. Both under uniform routing."""
-    h, k, E = cfg.hidden_size, cfg.experts_per_token, cfg.num_experts
-    n, width = expert_share(cfg, tp, expert_parallel=expert_parallel, ep_dp=ep_dp)
-    share = n / E if expert_parallel else (ep_dp * n / E if ep_dp > 1 else 1.0)
-    routed = k * share * 3 * h * width
+    h, E = cfg.hidden_size, cfg.num_experts
     shared = 0
     if cfg.shared_expert_size:
         shared = 3 * h * largest_share(cfg.shared_expert_size, tp) + (h if cfg.shared_expert_gate else 0)
-    return 2.0 * (h * E + routed + shared)
+    return 2.0 * (h * E + shared) + routed_flops_per_token(cfg, tp, expert_parallel=expert_parallel, ep_dp=ep_dp)
+
+
+def routed_flops_per_token(cfg: ModelConfig, tp: int = 1, *, expert_parallel: bool = False, ep_dp: int = 1) -> float:
+    """The routed experts' part of moe_flops_per_token: 2 x k x share x 3 x H x width, the
+    busiest rank's share of every token's k (token, expert) pairs (moe_flops_per_token)."""
+    k, E = cfg.experts_per_token, cfg.num_experts
+    n, width = expert_share(cfg, tp, expert_parallel=expert_parallel, ep_dp=ep_dp)
+    share = n / E if expert_parallel else (ep_dp * n / E if ep_dp > 1 else 1.0)
+    return 2.0 * k * share * 3 * cfg.hidden_size * width
 
 
 def layers_flops_per_token(cfg: ModelConfig, context: float, tp: int = 1, layers: int | None = None, *,

@@ -8,14 +8,22 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardwise.planner.footprint import kv_bytes_per_token, stage_params, touched_experts
+from shardwise.planner.footprint import kv_bytes_per_token, stage_params, touched_experts, weight_bytes
 from shardwise.planner.search import NOT_RUNNABLE, evaluate
 from shardwise.planner.specs import DTYPE_BYTES, GIB, InferenceWorkload, PlannerError, TrainingWorkload
 
-__all__ = ["explain", "diagnose", "pipeline_line", "PAYOFF"]
+__all__ = ["explain", "diagnose", "pipeline_line", "PAYOFF", "QUANTIZE_COST"]
 
 PAYOFF = 1.1
 """tp > 1 pays off when it is at least this much faster than tp = 1."""
+
+QUANTIZE_COST = {
+    "fp16": "fp16 weights: half of fp32's weight memory, activations stay in float32 (about 2e-4 relative "
+    "error per product, docs/benchmarks.md); check quality with `shardwise eval-ppl`",
+    "int8": "int8 weights: ~4x less weight memory than fp32, activations quantized per call (about 2% relative "
+    "error per product, docs/benchmarks.md); check quality with `shardwise eval-ppl`",
+}
+"""What each `--quantize` format costs, in the words the plan prints."""
 
 
 def _gib(x: float) -> str:
@@ -34,6 +42,9 @@ def explain(rec) -> tuple[list[str], list[str]]:
     lay, mem, dev = r.layout, r.memory, cl.device
     n = stage_params(cfg, 1)
     why = [f"{rec.model}: {n / 1e9:.3g}B parameters, {_gib(n * DTYPE_BYTES[rec.dtype])} of weights in {rec.dtype}."]
+    if rec.quantize is not None:
+        q = weight_bytes(cfg, 1, width=DTYPE_BYTES[rec.dtype], quantize=rec.quantize)
+        why[0] = f"{why[0][:-1]}; {_gib(q)} with {rec.quantize} projections and embeddings (--quantize {rec.quantize})."
     usable = f"{_gib(mem.budget)} usable per {dev.name}"
     one = [c for c in rec.candidates if c.layout.replica == 1]
     if isinstance(rec.workload, TrainingWorkload):
@@ -195,6 +206,7 @@ def _inference(rec, why: list[str], warn: list[str]) -> None:
     )
     if cfg.num_experts and lay.tp > 1:
         why.append(_placement(rec))
+    why += _quantization(rec)
     ups = _speedups(rec, lambda c: c.inference.decode.total_s)
     if ups:
         link = rec.cluster.link_for(ups[-1][0]).name
@@ -220,6 +232,60 @@ def _inference(rec, why: list[str], warn: list[str]) -> None:
                 f"no layout meets the target of {wl.target_latency_ms:g} ms per request: the fastest that fits, "
                 f"{fast.layout}, predicts {_ms(fast.time_s)} ({over:.4g} ms over)."
             )
+
+
+def _weights_at(rec, c, quantize: str | None) -> float:
+    """Weight bytes per device of candidate c's layout with weights stored as `quantize`."""
+    lay, kw = c.layout, dict(width=DTYPE_BYTES[rec.dtype], expert_parallel=c.layout.expert_parallel)
+    return max(weight_bytes(rec.cfg, lay.tp, lay.pp, s, quantize=quantize, **kw) for s in {0, lay.pp - 1})
+
+
+def _quantization(rec) -> list[str]:
+    """Quantized weights: why the plan stores them (memory, a latency target, or asked for),
+    what they cost; or, weights in the dtype, what a measured `--quantize` format would give."""
+    r, q, wl = rec.recommended, rec.quantize, rec.workload
+    d = r.inference.decode.total_s
+    if q is None:
+        out = []
+        for other in rec.quantized:
+            c = other.recommended
+            if c is None:
+                continue
+            speed = d / c.inference.decode.total_s
+            if c.layout.replica < r.layout.replica or speed >= PAYOFF:
+                out.append(
+                    f"With --quantize {other.quantize}: {c.layout}, decode {speed:.2f}x as fast "
+                    f"({_ms(c.inference.decode.total_s)}/token), {_gib(c.memory.weights)} of weights per device; "
+                    f"not chosen, as {rec.dtype} fits{' and meets the target' if wl.target_latency_ms else ''} "
+                    f"({QUANTIZE_COST[other.quantize]})."
+                )
+        return out
+    held = f"{_gib(r.memory.weights)} of weights per device at {r.layout} ({_gib(_weights_at(rec, r, None))} in {rec.dtype})"
+    base = rec.unquantized
+    if rec.quantize_why == "memory":
+        small = min(base.candidates, key=lambda c: c.memory.total)
+        why = (
+            f"Quantized weights (--quantize {q}): nothing fits in {rec.dtype} (the smallest footprint, {small.layout}, "
+            f"needs {_gib(small.memory.total)} per device of {_gib(small.memory.budget)} usable); in {q}, {held}."
+        )
+    elif rec.quantize_why == "latency":
+        fast = min((c for c in base.candidates if c.fits and c.runnable), key=lambda c: c.time_s)
+        why = (
+            f"Quantized weights (--quantize {q}): in {rec.dtype} no layout meets the target of "
+            f"{wl.target_latency_ms:g} ms per request (the fastest that fits, {fast.layout}, takes {_ms(fast.time_s)}); "
+            f"in {q}, {r.layout} takes {_ms(r.time_s)}."
+        )
+    else:
+        why = f"Weights in {q} (--quantize {q}, as asked): {held}."
+    out = [why, f"{QUANTIZE_COST[q]}."]
+    for other in rec.quantized:  # a faster format that fits too (int8 after fp16)
+        c = other.recommended
+        if c is not None and d / c.inference.decode.total_s >= PAYOFF:
+            out.append(
+                f"--quantize {other.quantize} would decode {d / c.inference.decode.total_s:.2f}x as fast "
+                f"({c.layout}, {_ms(c.inference.decode.total_s)}/token), at a larger quality cost."
+            )
+    return out
 
 
 def _training(rec, why: list[str], warn: list[str]) -> None:

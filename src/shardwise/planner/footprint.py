@@ -17,6 +17,15 @@ placed one of three ways (shardwise.layers.moe, shardwise.layers.dispatch):
                               split over tp: the busiest rank ceil(E / d) experts at width I / tp
 
 tests/unit/test_planner_moe.py checks these counts against the real sharded MoE model.
+
+Weights stored quantized (`--quantize`, inference only; weight_bytes): every projection of
+the blocks (attention qkv and o, the MLP's up/gate and down, routed and shared experts) and
+the LM head at 2 bytes a weight (fp16) or 1 byte a weight plus one fp32 scale per output row
+of the rank's local matrix (int8); the input embedding table in the same format (int8: a
+scale per row). A tied head and table are two converted copies once quantized (the packed
+head cannot be looked up). Norms, biases, routers (and the shared expert's gate) and learned
+positions stay in the model's dtype. tests/unit/test_planner_quantize.py checks these bytes
+against the real sharded model.
 """
 
 from __future__ import annotations
@@ -32,6 +41,10 @@ from shardwise.planner.activations import layer_activation_bytes, recompute_mode
 __all__ = [
     "Footprint",
     "StageLoad",
+    "Projections",
+    "projections",
+    "quantized_bytes",
+    "weight_bytes",
     "layer_params",
     "moe_params",
     "moe_layer_count",
@@ -240,6 +253,77 @@ def streamed_params(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0, *, l
     return n
 
 
+@dataclass(frozen=True)
+class Projections:
+    """The matmul weights `--quantize` converts in some decoder layers on the busiest rank."""
+
+    dense: float
+    """Weights every token runs through: attention's qkv and o, the dense MLP, shared experts."""
+    routed: float
+    """The routed experts' weights counted (all held, or those a forward touches)."""
+    rows: float
+    """Output rows of all those matrices: int8 keeps one fp32 scale per row."""
+
+    @property
+    def params(self) -> float:
+        return self.dense + self.routed
+
+
+def projections(cfg: ModelConfig, tp: int, layers: int | None = None, *, experts: float | None = None,
+                expert_parallel: bool = False, ep_dp: int = 1) -> Projections:  # fmt: skip
+    """The projections of `layers` decoder layers (default all) on the busiest rank, as the
+    model stores them: fused qkv ((q + 2 kv heads) x head_dim rows), o (hidden rows), up (and
+    gate) and down; each routed expert's up (2 x width rows) and down (hidden rows), `experts`
+    of them per MoE layer (default: all it holds, expert_share); the shared expert like a
+    dense MLP. The router and the shared expert's gate are not projections."""
+    layers = cfg.num_layers if layers is None else layers
+    h = cfg.hidden_size
+    heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)
+    qkv_out = (heads.max_heads + 2 * heads.max_kv_heads) * cfg.head_dim
+    attn, attn_rows = _attention_params(cfg, tp)[1], qkv_out + h
+    inter = largest_share(cfg.intermediate_size, tp)
+    mlp, mlp_rows = _dense_mlp_params(cfg, tp)[1], (2 if cfg.gated_mlp else 1) * inter + h
+    n_moe = moe_layer_count(cfg, layers)
+    dense = layers * attn + (layers - n_moe) * mlp
+    rows = layers * attn_rows + (layers - n_moe) * mlp_rows
+    routed = 0.0
+    if n_moe:
+        held, width = expert_share(cfg, tp, expert_parallel=expert_parallel, ep_dp=ep_dp)
+        n = held if experts is None else experts
+        routed = n_moe * n * 3 * h * width
+        rows += n_moe * n * (2 * width + h)
+        if cfg.shared_expert_size:
+            shared = largest_share(cfg.shared_expert_size, tp)
+            dense += n_moe * 3 * h * shared
+            rows += n_moe * (2 * shared + h)
+    return Projections(dense, routed, rows)
+
+
+def quantized_bytes(quantize: str, params: float, rows: float) -> float:
+    """Bytes of `params` weights in `rows` output rows stored as `quantize`: fp16 2 a weight;
+    int8 1 a weight and a 4-byte scale a row."""
+    return 2 * params if quantize == "fp16" else params + 4 * rows
+
+
+def weight_bytes(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0, *, width: int, quantize: str | None = None,
+                 layers: int | None = None, expert_parallel: bool = False) -> float:  # fmt: skip
+    """Bytes of the weights one rank of pipeline stage `stage` holds (stage_params): all in
+    `width` bytes, or with the projections, the head and the embedding table stored as
+    `quantize` (the module docstring), the rest in `width`."""
+    n = stage_params(cfg, tp, pp, stage, layers=layers, expert_parallel=expert_parallel)
+    if quantize is None:
+        return n * width
+    layers = cfg.num_layers // pp if layers is None else layers
+    proj = projections(cfg, tp, layers, expert_parallel=expert_parallel)
+    vocab = _vocab_rows(cfg, tp)
+    first, last = stage == 0, stage == pp - 1
+    counted = first + (last and (not cfg.tie_embeddings or not first))  # table copies in stage_params
+    copies = first + last  # quantized, a tied head is a copy of its own
+    plain = n - proj.params - counted * vocab * cfg.hidden_size
+    q = quantized_bytes(quantize, proj.params + copies * vocab * cfg.hidden_size, proj.rows + copies * vocab)
+    return plain * width + q
+
+
 def kv_bytes_per_token(cfg: ModelConfig, tp: int, width: int, layers: int | None = None) -> int:
     """K and V of one token, all layers (or `layers`), on one rank: 2 * L * local KV heads * head_dim * width."""
     local_kv = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp).max_kv_heads  # the busiest rank's
@@ -284,11 +368,12 @@ def training_activation_bytes_per_layer(
 
 def inference_memory(
     cfg: ModelConfig, tp: int, pp: int, *, batch: int, prompt_len: int, output_len: int, width: int,
-    flash: bool, budget: float, expert_parallel: bool = False,
+    flash: bool, budget: float, expert_parallel: bool = False, quantize: str | None = None,
 ) -> Footprint:  # fmt: skip
-    """The busiest stage: weights, KV cache for prompt + output tokens, and the transient
-    activations of a prefill (one layer's intermediates and the logits; a mixture of experts:
-    each token's k experts and the shared expert, moe_token_width / tp)."""
+    """The busiest stage: weights (in `width` bytes, or quantized: weight_bytes), KV cache for
+    prompt + output tokens, and the transient activations of a prefill (one layer's
+    intermediates and the logits; a mixture of experts: each token's k experts and the shared
+    expert, moe_token_width / tp)."""
     heads = HeadLayout(cfg.num_heads, cfg.num_kv_heads, tp)
     inter = largest_share(moe_token_width(cfg) if cfg.num_experts else cfg.intermediate_size, tp)
     qkv_out = (heads.max_heads + 2 * heads.max_kv_heads) * cfg.head_dim
@@ -298,7 +383,8 @@ def inference_memory(
     if not flash:
         act += batch * heads.max_heads * prompt_len * prompt_len * width
     kv = kv_cache_bytes(cfg, tp, pp, batch, prompt_len + output_len, width)
-    weights = max(stage_params(cfg, tp, pp, s, expert_parallel=expert_parallel) for s in {0, pp - 1}) * width
+    kw = dict(width=width, quantize=quantize, expert_parallel=expert_parallel)
+    weights = max(weight_bytes(cfg, tp, pp, s, **kw) for s in {0, pp - 1})
     return Footprint(weights, kv, act, 0.0, 0.0, budget)
 
 

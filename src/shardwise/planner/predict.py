@@ -26,6 +26,7 @@ from shardwise.planner.cost import (
     head_flops_per_token,
     layers_flops_per_token,
     p2p_bytes_per_message,
+    routed_flops_per_token,
     tp_backward_collectives,
     tp_forward_collectives,
     training_flops_per_token,
@@ -33,12 +34,15 @@ from shardwise.planner.cost import (
 from shardwise.planner.footprint import (
     expert_params,
     kv_bytes_per_token,
+    moe_layer_count,
     optimizer_bytes_per_param,
+    projections,
     stage_params,
     streamed_params,
+    touched_experts,
 )
 from shardwise.planner.schedule import PipelineSchedule
-from shardwise.planner.specs import Cluster, TrainingWorkload
+from shardwise.planner.specs import Cluster, Device, TrainingWorkload
 
 __all__ = [
     "Layout",
@@ -177,11 +181,36 @@ def merge(colls: list[Collective]) -> list[Collective]:
     return list(out.values())
 
 
+def _quantized_projections(cfg: ModelConfig, dev: Device, tp: int, quantize: str, *, layers: int, batch: int, tokens: int,
+                           last: bool, busy: bool, expert_parallel: bool = False) -> tuple[float, float, float]:  # fmt: skip
+    """The projections and the head of one stage's forward on `quantize`'s linear kernel: (their
+    FLOPs, the parameters they stream, seconds at the kernel's measured rate). Every token runs
+    through the dense projections (batch x tokens rows), the head sees the last position of
+    each sequence (batch rows), and each touched expert its share of the routed pairs (at
+    least one row: a touched expert streams all its weights)."""
+    rows = batch * tokens
+    touched = touched_experts(cfg, tp, rows, expert_parallel=expert_parallel) if cfg.num_experts else None
+    proj = projections(cfg, tp, layers, experts=touched, expert_parallel=expert_parallel)
+    dense = 2.0 * rows * proj.dense
+    n_moe = moe_layer_count(cfg, layers)
+    routed = rows * n_moe * routed_flops_per_token(cfg, tp, expert_parallel=expert_parallel) if n_moe else 0.0
+    head = batch * head_flops_per_token(cfg, tp) if last else 0.0
+    s = dense / dev.quantized_flops_at(quantize, rows, busy)
+    s += head / dev.quantized_flops_at(quantize, batch, busy)
+    if proj.routed:
+        per_expert = max(routed / (2 * proj.routed), 1.0)  # rows through each touched expert
+        s += 2 * proj.routed * per_expert / dev.quantized_flops_at(quantize, per_expert, busy)
+    streamed = proj.params + (head / (2 * batch) if last else 0.0)
+    return dense + routed + head, streamed, s
+
+
 def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: int, *, layers: int, batch: int,
-                   tokens: int, context: float, width: int, dtype: str, busy: bool,
-                   expert_parallel: bool = False) -> tuple[float, list]:  # fmt: skip
+                   tokens: int, context: float, width: int, dtype: str, busy: bool, expert_parallel: bool = False,
+                   quantize: str | None = None) -> tuple[float, list]:  # fmt: skip
     """One stage's forward of `tokens` new tokens for `batch` sequences: (compute seconds,
-    [(collective, group size, span of ranks)]), its sends to the next stage included."""
+    [(collective, group size, span of ranks)]), its sends to the next stage included. With
+    `quantize`, the projections and the head take the quantized kernel's measured time, added
+    to the roofline of the rest (attention, norms, router, KV cache)."""
     dev = cluster.device
     first, last = stage == 0, stage == pp - 1
     ep = dict(expert_parallel=expert_parallel)
@@ -189,9 +218,14 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
     flops += batch * head_flops_per_token(cfg, tp) if last else 0.0  # the last position only
     kv = batch * context * kv_bytes_per_token(cfg, tp, width, layers)
     nbytes = streamed_params(cfg, tp, pp, stage, layers=layers, rows=batch * tokens, **ep) * width + kv
+    quantized_s = 0.0
+    if quantize is not None:  # the projections and the head on the quantized kernel, the rest as before
+        done, streamed, quantized_s = _quantized_projections(cfg, dev, tp, quantize, layers=layers, batch=batch,
+                                                             tokens=tokens, last=last, busy=busy, **ep)  # fmt: skip
+        flops, nbytes = flops - done, nbytes - streamed * width
     rate = dev.flops_at(batch * tokens, dtype, busy)  # rows through every matmul
     fixed = layers + EXPERT_LAUNCHES * experts_computed(cfg, tp, layers, batch * tokens, **ep)
-    t = max(flops / rate, nbytes / dev.bytes_per_s(busy)) + fixed * dev.layer_overhead_us * 1e-6
+    t = max(flops / rate, nbytes / dev.bytes_per_s(busy)) + quantized_s + fixed * dev.layer_overhead_us * 1e-6
     raw = []
     kw = dict(batch=batch, tokens=tokens, width=width, layers=layers, first=first, last=last)
     for c in tp_forward_collectives(cfg, tp, **kw):
@@ -203,8 +237,8 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
 
 
 def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int, tokens: int, context: float,
-             width: int, dtype: str, busy: bool | None = None,
-             expert_parallel: bool = False) -> tuple[Timing, list[Collective], list[float]]:  # fmt: skip
+             width: int, dtype: str, busy: bool | None = None, expert_parallel: bool = False,
+             quantize: str | None = None) -> tuple[Timing, list[Collective], list[float]]:  # fmt: skip
     """One forward of `tokens` new tokens per sequence through every stage, one stage after the
     other (the runtime's inference split, pipeline.stage.inference_layout): its timing, its
     collectives, and each stage's own time (compute and collectives). busy: every device
@@ -215,7 +249,7 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
     for stage, layers in enumerate(split):
         t, r = _stage_forward(cfg, cluster, tp, pp, stage, layers=layers, batch=batch, tokens=tokens,
                               context=context, width=width, dtype=dtype, busy=busy,
-                              expert_parallel=expert_parallel)  # fmt: skip
+                              expert_parallel=expert_parallel, quantize=quantize)  # fmt: skip
         compute += t
         raw += r
         per_stage.append((t, r))
@@ -233,13 +267,14 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
 
 
 def predict_inference(cfg: ModelConfig, cluster: Cluster, layout: Layout, *, batch: int, prompt_len: int,
-                      output_len: int, width: int, dtype: str) -> InferencePrediction:  # fmt: skip
+                      output_len: int, width: int, dtype: str, quantize: str | None = None) -> InferencePrediction:  # fmt: skip
     """Prefill, then decode steps at the mean context. At pp > 1 a server keeps up to pp steps
     in flight: the batch's sequences form g = min(pp, batch) groups of ceil(batch / g), and a
     sequence's next token comes after its group's pass through every stage, or after g of the
-    slowest stage's steps, whichever is longer (every device then computes at once)."""
+    slowest stage's steps, whichever is longer (every device then computes at once).
+    quantize: the weights' format (`--quantize`; None: `width` bytes, like the activations)."""
     tp, pp = layout.tp, layout.pp
-    kw = dict(width=width, dtype=dtype, expert_parallel=layout.expert_parallel)
+    kw = dict(width=width, dtype=dtype, expert_parallel=layout.expert_parallel, quantize=quantize)
     prefill, _, _ = _forward(cfg, cluster, tp, pp, batch=batch, tokens=prompt_len, context=prompt_len, **kw)
     context = prompt_len + output_len / 2
     decode, colls, stages = _forward(cfg, cluster, tp, pp, batch=batch, tokens=1, context=context, **kw)

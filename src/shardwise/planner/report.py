@@ -67,7 +67,8 @@ def render_text(rec: Recommendation, *, top: int = 12) -> str:
     cfg, wl = rec.cfg, rec.workload
     inf = isinstance(wl, InferenceWorkload)
     out = [
-        f"model: {rec.model} ({cfg.family}, {stage_params(cfg, 1) / 1e9:.3g}B parameters, {rec.dtype})",
+        f"model: {rec.model} ({cfg.family}, {stage_params(cfg, 1) / 1e9:.3g}B parameters, {rec.dtype}"
+        + (f", weights {rec.quantize})" if rec.quantize else ")"),
         _cluster_line(rec.cluster),
         (
             f"workload: inference, batch {wl.batch} per replica, prompt {wl.prompt_len} + {wl.output_len} new tokens"
@@ -145,7 +146,12 @@ def render_text(rec: Recommendation, *, top: int = 12) -> str:
     out.append(f"recommended: {r.layout} (tp={r.layout.tp}{extra})")
     out += [f"  {line}" for line in rec.explanation]
     out += [f"warning: {w}" for w in rec.warnings]
-    if rec.command is not None:
+    if rec.command is not None and inf:
+        notes = ["MODEL: the checkpoint directory"] if "--model MODEL " in rec.command else []
+        notes += [f"{r.layout.dp} replicas: one server each"] if r.layout.dp > 1 else []
+        out.append("run it" + (f" ({'; '.join(notes)})" if notes else "") + ":")
+        out.append(f"  {rec.command}")
+    elif rec.command is not None:
         out.append(
             f"run it (CONFIG.toml with data.global_batch_size = {wl.global_batch}, data.seq_len = {wl.seq_len}):"
         )
@@ -254,6 +260,9 @@ def to_json(rec: Recommendation) -> dict:
             "shared_memory": cl.shared_memory,
         },
         "headroom": rec.headroom,
+        # inference: the weights' format planned (`--quantize`), and why the planner chose it
+        "quantize": rec.quantize,
+        "quantize_why": rec.quantize_why,
         # the recommendation as `shardwise train` takes it (--layout, --schedule, --microbatches)
         "layout": None if r is None else r.layout.arg(),
         "schedule": None if r is None or r.schedule is None else r.schedule.name,

@@ -44,10 +44,18 @@ from shardwise.planner.predict import (
     predict_training,
 )
 from shardwise.planner.schedule import PipelineSchedule, schedule_options
-from shardwise.planner.specs import DTYPE_BYTES, GIB, Cluster, InferenceWorkload, PlannerError, TrainingWorkload
+from shardwise.planner.specs import (
+    DTYPE_BYTES,
+    GIB,
+    QUANTIZE,
+    Cluster,
+    InferenceWorkload,
+    PlannerError,
+    TrainingWorkload,
+)
 from shardwise.sharding.plans import Balance, balance, model_tp_sizes
 
-__all__ = ["Candidate", "evaluate", "compute_dtype", "model_key", "NOT_RUNNABLE"]
+__all__ = ["Candidate", "evaluate", "compute_dtype", "model_key", "quantize_options", "NOT_RUNNABLE"]
 
 Workload = InferenceWorkload | TrainingWorkload
 
@@ -103,9 +111,20 @@ def compute_dtype(cfg: ModelConfig, wl: Workload) -> str:
     return (wl.dtype or cfg.dtype) if isinstance(wl, InferenceWorkload) else wl.prec.compute
 
 
-def check_inputs(cfg: ModelConfig, wl: Workload, headroom: float) -> None:
+def quantize_options(cluster: Cluster) -> list[str]:
+    """The `--quantize` formats the planner can plan on this cluster: those whose linear kernel
+    was measured on its device (this host's calibration; none for the GPU presets)."""
+    return [q for q in QUANTIZE if q in cluster.device.quantized_rows_tflops]
+
+
+def check_inputs(cfg: ModelConfig, wl: Workload, headroom: float, cluster: Cluster) -> None:
     if not 0 <= headroom < 1:
         raise PlannerError(f"headroom must be a fraction in [0, 1), got {headroom}")
+    if isinstance(wl, InferenceWorkload) and wl.quantize is not None and wl.quantize not in quantize_options(cluster):
+        raise PlannerError(
+            f"--quantize {wl.quantize}: {cluster.device.name} has no measured {wl.quantize} linear kernel; "
+            "shardwise's quantized linears are fbgemm's CPU kernels, measured by --cluster this-host's calibration"
+        )
     if isinstance(wl, InferenceWorkload):
         if wl.prompt_len + wl.output_len > cfg.max_positions:
             raise PlannerError(
@@ -179,7 +198,8 @@ def _candidate(cfg: ModelConfig, wl: Workload, cluster: Cluster, lay: Layout, he
         dtype = compute_dtype(cfg, wl)
         width = DTYPE_BYTES[dtype]
         budget = cluster.memory_budget_gib(lay.replica) * GIB
-        kw = dict(batch=wl.batch, prompt_len=wl.prompt_len, output_len=wl.output_len, width=width)
+        kw = dict(batch=wl.batch, prompt_len=wl.prompt_len, output_len=wl.output_len, width=width,
+                  quantize=wl.quantize)  # fmt: skip
         mem = inference_memory(
             cfg, lay.tp, lay.pp, flash=wl.flash_attention, budget=budget, expert_parallel=lay.expert_parallel, **kw
         )
@@ -235,7 +255,7 @@ def evaluate(
 ) -> tuple[list[Candidate], list[str]]:
     """Every valid layout, predicted and ranked (rank_key: best first, the fitting layouts
     shardwise can run before those it cannot), and the layouts left out, with why."""
-    check_inputs(cfg, wl, headroom)
+    check_inputs(cfg, wl, headroom, cluster)
     layouts, skipped = _layouts(cfg, wl, cluster, allow_cross_node_tp)
     cands = [_candidate(cfg, wl, cluster, lay, headroom) for lay in layouts]
     cands = [

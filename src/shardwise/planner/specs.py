@@ -22,12 +22,17 @@ __all__ = [
     "Precision",
     "PRECISIONS",
     "DTYPE_BYTES",
+    "QUANTIZE",
 ]
 
 GIB = 2**30
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 """shardwise.pipeline.SCHEDULE_NAMES (tests/unit/test_planner_pipeline.py checks they agree)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+QUANTIZE = ("fp16", "int8")
+"""Weight formats of `--quantize` (shardwise.quant.SCHEMES; tests/unit/test_planner_quantize.py
+checks they agree): the projections and embeddings stored as fp16, or as int8 with one fp32
+scale per output row, run by fbgemm's linear kernels (footprint.weight_bytes)."""
 
 
 class PlannerError(ValueError):
@@ -44,6 +49,17 @@ def _check(obj: object, *, positive: tuple[str, ...] = (), nonneg: tuple[str, ..
         v = getattr(obj, name)
         if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
             raise PlannerError(f"{what}: {name} must be >= 0, got {v}")
+
+
+def _loglog(points: tuple[tuple[float, float], ...] | list[tuple[float, float]], x: float) -> float:
+    """y at x from (x, y) points sorted by x: log-log between two points, the nearest end's y outside."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp(math.log(y0) + f * (math.log(y1) - math.log(y0)))
+    return points[-1][1]
 
 
 @dataclass(frozen=True)
@@ -166,6 +182,13 @@ class Device:
     """A server's own work beyond the forward (scheduling, sampling, HTTP): per step, per
     sequence in a step, per request. Measured on this host (shardwise.bench.serve_probe);
     0 for the presets, whose serving stacks are not shardwise's."""
+    quantized_rows_tflops: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    """`--quantize` scheme (QUANTIZE) -> measured TFLOP/s of its linear kernel at m rows, (m,
+    TFLOP/s) by increasing m from 1 (one row: how fast it streams its weights). Measured on this
+    host (shardwise.bench.calibrate: fbgemm's fp16 and int8 linears); empty for the presets:
+    shardwise's quantized kernels are CPU kernels, and the planner does not plan them there."""
+    busy_quantized_rows_tflops: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    """The same while every device works (missing: quantized_rows_tflops x busy_compute)."""
 
     def __post_init__(self) -> None:
         _check(self, positive=("memory_gib", "mem_bw_gbps", "matmul_efficiency", "mem_efficiency"))
@@ -187,6 +210,13 @@ class Device:
                 f"Device {self.name}: efficiencies must be <= 1, got matmul {self.matmul_efficiency}, "
                 f"memory {self.mem_efficiency}, training {self.train_efficiency}"
             )
+        for table in (self.quantized_rows_tflops, self.busy_quantized_rows_tflops):
+            for scheme, pts in table.items():
+                if scheme not in QUANTIZE or not pts or any(m <= 0 or v <= 0 for m, v in pts):
+                    raise PlannerError(
+                        f"Device {self.name}: quantized rates need a scheme of {', '.join(QUANTIZE)} and "
+                        f"(rows, TFLOP/s) points > 0, got {scheme!r}: {pts}"
+                    )
         if self.reserved_gib >= self.memory_gib:
             raise PlannerError(f"Device {self.name}: reserved_gib={self.reserved_gib} >= memory_gib={self.memory_gib}")
 
@@ -211,11 +241,17 @@ class Device:
         pts = [(m, v * 1e12 * scale) for m, v in table] + [(table[-1][0] * 2, peak)]
         if rows < pts[0][0]:  # one row: a matrix-vector product, bandwidth-bound (the roofline's other side)
             return peak if rows <= 1 else pts[0][1]
-        for (m0, r0), (m1, r1) in zip(pts, pts[1:], strict=False):
-            if m0 <= rows <= m1:
-                f = math.log(rows / m0) / math.log(m1 / m0)
-                return math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0)))
-        return peak
+        return _loglog(pts, rows)
+
+    def quantized_flops_at(self, scheme: str, rows: float, busy: bool = False) -> float:
+        """FLOP/s of the `scheme` linear kernel with `rows` rows through its weights: the measured
+        rates, log-log between them, the nearest end's outside (below 1 row: the 1-row rate)."""
+        busy_table = self.busy_quantized_rows_tflops.get(scheme) if busy else None
+        table = busy_table or self.quantized_rows_tflops.get(scheme)
+        if not table:
+            raise PlannerError(f"Device {self.name} has no measured {scheme} linear kernel (quantized_rows_tflops)")
+        scale = self.busy_compute if busy and scheme not in self.busy_quantized_rows_tflops else 1.0
+        return _loglog(table, rows) * 1e12 * scale
 
     def train_flops(self, dtype: str, busy: bool = False) -> float:
         """FLOP/s of a training forward and backward: the matmul rate times train_efficiency,
@@ -309,6 +345,9 @@ class InferenceWorkload:
     """Weights and activations; None = the model's own."""
     flash_attention: bool = True
     """Attention scores are not materialised (FlashAttention); False counts B*heads*S*S of them."""
+    quantize: str | None = None
+    """The projections' and embeddings' weight format (QUANTIZE: `--quantize fp16|int8`); None:
+    the dtype's. Inference only: training does not take --quantize."""
 
     kind = "inference"
 
@@ -318,6 +357,8 @@ class InferenceWorkload:
             _check(self, positive=("target_latency_ms",))
         if self.dtype is not None and self.dtype not in DTYPE_BYTES:
             raise PlannerError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            raise PlannerError(f"quantize must be one of {', '.join(QUANTIZE)}, got {self.quantize!r}")
 
 
 @dataclass(frozen=True)
