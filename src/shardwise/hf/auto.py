@@ -38,7 +38,7 @@ from shardwise.hf.families import supported_model_types
 from shardwise.hf.fill import DTYPES, LoadReport, assign, bytes_read, dtype_name, refuse_unexpected
 from shardwise.hf.sources import Src, read_shard, segments
 from shardwise.layers import ShardError, model_shard_specs, split_sizes, valid_tp_sizes
-from shardwise.quant.convert import conversion_targets, convert_param, weight_bytes
+from shardwise.quant.convert import conversion_targets, convert_param, release_freed, weight_bytes
 from shardwise.sharding import Colwise, Rowwise, Style, Vocab, parallelize
 
 __all__ = ["load_auto", "auto_plan", "check_auto"]
@@ -294,6 +294,8 @@ def load_auto(
         t = read_shard(ckpt, segs[n], spec, params[n].dtype)  # (local shape)
         if n in convert:
             convert_param(convert[n], t)  # converted now: the float copy is dropped here
+            del t
+            release_freed()
         else:
             loaded[n] = t
         n_read += bytes_read(spec, ckpt.info(src[n]).dtype)

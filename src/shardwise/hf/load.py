@@ -37,7 +37,7 @@ from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.meta import on_meta
 from shardwise.pipeline.stage import keep_stage
-from shardwise.quant.convert import conversion_targets, convert_param, weight_bytes
+from shardwise.quant.convert import conversion_targets, convert_param, release_freed, weight_bytes
 from shardwise.quant.schemes import check_quantize
 from shardwise.sharding import parallelize
 from shardwise.sharding.plans import check_tp
@@ -172,6 +172,8 @@ def load_pretrained(
         t = read_shard(ckpt, plan[name], spec, target)
         if name in convert:
             convert_param(convert[name], t)  # converted now: the float copy is dropped here
+            del t
+            release_freed()
         else:
             loaded[name] = t
         n_read += bytes_read(spec, ckpt.info(table[name][0].name).dtype)

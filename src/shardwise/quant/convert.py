@@ -33,7 +33,15 @@ from shardwise.models.moe import Experts
 from shardwise.quant.schemes import SCHEMES
 from shardwise.quant.weights import QuantizedExperts, QuantizedTable, QuantizedWeight
 
-__all__ = ["Target", "conversion_targets", "convert_param", "quantize_model", "weight_bytes", "quantized_bytes"]
+__all__ = [
+    "Target",
+    "conversion_targets",
+    "convert_param",
+    "release_freed",
+    "quantize_model",
+    "weight_bytes",
+    "quantized_bytes",
+]
 
 LINEARS = (
     ColumnParallelLinear,
@@ -99,18 +107,45 @@ def conversion_targets(model: nn.Module, scheme: str) -> dict[str, list[Target]]
 
 
 def convert_param(targets: list[Target], t: torch.Tensor) -> None:
-    """Put `t` (this rank's loaded slice) converted into each of its targets."""
+    """Put `t` (this rank's loaded slice) converted into each of its targets. The caller
+    drops `t` afterwards; release_freed() then hands its pages back."""
     for target in targets:
         q = target.convert(t)
         target.module._parameters.pop(target.attr, None)
         setattr(target.module, target.attr, q)
 
 
+_LIBC = None
+
+
+def release_freed() -> None:
+    """Return freed heap pages to the OS (glibc malloc_trim; a no-op elsewhere).
+
+    Converting frees a float tensor per weight. glibc serves such sizes from its heap once
+    its mmap threshold has risen past them, and the freed space, fragmented by the packed
+    weights allocated in between, stays in the process: measured on a 30-layer model, the
+    load's peak grew by about the converted share again. Trimming after each tensor keeps
+    the peak at the converted share plus the tensor in hand."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
 def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
     """Convert a loaded (parallelized or plain) model's weights in place, one tensor at a time."""
     params = dict(model.named_parameters())
     for name, targets in conversion_targets(model, scheme).items():
-        convert_param(targets, params[name].detach())
+        convert_param(targets, params.pop(name).detach())
+        release_freed()
     return model
 
 

@@ -44,11 +44,16 @@ CPU_QMAX = 63
 """Weight levels of fbgemm's int8 linear on CPU: [-63, 63] (see the module docstring)."""
 
 
+def row_scales(w: torch.Tensor, qmax: int = 127) -> torch.Tensor:
+    """fp32 (rows,): amax / qmax of each row of a (rows, cols) matrix; 1 for a row of zeros."""
+    amax = w.detach().abs().amax(dim=1).float() if w.shape[1] else w.new_zeros(w.shape[0], dtype=torch.float32)
+    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+
+
 def int8_rows(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 of a (rows, cols) float matrix: (q int8 (rows, cols) in
     [-qmax, qmax], scale fp32 (rows,)), w ~= q * scale[:, None]. A row of zeros gets scale 1."""
-    amax = w.detach().abs().amax(dim=1).float() if w.shape[1] else w.new_zeros(w.shape[0], dtype=torch.float32)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    scale = row_scales(w, qmax)
     q = torch.round(w.detach().float() / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
     return q, scale
 
@@ -72,16 +77,17 @@ class QuantizedWeight:
             elif out and inp:
                 self._packed = torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None)
         elif scheme == "int8":
-            q, scale = int8_rows(w, CPU_QMAX if on_cpu else 127)
             self.nbytes = out * inp + 4 * out
             if not on_cpu:
+                q, scale = int8_rows(w)
                 self._w, self._scale = q, scale.to(w.dtype)
             elif out and inp:
+                scale = row_scales(w, CPU_QMAX)  # |w / scale| <= 63: no clamping needed
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # quantized tensors are deprecated, still fbgemm's input
                     qw = torch.quantize_per_channel(
-                        q.float() * scale[:, None], scale.double(), torch.zeros(out, dtype=torch.long), 0, torch.qint8
-                    )
+                        w.detach().float(), scale.double(), torch.zeros(out, dtype=torch.long), 0, torch.qint8
+                    )  # (out, in) int8: the only copy made besides the packed weight
                 self._packed = torch.ops.quantized.linear_prepack(qw, None)
         else:
             raise ValueError(f"unknown quantization scheme {scheme!r}")
