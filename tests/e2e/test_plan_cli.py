@@ -121,7 +121,7 @@ def test_plan_recommends_quantized_weights_when_nothing_else_fits(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "model: bench-156m (llama, 0.156B parameters, float32, weights int8)" in out.stdout
     assert "Quantized weights (--quantize int8): nothing fits in float32" in out.stdout
-    assert "int8 weights: ~4x less weight memory than fp32, activations quantized per call" in out.stdout
+    assert "int8 weights: ~4x less weight memory than fp32 (~2x less than bf16), activations quantized" in out.stdout
     cmd = "  shardwise serve --model MODEL --tp 1 --quantize int8 --max-batch-size 1 --max-model-len 160"
     assert cmd in out.stdout.splitlines()
     plan = json.loads(_plan(*args, "--json", env=env).stdout)

@@ -22,6 +22,8 @@ from shardwise.planner.footprint import projections, stage_params, weight_bytes
 from shardwise.planner.predict import Layout, predict_inference
 from shardwise.planner.report import render_text, to_json
 from shardwise.planner.specs import QUANTIZE
+from shardwise.quant import SCHEMES
+from shardwise.quant.convert import weight_bytes as runtime_weight_bytes
 from shardwise.sharding import parallelize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +80,10 @@ def test_weight_bytes_per_rank_match_the_real_sharded_model(name, tp, expert_par
         for quantize in (None, *QUANTIZE):
             ours = weight_bytes(cfg, tp, width=width, quantize=quantize, expert_parallel=expert_parallel)
             assert ours == _real_bytes(cfg, model, width, quantize), (width, quantize)
+    for quantize in QUANTIZE:  # and what the runtime would convert (shardwise.quant, fp32 model)
+        assert weight_bytes(cfg, tp, width=4, quantize=quantize, expert_parallel=expert_parallel) == (
+            runtime_weight_bytes(model, quantize)
+        ), quantize
 
 
 def test_weight_bytes_by_hand_and_across_stages():
@@ -243,5 +249,4 @@ def test_quantize_needs_a_measured_kernel_and_is_never_planned_for_training():
 
 
 def test_the_formats_agree_with_the_runtime():
-    quant = pytest.importorskip("shardwise.quant")
-    assert tuple(quant.SCHEMES) == QUANTIZE
+    assert tuple(SCHEMES) == QUANTIZE

@@ -18,10 +18,10 @@ PAYOFF = 1.1
 """tp > 1 pays off when it is at least this much faster than tp = 1."""
 
 QUANTIZE_COST = {
-    "fp16": "fp16 weights: half of fp32's weight memory, activations stay in float32 (about 2e-4 relative "
-    "error per product, docs/benchmarks.md); check quality with `shardwise eval-ppl`",
-    "int8": "int8 weights: ~4x less weight memory than fp32, activations quantized per call (about 2% relative "
-    "error per product, docs/benchmarks.md); check quality with `shardwise eval-ppl`",
+    "fp16": "fp16 weights: 2 bytes a weight (half of fp32's, as bf16), activations stay in float32 (about 2e-4 "
+    "relative error per product, docs/benchmarks.md); check quality with `shardwise eval-ppl`",
+    "int8": "int8 weights: ~4x less weight memory than fp32 (~2x less than bf16), activations quantized per call "
+    "(about 2% relative error per product, docs/benchmarks.md); check quality with `shardwise eval-ppl`",
 }
 """What each `--quantize` format costs, in the words the plan prints."""
 

@@ -113,7 +113,9 @@ def compute_dtype(cfg: ModelConfig, wl: Workload) -> str:
 
 def quantize_options(cluster: Cluster) -> list[str]:
     """The `--quantize` formats the planner can plan on this cluster: those whose linear kernel
-    was measured on its device (this host's calibration; none for the GPU presets)."""
+    was measured on its device (this host's calibration: fbgemm's; none for the GPU presets,
+    whose CUDA paths, a half-precision F.linear and int8 dequantized into the product, are
+    not measured)."""
     return [q for q in QUANTIZE if q in cluster.device.quantized_rows_tflops]
 
 
@@ -122,8 +124,9 @@ def check_inputs(cfg: ModelConfig, wl: Workload, headroom: float, cluster: Clust
         raise PlannerError(f"headroom must be a fraction in [0, 1), got {headroom}")
     if isinstance(wl, InferenceWorkload) and wl.quantize is not None and wl.quantize not in quantize_options(cluster):
         raise PlannerError(
-            f"--quantize {wl.quantize}: {cluster.device.name} has no measured {wl.quantize} linear kernel; "
-            "shardwise's quantized linears are fbgemm's CPU kernels, measured by --cluster this-host's calibration"
+            f"--quantize {wl.quantize}: {cluster.device.name} has no measured {wl.quantize} linear kernel to "
+            "predict its speed with; the planner plans quantized weights where the calibration measured the kernels "
+            "(--cluster this-host: fbgemm's)"
         )
     if isinstance(wl, InferenceWorkload):
         if wl.prompt_len + wl.output_len > cfg.max_positions:

@@ -185,8 +185,8 @@ class Device:
     quantized_rows_tflops: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     """`--quantize` scheme (QUANTIZE) -> measured TFLOP/s of its linear kernel at m rows, (m,
     TFLOP/s) by increasing m from 1 (one row: how fast it streams its weights). Measured on this
-    host (shardwise.bench.calibrate: fbgemm's fp16 and int8 linears); empty for the presets:
-    shardwise's quantized kernels are CPU kernels, and the planner does not plan them there."""
+    host (shardwise.bench.calibrate: fbgemm's fp16 and int8 linears); empty for the presets,
+    whose CUDA kernels are not measured: the planner does not plan quantized weights there."""
     busy_quantized_rows_tflops: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     """The same while every device works (missing: quantized_rows_tflops x busy_compute)."""
 
