@@ -221,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
     mib = 2**20
     params = ", ".join(f"{b / mib:.1f}" for b in result["param_bytes_per_rank"])
     peaks = ", ".join(f"{b / mib:.1f}" for b in result["peak_load_anon_bytes_per_rank"])
-    print(f"{'weights' if result['quantize'] else 'parameters'} MiB per rank: {params}; peak anonymous MiB while loading, per rank: {peaks}")
+    print(
+        f"{'weights' if result['quantize'] else 'parameters'} MiB per rank: {params}; peak anonymous MiB while loading, per rank: {peaks}"
+    )
     if args.compare_tp1:
         verdict = "yes" if result["matches_tp1"] else "NO"
         print(f"same tokens as tp=1: {verdict}")
