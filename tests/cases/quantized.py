@@ -31,7 +31,9 @@ from shardwise.layers import (
 from shardwise.layers.partition import split_ranges
 from shardwise.quant.convert import quantize_model
 
-__all__ = ["quantized_layer_case", "TOL"]
+__all__ = ["quantized_layers_case", "quantized_layer_case", "KINDS", "TOL"]
+
+KINDS = ("column", "column_gather", "row", "qkv", "merged", "head", "embedding")
 
 B, T = 3, 5
 TOL = {"fp16": 2e-3, "int8": 6e-2}
@@ -59,6 +61,12 @@ def _check_exact(y: torch.Tensor, twin: torch.Tensor, ref: torch.Tensor, scheme:
     torch.testing.assert_close(y, twin, rtol=1e-5, atol=1e-5 * twin.abs().max().item(), msg=lambda m: f"{what}: {m}")
     err = _rel(y, ref)
     assert err <= TOL[scheme], f"{what}: {err:.2e} from the float layer (tolerance {TOL[scheme]})"
+
+
+def quantized_layers_case(comm, scheme: str, width: int) -> None:
+    """Every kind of layer, one after the other (one pooled case per world size)."""
+    for kind in KINDS:
+        quantized_layer_case(comm, kind, scheme, width)
 
 
 def quantized_layer_case(comm, kind: str, scheme: str, width: int) -> None:

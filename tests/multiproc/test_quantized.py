@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from cases.quantized import quantized_layer_case
+from cases.quantized import quantized_layers_case
 from helpers import grid
-
-KINDS = ["column", "column_gather", "row", "qkv", "merged", "head", "embedding"]
 
 
 @pytest.mark.parametrize(
-    "kind,scheme,width,world_size",
+    "scheme,width,world_size",
     grid(
-        KINDS,
-        ["fp16", "int8"],
-        [36, 37],
-        [1, 2, 3, 4],
-        smoke=lambda kind, scheme, width, ws: (scheme, width, ws) == ("int8", 37, 2) and kind in ("column", "row"),
+        ["fp16", "int8"], [36, 37], [1, 2, 3, 4], smoke=lambda scheme, width, ws: (scheme, width, ws) == ("int8", 37, 2)
     ),
 )
-def test_quantized_layer_parity(rank_pool, kind, scheme, width, world_size):
-    rank_pool.run(quantized_layer_case, world_size, args=(kind, scheme, width))
+def test_quantized_layer_parity(rank_pool, scheme, width, world_size):
+    """Column, gathered column, row, qkv (9 / 3 heads), merged gate/up, LM head, embedding."""
+    rank_pool.run(quantized_layers_case, world_size, args=(scheme, width))
