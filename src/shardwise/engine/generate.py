@@ -146,7 +146,8 @@ def generate(
             on_tokens(emitted)
         if all(done) or step == max_new_tokens - 1:
             break
-        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], dim=1)  # (B, L + step + 1)
+        if padded:  # grows by one real key per step; unpadded steps need no mask, so build none
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], dim=1)  # (B, L + step + 1)
         t0 = time.perf_counter()
         with comm.stats.track() as one_step:
             tok = choose(forward(tok.unsqueeze(1), mask if padded else None, L + step))

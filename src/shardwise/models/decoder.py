@@ -77,7 +77,7 @@ class DecoderLM(nn.Module):
         *,
         hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple | None, torch.Tensor | None]:
-        """The layers' input (B, T, hidden), the rotary (cos, sin) and the attention mask
+        """The layers' input (B, T, hidden), the rotary (cos, sin, sin_signed) and the attention mask
         every layer reads. The input is the embedded `ids`, or `hidden` when given (a
         pipeline stage's input, received from the previous stage; ids then give only the shape)."""
         B, T = ids.shape[:2]
@@ -94,7 +94,7 @@ class DecoderLM(nn.Module):
             if self.pos_embed is not None:
                 x = x + self.pos_embed(positions)
         if self.cfg.positions != "learned":
-            rope = rope_cos_sin(self._inv_freq(ids.device), positions, x.dtype)  # (B, 1, T, rot) each
+            rope = rope_cos_sin(self._inv_freq(ids.device), positions, x.dtype, signed=True)  # (B, 1, T, rot) each
         k_len = start + T if cached else T
         mask = build_mask(
             attention_mask, T, k_len, causal=self.cfg.causal, window=self.cfg.sliding_window, device=ids.device
@@ -120,7 +120,7 @@ class DecoderLM(nn.Module):
 
     def head(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Final norm and LM head: (B, T, hidden) -> logits (B, T or 1, vocab[/tp])."""
-        if last_only:
+        if last_only and x.shape[1] > 1:
             x = x[:, -1:]  # (B, 1, hidden): only the next token's logits are needed
         return self.lm_head(self.norm(x))
 

@@ -49,8 +49,10 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layer":
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-        w = self.weight.float() if not self.offset else self.weight.float() + self.offset
-        return F.rms_norm(x.float(), w.shape, w, self.eps).to(x.dtype)  # one fused kernel, fp32 math
+        w = self.weight if not self.offset else self.weight.float() + self.offset
+        if x.dtype == w.dtype == torch.float32:  # an fp32 model: no casts, not even no-op ones
+            return F.rms_norm(x, w.shape, w, self.eps)
+        return F.rms_norm(x.float(), w.shape, w.float(), self.eps).to(x.dtype)  # fp32 math
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -76,22 +78,36 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     return inv.float()
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, *, signed: bool = False
+) -> tuple[torch.Tensor, ...]:
     """cos, sin of shape (B, 1, T, rotary_dim) for positions (B, T): computed once per
-    forward, already broadcastable over heads."""
+    forward, already broadcastable over heads. signed=True adds a third, sin_signed (see
+    apply_rope), so that no layer has to build it."""
     freqs = positions.float().unsqueeze(-1) * inv_freq  # (B, T, rot/2)
     emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # (B, 1, T, rot)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    return (cos, sin, _signed(sin)) if signed else (cos, sin)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _signed(sin: torch.Tensor) -> torch.Tensor:
+    """[-sin | sin] by halves of the last dim: rotate-half's signs moved onto sin."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sin_signed: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rotate the first rotary_dim dims of x (B, H, T, hd) by the rotate-half convention;
-    cos, sin: (B, 1, T, rot) from rope_cos_sin."""
+    cos, sin: (B, 1, T, rot) from rope_cos_sin, and sin_signed from rope_cos_sin(signed=True)
+    when it was precomputed (else it is built here)."""
     rot = cos.shape[-1]
     x_rot = x if rot == x.shape[-1] else x[..., :rot]
-    half = rot // 2
-    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)  # rotate_half(x)
-    out = torch.addcmul(x_rot * cos, rotated, sin)
+    if sin_signed is None:
+        sin_signed = _signed(sin)
+    # rotate_half(x) * sin = [-x2, x1] * [s, s] = [x2, x1] * [-s, s]: one roll, no neg, no cat
+    out = torch.addcmul(x_rot * cos, x_rot.roll(rot // 2, dims=-1), sin_signed)
     return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
 
 
@@ -182,10 +198,10 @@ class Attention(nn.Module):
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         else:  # rotate q and k together: half the kernel launches
-            qk, v = heads.split([nq + nkv, nkv], dim=1)  # (B, nq + nkv, T, hd), (B, nkv, T, hd)
+            qk, v = heads[:, : nq + nkv], heads[:, nq + nkv :]  # (B, nq + nkv, T, hd), (B, nkv, T, hd)
             if rope is not None:
                 qk = apply_rope(qk, *rope)
-            q, k = qk.split([nq, nkv], dim=1)  # (B, nq, T, hd), (B, nkv, T, hd)
+            q, k = qk[:, :nq], qk[:, nq:]  # (B, nq, T, hd), (B, nkv, T, hd)
         if cache is not None:
             k, v = cache.update(start, k, v)  # (B, nkv, start + T, hd)
         groups = getattr(self.qkv, "kv_groups", None)  # None: plain GQA (see the module docstring)
