@@ -1,6 +1,7 @@
 """Serving throughput and latency: `shardwise serve` on the benchmark model, N concurrent clients.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_serve.py [--layouts 1x1 2x1 1x2 2x1:gloo] [--clients 1 4 16]
+        [--quantize fp16|int8]
 
 For each layout, tp x pp on a backend (default `auto`, the server's default, shown with what it
 resolved to; `2x1:gloo` names one), one server is started (--max-batch-size 16); for each client count,
@@ -11,7 +12,8 @@ request's wall time. Prints a Markdown table: tokens/s against tp=1 at the same 
 clients (tp=1 is measured in the same run), each pipeline stage's idle share of the run (from /metrics), and
 for tp=1 x pp rows the ceiling (benchmarks/serve_ceiling.py: what pp stages computing at
 once, with no serving overheads, gain over tp=1 at that many clients) and the share of it
-reached.
+reached. `--quantize` starts every server with weights in that format (`shardwise serve
+--quantize`); benchmarks/bench_quant.py alternates fp32 and int8 servers through start().
 
 The benchmark model (benchmarks/bench_model.py) has no tokenizer; its serving copy
 links the weights and borrows the built-in model's tokenizer.json (prompts are token
@@ -54,13 +56,17 @@ def serving_copy(src: Path) -> Path:
     return dst
 
 
-def start(model: Path, tp: int, backend: str, pp: int = 1) -> tuple[subprocess.Popen, str]:
-    """A server; backend "auto" passes no --backend (the server's default)."""
+def start(
+    model: Path, tp: int, backend: str, pp: int = 1, *, quantize: str | None = None
+) -> tuple[subprocess.Popen, str]:
+    """A server; backend "auto" passes no --backend (the server's default); quantize: the
+    weights' format (None: the checkpoint's)."""
     port = free_port()
     cmd = [sys.executable, "-m", "shardwise", "serve", "--model", str(model), "--tp", str(tp), "--port", str(port)]
     cmd += ["--pp", str(pp)] if pp > 1 else []
     cmd += ["--max-batch-size", "16", "--max-queue", "256", "--health-timeout", "30"]
     cmd += [] if backend == "auto" else ["--backend", backend]
+    cmd += ["--quantize", quantize] if quantize else []
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -133,6 +139,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--quantize", choices=["fp16", "int8"], help="every server's weights in this format")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument(
         "--no-ceiling", action="store_true",
@@ -143,7 +150,7 @@ def main() -> int:
     model = serving_copy(ensure_bench_model(args.model))
     rows = []
     for tp, pp, backend in map(parse_layout, args.layouts):
-        proc, url = start(model, tp, backend, pp)
+        proc, url = start(model, tp, backend, pp, quantize=args.quantize)
         try:
             run(url, 1, 1, args.prompt_tokens, 4)  # warm-up
             for c in args.clients:
@@ -161,7 +168,8 @@ def main() -> int:
                 print(f"ceiling pp={pp} clients={c}: {ceilings[(pp, c)]}", file=sys.stderr)
     if args.json:
         keys = ("tp", "pp", "backend", "clients")
-        args.json.write_text(json.dumps([dict(zip(keys, row[:4], strict=True), **row[4]) for row in rows], indent=1))
+        rows_out = [dict(zip(keys, row[:4], strict=True), quantize=args.quantize, **row[4]) for row in rows]
+        args.json.write_text(json.dumps(rows_out, indent=1))
     print(
         "| tp | pp | backend | clients | requests | tokens/s | p50 latency s | p99 latency s | stage idle "
         "| tokens/s vs tp=1 | ceiling vs tp=1 | share of ceiling |"
