@@ -17,7 +17,13 @@ alternate in fresh processes, and must give the same greedy tokens. Medians of t
 rounds' medians:
 
     env -u PYTHONDONTWRITEBYTECODE OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_step.py \
-        --compare REV [NEW] [--rounds 5] [--model /tmp/smol-shape]
+        --compare REV [NEW] [--rounds 5] [--model /tmp/smol-shape] [--overhead]
+
+On a busy machine the wall times above move by tens of percent from process to process,
+more than the work outside the matmuls weighs. --overhead adds a figure that load hardly
+moves: the thread CPU time of a decode step with every projection replaced by a constant
+of its shape (what is left is the work outside the matmuls), both trees imported into one
+process under their own package names and taking turns step by step.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -106,6 +114,59 @@ def _run(src: Path, model_dir: str, repeats: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _as_package(src: Path, name: str, dest: Path) -> None:
+    """src/shardwise copied to dest/name, every `shardwise` import renamed to `name`."""
+    shutil.copytree(src / "shardwise", dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in (dest / name).rglob("*.py"):
+        f.write_text(re.sub(r"\bshardwise\b", name, f.read_text()))
+
+
+def _overhead(trees: dict[str, Path], model_dir: str, tmp: Path, steps: int = 48, repeats: int = 3) -> dict:
+    """{tree: {batch: CPU ms of a decode step with the matmuls stubbed}}, trees interleaved."""
+    import importlib
+
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+
+    def stub(self, x):  # a constant of the projection's output shape, one per input shape
+        cache = self.__dict__.setdefault("_stub", {})
+        key = tuple(x.shape[:-1])
+        if key not in cache:
+            cache[key] = torch.full((*key, self.out_features), 0.01)
+        return cache[key]
+
+    nn.Linear.forward = stub  # NOTE: the models below are plain DecoderLMs, unsharded: nn.Linear only
+    models = {}
+    for i, (name, src) in enumerate(trees.items()):
+        _as_package(src, f"shardwise_{i}", tmp / "pkgs")
+        sys.path.insert(0, str(tmp / "pkgs"))
+        _, cfg = importlib.import_module(f"shardwise_{i}.hf").read_config(model_dir)
+        models[name] = importlib.import_module(f"shardwise_{i}.models.decoder").DecoderLM(cfg).eval()
+    out: dict = {name: {} for name in trees}
+    for B in BATCHES:
+        ids = torch.randint(10, 40000, (B, PROMPT), generator=torch.Generator().manual_seed(B))
+        times: dict[str, list[float]] = {name: [] for name in trees}
+        for _ in range(repeats):
+            state = {}
+            with torch.no_grad():
+                for name, m in models.items():
+                    caches = m.new_caches(B, PROMPT + steps)
+                    m(ids, caches=caches, last_only=True)
+                    state[name] = [caches, ids[:, -1:]]
+                for s in range(steps):
+                    for name in models if s % 2 == 0 else reversed(models):
+                        caches, tok = state[name]
+                        c0 = time.thread_time()
+                        logits = models[name](tok, caches=caches, start=PROMPT + s, last_only=True)
+                        state[name][1] = logits[:, -1].argmax(-1, keepdim=True)
+                        times[name].append((time.thread_time() - c0) * 1e3)
+        for name in trees:
+            out[name][B] = statistics.median(times[name])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a Llama checkpoint directory (default: make /tmp/smol-shape)")
@@ -117,6 +178,7 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=5, help="processes per tree, alternating trees")
     ap.add_argument("--repeats", type=int, default=3, help="timed generate calls per process and batch")
+    ap.add_argument("--overhead", action="store_true", help="add the CPU ms outside the matmuls, trees interleaved")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
@@ -142,17 +204,22 @@ def main() -> None:
                 runs[name].append(_run(src, args.model, args.repeats))
                 print(f"round {r + 1}/{args.rounds} {name}: " + ", ".join(
                     f"b{B} {runs[name][-1][str(B)]['step_ms']:.1f} ms" for B in BATCHES), file=sys.stderr)  # fmt: skip
-    print(f"decode step on {args.model}, tp=1, 1 thread, prompt {PROMPT}, {NEW} new tokens; "
-          f"medians of {args.rounds} processes x {args.repeats} runs")  # fmt: skip
-    print(f"{'tree':<14} {'batch':>5} {'step ms':>8} {'matmul ms':>10} {'other ms':>9} {'other %':>8}")
-    for B in BATCHES:
-        for name, rs in runs.items():
-            fig = {k: statistics.median(r[str(B)][k] for r in rs) for k in ("step_ms", "matmul_ms", "other_ms")}
-            share = 100 * fig["other_ms"] / fig["step_ms"]
-            print(
-                f"{name:<14} {B:>5} {fig['step_ms']:>8.1f} {fig['matmul_ms']:>10.1f} {fig['other_ms']:>9.1f} {share:>7.0f}%"
-            )
-    if args.compare:
+        overhead = _overhead(trees, args.model, Path(tmp)) if args.overhead else None
+    if args.rounds:
+        print(f"decode step on {args.model}, tp=1, 1 thread, prompt {PROMPT}, {NEW} new tokens; "
+              f"medians of {args.rounds} processes x {args.repeats} runs")  # fmt: skip
+        print(f"{'tree':<14} {'batch':>5} {'step ms':>8} {'matmul ms':>10} {'other ms':>9} {'other %':>8}")
+        for B in BATCHES:
+            for name, rs in runs.items():
+                fig = {k: statistics.median(r[str(B)][k] for r in rs) for k in ("step_ms", "matmul_ms", "other_ms")}
+                share = 100 * fig["other_ms"] / fig["step_ms"]
+                print(f"{name:<14} {B:>5} {fig['step_ms']:>8.1f} {fig['matmul_ms']:>10.1f} "
+                      f"{fig['other_ms']:>9.1f} {share:>7.0f}%")  # fmt: skip
+    if overhead is not None:
+        print("CPU ms of a decode step with the matmuls stubbed (the work outside them), trees interleaved:")
+        for B in BATCHES:
+            print(f"  batch {B}: " + ", ".join(f"{name} {overhead[name][B]:.2f}" for name in trees))
+    if args.compare and args.rounds:
         a, b = (runs[n][0] for n in trees)
         same = all(a[str(B)]["tokens"] == b[str(B)]["tokens"] for B in BATCHES)
         print("greedy tokens identical across trees:", same)
