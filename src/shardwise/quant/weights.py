@@ -103,7 +103,7 @@ class QuantizedWeight:
             y = F.linear(x.to(w.dtype), w)
         else:
             x2 = x.reshape(-1, inp)  # (N, in)
-            if x2.dtype != torch.float32:
+            if x2.dtype is not torch.float32:
                 x2 = x2.float()
             if x2.shape[0] == 0:
                 y = x2.new_zeros((0, out))
@@ -111,7 +111,10 @@ class QuantizedWeight:
                 y = torch.ops.quantized.linear_dynamic_fp16(x2, self._packed)  # (N, out)
             else:
                 y = torch.ops.quantized.linear_dynamic(x2, self._packed, False)  # (N, out), 8-bit activations
-            y = y.view(*lead, out).to(x.dtype)
+            if len(lead) != 1:  # NOTE: a decode step's (B, 1, in) input: no-op views and casts cost per call
+                y = y.view(*lead, out)
+            if y.dtype is not x.dtype:
+                y = y.to(x.dtype)
         return y if bias is None else y + bias
 
     def numel(self) -> int:
