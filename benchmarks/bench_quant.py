@@ -294,6 +294,7 @@ def summarise_decode(runs: dict, models: dict[str, Path]) -> dict:
                 format=fmt if engine == "shardwise" else LLAMA_TYPES[fmt],
                 parallel=n,
                 decode_ms=med,
+                best_ms=min(ms),
                 rounds_ms=ms,
                 ceiling_ms=ceiling_ms,
                 fraction_of_ceiling=ceiling_ms / med,
@@ -381,8 +382,8 @@ def render(data: dict) -> str:
         f"Run {data['date']}, {data['cpu']}, torch {data['torch']}, llama-cpp-python {data['llama_cpp_python']}; "
         f"{data['rounds']} rounds, load average {data['load_start']:.2f} at start, {data['load_end']:.2f} at end.",
         "",
-        "Decode, batch 1, ms/token (median over rounds); ceiling = bytes the busiest rank reads per token / one "
-        "core's streaming bandwidth with that many cores streaming; fraction = ceiling / measured.",
+        "Decode, batch 1, ms/token (median over rounds, best round in brackets); ceiling = bytes the busiest rank reads per token / one "
+        "core's streaming bandwidth with that many cores streaming; fraction = ceiling / median.",
         "",
         "| engine | format | tp / threads | "
         + " | ".join(f"{m} ms/token | {m} ceiling ms | {m} fraction" for m in models)
@@ -397,7 +398,9 @@ def render(data: dict) -> str:
         for m in models:
             r = _row(rows, engine, m, fmt, n)
             cells.append(
-                f"{r['decode_ms']:.1f} | {r['ceiling_ms']:.1f} | {r['fraction_of_ceiling']:.0%}" if r else "- | - | -"
+                f"{r['decode_ms']:.1f} ({r['best_ms']:.1f}) | {r['ceiling_ms']:.1f} | {r['fraction_of_ceiling']:.0%}"
+                if r
+                else "- | - | -"
             )
         what = f"tp={n}" if engine == "shardwise" else f"{n} thread{'s' if n > 1 else ''}"
         lines.append(f"| {engine} | {fmt} | {what} | " + " | ".join(cells) + " |")
