@@ -408,7 +408,7 @@ def render(data: dict) -> str:
         "",
         "Streaming bandwidth of one core (GB/s; copy counts read + write): "
         + "; ".join(
-            f"{n} core{'s' if n > 1 else ''} streaming: copy {b['copy'] / 1e9:.1f}, read {b['read'] / 1e9:.1f}"
+            f"{n} core{'s' if int(n) > 1 else ''} streaming: copy {b['copy'] / 1e9:.1f}, read {b['read'] / 1e9:.1f}"
             for n, b in bw.items()
         )
         + ". Conversion check, llama.cpp vs transformers logits (relative, worst of "
