@@ -21,7 +21,6 @@ def _gen(*args: str) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.gate
 def test_int8_at_tp2_generates_the_tokens_of_int8_at_tp1_in_a_quarter_of_the_bytes():
     r = _gen("--tp", "2", "--quantize", "int8", "--compare-tp1")
     assert r["quantize"] == "int8" and r["matches_tp1"] is True, r["tokens"]

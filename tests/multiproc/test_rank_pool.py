@@ -125,9 +125,11 @@ def _long_train(world, cfg) -> list[tuple[int, int]]:
 
 
 def test_a_long_training_run_keeps_its_threads_and_descriptors(rank_pool, tiny_pp_config):
-    """12 steps at tp=2 x pp=2, a checkpoint after each: the counts after the 2nd save equal
-    those after the 12th on every rank (the product itself creates nothing per step)."""
+    """12 steps at tp=2 x pp=2, a checkpoint after each: the counts after the 12th save are
+    no higher than after the 2nd on every rank (the product itself creates nothing per step;
+    a descriptor may close a moment late, so a count may fall)."""
     cfg = tiny_pp_config.replace(run={"steps": 12, "out_dir": tiny_pp_config.run.out_dir + "-long"})
     for rank, seen in enumerate(rank_pool.run(_long_train, 4, args=(cfg,))):
         assert len(seen) == 12
-        assert seen[-1] == seen[1], f"rank {rank}: (threads, descriptors) after each save: {seen}"
+        grew = any(last > second for last, second in zip(seen[-1], seen[1], strict=True))
+        assert not grew, f"rank {rank}: (threads, descriptors) after each save: {seen}"
