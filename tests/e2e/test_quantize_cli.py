@@ -56,7 +56,6 @@ def test_info_shows_quantized_bytes_per_rank():
     assert 0.25 < r["bytes_per_rank"] / plain["bytes_per_rank"] < 0.27
 
 
-@pytest.mark.gate
 def test_server_with_int8_weights_answers_the_openai_client(tmp_path):
     from test_serve import Server
 
