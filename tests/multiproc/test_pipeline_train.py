@@ -184,7 +184,9 @@ def _refusals(tokens, out, tp, pp, dp) -> None:
 def _marks(tp: int, pp: int, dp: int) -> list:
     if (tp, pp, dp) == (1, 2, 1):
         return [pytest.mark.smoke]
-    return [pytest.mark.full] if tp * pp * dp > 4 else []  # 8 ranks on 2 cores: make test-full
+    if tp * pp * dp > 4 or (tp, pp, dp) == (1, 4, 1):  # 8 ranks on 2 cores; 1x4x1: 11 s here, 2x2x1 covers it
+        return [pytest.mark.full]
+    return []
 
 
 @pytest.mark.parametrize(
