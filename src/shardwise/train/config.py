@@ -212,9 +212,18 @@ class OptimSection:
     grad_clip: float | None = 1.0
     """Clip the global gradient norm (across all shards, replicated parameters once) to this;
     None = no clipping (the norm is still computed and logged)."""
+    distributed: bool = False
+    """The distributed optimizer (ZeRO-2): the fp32 master weights, AdamW's moments and the
+    reduced gradients of each (tp, pp, ep) position split over its dp ranks; gradients
+    reduce-scattered, updated weights all-gathered (see shardwise.train.distopt). Same results."""
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype gradients travel and are summed in over dp, under the distributed optimizer
+    or with bf16 weights (run.dtype); the master copy and the moments stay fp32."""
 
     def __post_init__(self) -> None:
         _positive(self, "lr", "eps", "grad_clip", "decay_steps")
+        if self.grad_reduce_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"optim.grad_reduce_dtype must be 'fp32' or 'bf16', got {self.grad_reduce_dtype!r}")
         if self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
         if self.warmup_steps < 0 or self.weight_decay < 0:
@@ -310,6 +319,10 @@ class RunSection:
     """Seed of the weight initialisation and of the dropout RNG streams."""
     bf16: bool = False
     """Run forward and backward under bfloat16 autocast (weights and optimizer stay fp32)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """The model's weights: "fp32", or "bf16" with an fp32 master copy (and fp32 AdamW
+    moments) that the optimizer steps and writes back as bf16 (the master split over dp under
+    optim.distributed). Checkpoints store the fp32 master."""
     log_every: int = 10
     """Log a line (loss, tokens/s, step time) every this many steps."""
     progress: bool = True
@@ -338,6 +351,8 @@ class RunSection:
             raise ConfigError(f"run.save_every must be >= 0, got {self.save_every}")
         if self.recompute not in ("none", "selective", "full"):
             raise ConfigError(f"run.recompute must be none, selective or full, got {self.recompute!r}")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"run.dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -384,6 +399,11 @@ class TrainConfig:
             raise ConfigError(
                 f"parallel.sequence_parallel splits each sequence over tp={par.tp} ranks, but data.seq_len={seq} is "
                 f"not a multiple of {par.tp}; use data.seq_len={near}, or sequence_parallel = false"
+            )
+        if self.optim.distributed and par.dp_sync == "ddp":
+            raise ConfigError(
+                "optim.distributed reduce-scatters the gradients itself; parallel.dp_sync='ddp' would all-reduce "
+                "them too: use 'auto' or 'bucketed'"
             )
         if self.model.pretrained is None:
             self.check_stages(self.model.num_layers)

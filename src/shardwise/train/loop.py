@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import torch
 from tqdm.auto import tqdm
 
 from shardwise.comm import Communicator, ParallelDims, agree
@@ -30,6 +29,7 @@ from shardwise.pipeline.stage import stage_plan
 from shardwise.sharding import enable_sequence_parallel, partial_grad_names
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import DataError, DPSampler, TokenFile, tokenize_text
+from shardwise.train.distopt import DTYPES, DistributedOptimizer, autocast
 from shardwise.train.experts import ep_groups, expert_layout, unsharded_state
 from shardwise.train.layout import all_rank_specs, build_model, train_plan
 from shardwise.train.optim import GradNorm, build_optimizer
@@ -156,15 +156,27 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
     # At pp > 1 a tied embedding has a copy on the first and the last stage; the first owns it
     # (counted once in the gradient norm, written once in a checkpoint).
     copies = {"embed.weight"} if stage is not None and model_cfg.tie_embeddings and mesh.pp_rank != 0 else set()
+    master = cfg.optim.distributed or cfg.run.dtype == "bf16"
+    if master:  # fp32 master slices (whole at dp = 1 or without optim.distributed), before a bf16 cast
+        optimizer = DistributedOptimizer(
+            model, cfg.optim, specs, tp=tp, dp=dp, pp=mesh.pp, skip=copies, ep=ep, edp=edp,
+            experts=experts.names if experts else frozenset(), bucket_mb=par.bucket_mb,
+            shard=cfg.optim.distributed, reduce_dtype=DTYPES[cfg.optim.grad_reduce_dtype],
+        )  # fmt: skip
+        model.to(DTYPES[cfg.run.dtype])
+    else:
+        optimizer = build_optimizer(model, cfg.optim)
     tr = Trainer(
         cfg=cfg,
         mesh=mesh,
         model_cfg=model_cfg,
         model=model,
         specs=specs,
-        optimizer=build_optimizer(model, cfg.optim),
-        sync=None,  # type: ignore[arg-type]  - set below, after resuming
-        grad_norm=GradNorm(
+        optimizer=optimizer,
+        sync=optimizer if master else None,  # type: ignore[arg-type]  - set below, after resuming
+        grad_norm=optimizer
+        if master
+        else GradNorm(
             model, specs, tp, pp=mesh.pp, skip=copies, ep=ep, experts=experts.names if experts else frozenset()
         ),
         data=data,
@@ -188,7 +200,9 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
     # A pipeline stage's forward does not go through the module, so DDP cannot wrap it: bucketed.
     # MoE: bucketed (an expert that gets no token would leave DDP waiting for its gradient).
     mode = par.dp_sync if stage is None and not model_cfg.num_experts else "bucketed"
-    if experts is not None:
+    if master:
+        pass  # the DistributedOptimizer reduces the gradients itself
+    elif experts is not None:
         tr.sync = ExpertParallelSync(model, dp, experts.edp, experts.names, par.bucket_mb)
     else:
         tr.sync = make_grad_sync(model, dp, mode=mode, bucket_mb=par.bucket_mb)
@@ -199,7 +213,7 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
             mesh.pp,
             build_schedule(par.schedule, par.pp, sampler.grad_accum, par.virtual_stages)[mesh.pp_rank],
             hidden_size=model_cfg.hidden_size,
-            autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.run.bf16),
+            autocast=lambda: autocast(model, cfg.run),
             seq_shards=tp.size if sp else 1,
             router=RouterAux(model_cfg.num_experts, model_cfg.experts_per_token, model_cfg.router_aux_loss_coef, dp)
             if model_cfg.num_experts and model_cfg.router_aux_loss_coef

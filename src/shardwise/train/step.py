@@ -29,6 +29,7 @@ from shardwise.pipeline.stage import StageLayout
 from shardwise.sharding import sum_partial_grads
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import DPSampler, TokenFile
+from shardwise.train.distopt import DistributedOptimizer, autocast
 from shardwise.train.experts import ExpertLayout, router_aux_loss
 from shardwise.train.optim import GradNorm, lr_at
 from shardwise.train.rng import RNGTracker
@@ -104,8 +105,12 @@ def train_step(tr: Trainer) -> StepStats:
         total, aux = _pipeline_micro_steps(tr, micro)
     else:
         total, aux = _micro_steps(tr, micro)
-    tr.sync.finish()
-    sum_partial_grads(tr.model, tr.partial_grads, comm=tr.mesh.tp)  # sequence parallelism's norms
+    if isinstance(tr.sync, DistributedOptimizer):  # it frees p.grad: the tp sums go first
+        sum_partial_grads(tr.model, tr.partial_grads, comm=tr.mesh.tp)
+        tr.sync.finish()
+    else:
+        tr.sync.finish()
+        sum_partial_grads(tr.model, tr.partial_grads, comm=tr.mesh.tp)  # sequence parallelism's norms
     mean_loss = dp.all_reduce(total.view(1))[0] / dp.size  # the cross-entropy
     coef = tr.model_cfg.router_aux_loss_coef if tr.model_cfg.num_experts else 0.0
     norm = tr.grad_norm.clip_(cfg.optim.grad_clip)
@@ -136,7 +141,7 @@ def _micro_steps(tr: Trainer, micro: list) -> tuple[torch.Tensor, torch.Tensor]:
     for m, indices in enumerate(micro):
         x, y = tr.data.batch(indices)  # (B, L) inputs and targets
         with tr.sync.micro_step(last=m == len(micro) - 1):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.run.bf16):
+            with autocast(tr.model, cfg.run):
                 logits = tr.sync.module(x)  # (B, L, V_pad / tp), this rank's vocabulary columns
             loss = vocab_parallel_cross_entropy(logits, y, comm=tp).mean() / len(micro)
             objective = loss

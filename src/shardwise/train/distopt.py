@@ -1,0 +1,328 @@
+"""The distributed optimizer: fp32 master weights and AdamW moments split over dp (ZeRO-2).
+
+Per (tp, pp, ep) position, the parameters this rank holds are laid end to end in one flat
+index space (the weight-decayed ones first, then the rest), and the space is dealt over
+the dp ranks as contiguous slices, the first N % dp ranks one element more:
+
+    flat space  [ qkv.w | o.w | ... | embed.w || norm.w | ... ]      N elements
+    dp rank r   [ lo_r, hi_r )                                       N / dp each (+1 for r < N % dp)
+
+Each rank keeps, for its slice only, the fp32 master copy, AdamW's two moments and the
+reduced fp32 gradient: 16 bytes per element of its slice. A step:
+
+1. backward (every micro-batch, any schedule) accumulates full gradients in p.grad;
+2. `finish`: bucket by bucket, the gradients are flattened (cast to `reduce_dtype`) and
+   reduce-scattered over dp into the slices, divided by dp; p.grad is then freed (ZeRO-2:
+   Megatron keeps the whole gradient buffer on every rank; here only the slice is kept
+   between the reduction and the next backward);
+3. `clip_`: the global norm from the slices, each element once (tp-replicated rows by their
+   owner, a tied embedding's copy not at all, experts over edp then ep), one sum per group;
+4. `step`: AdamW on the master slices (torch's own, elementwise, so every element moves
+   exactly as under the plain optimizer), then the updated slices are all-gathered bucket
+   by bucket back into the model's weights (cast to their dtype: bf16 weights get bf16).
+
+Mixture-of-experts: the experts' parameters form a second space, split over the
+expert-data-parallel group (edp: the ranks holding the same experts) and divided by dp,
+as ExpertParallelSync does.
+
+With shard=False the same machinery keeps the whole space on every rank and all-reduces:
+the fp32 master copy for bf16 weights without the distributed optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from shardwise.comm import Communicator
+from shardwise.layers import ShardSpec, split_sizes
+from shardwise.train.config import OptimSection
+from shardwise.train.layout import owned_mask
+from shardwise.train.sync import GradSync
+
+__all__ = ["DistributedOptimizer", "MOMENTS", "DTYPES", "autocast"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The config's dtype names (run.dtype, optim.grad_reduce_dtype)."""
+
+
+def autocast(model: nn.Module, run) -> contextlib.AbstractContextManager:
+    """bf16 autocast on the model's own device when run.bf16 (a RunSection) asks for it."""
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=run.bf16)
+
+
+def _overlap(a: int, b: int, c: int, d: int) -> tuple[int, int]:
+    """[a, b) ∩ [c, d) as (start, end), empty as (x, x)."""
+    lo, hi = max(a, c), min(b, d)
+    return (lo, max(lo, hi))
+
+
+class _Space:
+    """One flat index space (dense, or experts) split over `comm`: this rank's slice of it."""
+
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        decay: set[str],
+        comm: Communicator,
+        *,
+        divide_by: int,
+        bucket_numel: int,
+        shard: bool,
+    ) -> None:
+        ordered = [x for x in named if x[0] in decay] + [x for x in named if x[0] not in decay]
+        self.names = [n for n, _ in ordered]
+        self.params = [p for _, p in ordered]
+        self.comm, self.divide_by, self.shard = comm, divide_by, shard
+        self.offsets, total = {}, 0  # name -> (start, end) in the flat space
+        for n, p in ordered:
+            self.offsets[n] = (total, total + p.numel())
+            total += p.numel()
+        self.numel = total
+        self.decay_numel = sum(p.numel() for n, p in ordered if n in decay)
+        sizes = split_sizes(total, comm.size) if shard else [total] * comm.size
+        starts = [sum(sizes[:r]) for r in range(comm.size)] if shard else [0] * comm.size
+        self.ranges = [(s, s + n) for s, n in zip(starts, sizes, strict=True)]
+        self.lo, self.hi = self.ranges[comm.rank]
+        # Buckets of whole parameters, about bucket_numel elements each: (first, end) indices into params.
+        self.buckets, first, size = [], 0, 0
+        for i, p in enumerate(self.params):
+            if i > first and size + p.numel() > bucket_numel:
+                self.buckets.append((first, i))
+                first, size = i, 0
+            size += p.numel()
+        if self.params:
+            self.buckets.append((first, len(self.params)))
+        n = self.hi - self.lo
+        self.master = torch.empty(n, dtype=torch.float32)  # (slice,) the fp32 master copy
+        self.grad = torch.zeros(n, dtype=torch.float32)  # (slice,) the dp-reduced gradient
+        with torch.no_grad():
+            for name, p in ordered:
+                a, b = _overlap(self.lo, self.hi, *self.offsets[name])
+                if b > a:
+                    start = self.offsets[name][0]
+                    self.master[a - self.lo : b - self.lo] = p.detach().reshape(-1)[a - start : b - start].float()
+        cut = min(max(self.decay_numel - self.lo, 0), n)  # decayed elements of the slice come first
+        self.parts = [(self.master[:cut], self.grad[:cut]), (self.master[cut:], self.grad[cut:])]
+
+    def bucket_range(self, first: int, end: int) -> tuple[int, int]:
+        return self.offsets[self.names[first]][0], self.offsets[self.names[end - 1]][1]
+
+    def sizes(self, a: int, b: int) -> list[int]:
+        """Every rank's share of flat range [a, b)."""
+        return [e - s for s, e in (_overlap(lo, hi, a, b) for lo, hi in self.ranges)]
+
+    def reduce(self, reduce_dtype: torch.dtype) -> None:
+        """Sum every gradient over comm into this rank's slice, divided by divide_by; free p.grad."""
+        for first, end in self.buckets:
+            a, b = self.bucket_range(first, end)
+            chunk = self.params[first:end]
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(reduce_dtype) for p in chunk]
+            )  # (bucket numel,)
+            for p in chunk:
+                p.grad = None
+            if self.shard:
+                part = self.comm.reduce_scatter(flat, dim=0, sizes=self.sizes(a, b))
+            else:
+                part = self.comm.all_reduce(flat)
+            s, e = _overlap(self.lo, self.hi, a, b)
+            self.grad[s - self.lo : e - self.lo] = part.div_(self.divide_by)
+
+    def gather(self) -> None:
+        """The updated slices, all-gathered over comm into the model's weights."""
+        with torch.no_grad():
+            for first, end in self.buckets:
+                a, b = self.bucket_range(first, end)
+                s, e = _overlap(self.lo, self.hi, a, b)
+                mine = self.master[s - self.lo : e - self.lo]
+                full = self.comm.all_gather(mine, dim=0, sizes=self.sizes(a, b)) if self.shard else mine
+                for name, p in zip(self.names[first:end], self.params[first:end], strict=True):
+                    ps, pe = self.offsets[name]
+                    p.copy_(full[ps - a : pe - a].view_as(p))
+
+    def piece(self, name: str, flat: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(offset in this rank's slice, the part of `name`'s flat tensor it holds)."""
+        start, end = self.offsets[name]
+        a, b = _overlap(self.lo, self.hi, start, end)
+        return a - self.lo, flat[a - start : b - start]
+
+    def full(self, name: str, slice_values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """`name`'s whole (tp-local) tensor from every rank's slice of `slice_values` (collective)."""
+        start, end = self.offsets[name]
+        a, b = _overlap(self.lo, self.hi, start, end)
+        mine = slice_values[a - self.lo : b - self.lo]
+        if not self.shard:
+            return mine.clone().view(shape)
+        return self.comm.all_gather(mine.contiguous(), dim=0, sizes=self.sizes(start, end)).view(shape)
+
+
+class DistributedOptimizer(GradSync):
+    """AdamW over fp32 master slices; also this step's dp reduction (a GradSync) and its
+    gradient norm (GradNorm's clip_/norm). Trainer.optimizer, .sync and .grad_norm all point here."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: OptimSection,
+        specs: dict[str, list[ShardSpec]],
+        *,
+        tp: Communicator,
+        dp: Communicator,
+        pp: Communicator | None = None,
+        skip: set[str] | frozenset[str] = frozenset(),
+        ep: Communicator | None = None,
+        edp: Communicator | None = None,
+        experts: set[str] | frozenset[str] = frozenset(),
+        bucket_mb: float = 25.0,
+        shard: bool = True,
+        reduce_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.module, self.tp, self.pp, self.ep = model, tp, pp, ep
+        self.reduce_dtype, self.shard, self.skip = reduce_dtype, shard, set(skip)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        decay = {n for n, p in named if p.dim() >= 2}  # as build_optimizer: matrices and embeddings
+        bucket_numel = max(int(bucket_mb * 2**20) // 4, 1)
+        kw = {"bucket_numel": bucket_numel, "shard": shard, "divide_by": dp.size}
+        self.spaces = [_Space([x for x in named if x[0] not in experts], decay, dp, **kw)]
+        if experts:
+            self.spaces.append(_Space([x for x in named if x[0] in experts], decay, edp, **kw))
+        self.space_of = {n: s for s in self.spaces for n in s.names}
+        self.shapes = {n: p.shape for n, p in named}
+        self.adamw = torch.optim.AdamW(
+            [
+                {"params": [s.parts[0][0] for s in self.spaces], "weight_decay": cfg.weight_decay},
+                {"params": [s.parts[1][0] for s in self.spaces], "weight_decay": 0.0},
+            ],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+        )
+        for s in self.spaces:
+            for master, grad in s.parts:
+                master.grad = grad
+        # Which elements of each slice the norm counts (1) or not (0): rows owned on this tp
+        # rank, not a tied copy. (slice,) bool per space.
+        params = dict(named)
+        self.counted = []
+        for s in self.spaces:
+            mask = torch.zeros(s.hi - s.lo, dtype=torch.bool)
+            for name in s.names:
+                if name in self.skip:
+                    continue
+                offset, piece = s.piece(name, self._owned(params[name], specs[name]).reshape(-1))
+                mask[offset : offset + piece.numel()] = piece
+            self.counted.append(mask)
+
+    def _owned(self, p: nn.Parameter, per_rank: list[ShardSpec]) -> torch.Tensor:
+        """Bool over p's elements: those this tp rank counts in the norm."""
+        rows = owned_mask(per_rank, self.tp.rank)
+        if rows is None:
+            return torch.ones(p.shape, dtype=torch.bool)
+        if p.dim() == 0 or per_rank[self.tp.rank].dim is None:
+            return torch.full(p.shape, bool(rows.any()))
+        shape = [1] * p.dim()
+        shape[per_rank[self.tp.rank].dim] = -1
+        return rows.view(shape).expand(p.shape)
+
+    # ---- GradSync ------------------------------------------------------------------------
+    def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        for s in self.spaces:
+            s.reduce(self.reduce_dtype)
+
+    # ---- GradNorm ------------------------------------------------------------------------
+    def norm(self) -> torch.Tensor:
+        """The unsharded gradient's L2 norm from the slices (collective), a 0-d fp32 tensor."""
+        sums = [(s.grad.double().pow(2) * m).sum().view(1) for s, m in zip(self.spaces, self.counted, strict=True)]
+        dense = self.spaces[0].comm.all_reduce(sums[0]) if self.shard else sums[0]
+        total = dense
+        if len(sums) > 1:
+            expert = self.spaces[1].comm.all_reduce(sums[1]) if self.shard else sums[1]
+            if self.ep is not None:
+                expert = self.ep.all_reduce(expert)  # each ep rank's own experts
+            total = dense + expert
+        total = self.tp.all_reduce(total)
+        if self.pp is not None:
+            total = self.pp.all_reduce(total)
+        return total.sqrt().float()[0]
+
+    def clip_(self, max_norm: float | None) -> float:
+        norm = self.norm()
+        if max_norm is not None:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for s in self.spaces:
+                s.grad.mul_(coef)
+        return float(norm)
+
+    # ---- the optimizer -------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.adamw.param_groups
+
+    def step(self) -> None:
+        self.adamw.step()
+        for s in self.spaces:
+            s.gather()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+    def group_names(self) -> list[list[str]]:
+        """The parameter names of each AdamW group (decayed, not decayed), as the plain optimizer's."""
+        out: list[list[str]] = [[], []]
+        for s in self.spaces:
+            for n in s.names:
+                out[0 if s.offsets[n][0] < s.decay_numel else 1].append(n)
+        return out
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def _slice_values(self, s: _Space, kind: str) -> torch.Tensor:
+        """(slice,) this rank's master ("param") or moment values of space s."""
+        if kind == "param":
+            return s.master
+        parts = [self.adamw.state.get(m, {}).get(kind) for m, _ in s.parts]
+        return torch.cat(
+            [p if p is not None else torch.zeros_like(m) for p, (m, _) in zip(parts, s.parts, strict=True)]
+        )
+
+    def state_tensor(self, name: str, kind: str) -> torch.Tensor:
+        """`name`'s whole tp-local fp32 master ("param") or moment, gathered from the dp slices
+        (collective over the space's group: every rank calls it in the same order)."""
+        s = self.space_of[name]
+        return s.full(name, self._slice_values(s, kind), self.shapes[name])
+
+    def local_piece(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of `name`'s tp-local tensor this rank's slice holds (a copy)."""
+        return self.space_of[name].piece(name, tensor.reshape(-1))[1].float().clone()
+
+    def load_piece(self, name: str, kind: str, piece: torch.Tensor, step: int) -> None:
+        """Fill this rank's part of `name`'s master ("param") or moment from local_piece's output."""
+        s = self.space_of[name]
+        offset = max(s.lo, s.offsets[name][0]) - s.lo
+        if kind == "param":
+            s.master[offset : offset + piece.numel()] = piece
+            return
+        cut = s.parts[0][0].numel()
+        for i, (master, _) in enumerate(s.parts):
+            state = self.adamw.state[master]
+            if not state:
+                state["step"] = torch.tensor(float(step))
+                for k in MOMENTS:
+                    state[k] = torch.zeros_like(master)
+            base = 0 if i == 0 else cut
+            a, b = _overlap(offset, offset + piece.numel(), base, base + master.numel())
+            if b > a:
+                state[kind][a - base : b - base] = piece[a - offset : b - offset]
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the optimizer: master, moments and the reduced gradient slice."""
+        slice_n = sum(s.hi - s.lo for s in self.spaces)
+        return {"master": 4 * slice_n, "moments": 8 * slice_n, "grad_slice": 4 * slice_n}
