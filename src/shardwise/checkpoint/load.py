@@ -27,6 +27,7 @@ from shardwise.comm import agree
 from shardwise.log import get_logger
 from shardwise.pipeline.stage import StageLayout
 from shardwise.train import Trainer, rank_specs
+from shardwise.train.distopt import DistributedOptimizer
 
 __all__ = ["load_checkpoint", "check_compatible"]
 
@@ -83,14 +84,21 @@ def _read_local(tr: Trainer, source: str) -> tuple[CheckpointReader, dict, dict 
     }
     reader.verify(needed | ({rng_file} if rng_file else set()))
     params = dict(tr.model.named_parameters())
+    opt = tr.optimizer if isinstance(tr.optimizer, DistributedOptimizer) else None
     tensors = {}
     for kind in KINDS:
         for name, spec in mine.items():
+            dtype = torch.float32 if opt is not None else params[name].dtype  # the master copy is fp32
             if name in blocks:
-                block = reader.read(tensor_key(kind, name), blocks[name], params[name].dtype)
-                tensors[tensor_key(kind, name)] = spec.take(block)
+                t = spec.take(reader.read(tensor_key(kind, name), blocks[name], dtype))
             else:
-                tensors[tensor_key(kind, name)] = reader.read(tensor_key(kind, name), spec, params[name].dtype)
+                t = reader.read(tensor_key(kind, name), spec, dtype)
+            if opt is not None:  # keep only this rank's dp slice (the weight itself whole, for the model)
+                if kind == "param":
+                    tensors[("master", name)] = opt.local_piece(name, t)
+                else:
+                    t = opt.local_piece(name, t)
+            tensors[tensor_key(kind, name)] = t
     rng = {k.split("/", 1)[1]: reader.read_key(rng_file, k) for k in m.rng["keys"]} if rng_file else None
     reader.close()
     return reader, tensors, rng
@@ -102,10 +110,15 @@ def load_checkpoint(tr: Trainer, source: str) -> None:
         tr.mesh.world, lambda: _read_local(tr, source), catch=(CheckpointError, OSError), what=f"loading {source}"
     )
     m = reader.manifest
+    opt = tr.optimizer if isinstance(tr.optimizer, DistributedOptimizer) else None
     with torch.no_grad():
         for name, p in tr.model.named_parameters():
             p.copy_(tensors[tensor_key("param", name)])
-            if m.step > 0:
+            if opt is not None:
+                opt.load_piece(name, "param", tensors[("master", name)], m.step)
+                for kind in KINDS[1:] if m.step > 0 else ():
+                    opt.load_piece(name, kind, tensors[tensor_key(kind, name)], m.step)
+            elif m.step > 0:
                 tr.optimizer.state[p] = {
                     "step": torch.tensor(float(m.optimizer.get("step", m.step))),
                     **{kind: tensors[tensor_key(kind, name)] for kind in KINDS[1:]},

@@ -36,6 +36,7 @@ from shardwise.checkpoint.reader import LATEST, MANIFEST
 from shardwise.comm import agree
 from shardwise.pipeline.stage import StageLayout
 from shardwise.train import Trainer, owned_intervals
+from shardwise.train.distopt import DistributedOptimizer
 from shardwise.train.layout import gather_tp, local_segments, plan_summary
 
 __all__ = ["save_checkpoint", "step_dir_name", "rank_file", "committed_steps"]
@@ -57,11 +58,35 @@ def committed_steps(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def _state_tensor(tr: Trainer, p: torch.nn.Parameter, kind: str) -> torch.Tensor:
+def _state_tensor(tr: Trainer, name: str, kind: str, states: dict | None) -> torch.Tensor:
+    """This rank's tp-local weight (or fp32 master) or AdamW moment of `name`."""
+    if states is not None:
+        return states[(kind, name)]
+    p = dict(tr.model.named_parameters())[name]
     if kind == "param":
         return p.detach()
     state = tr.optimizer.state.get(p, {})
     return state[kind].detach() if kind in state else torch.zeros_like(p)
+
+
+def gathered_states(tr: Trainer) -> dict[tuple[str, str], torch.Tensor] | None:
+    """Under the distributed optimizer (or a bf16 model's fp32 master): the (kind, name) tensors
+    this rank writes, each gathered whole from the dp slices (collective: one all-gather per
+    tensor, in the same order on every rank); None for the plain optimizer. The dense ones are
+    kept on dp rank 0 only (their writer), the experts on every rank (gathered over tp next)."""
+    opt = tr.optimizer
+    if not isinstance(opt, DistributedOptimizer):
+        return None
+    experts = tr.experts.names if tr.experts is not None else set()
+    out = {}
+    for kind in KINDS:
+        for name in tr.specs:
+            if name in tr.copies:
+                continue
+            t = opt.state_tensor(name, kind)
+            if tr.mesh.dp.rank == 0 or name in experts:
+                out[(kind, name)] = t
+    return out
 
 
 def _chunk_plan(tr: Trainer, rank_tp: int) -> list[tuple[str, str, int, int, tuple[int, ...]]]:
@@ -92,28 +117,30 @@ def _local_rows(spec, local: torch.Tensor, start: int, length: int) -> torch.Ten
     raise AssertionError(f"rows [{start}, {start + length}) are not within one local piece")
 
 
-def expert_blocks(tr: Trainer) -> list[tuple[str, str, int, int, torch.Tensor]]:
+def expert_blocks(tr: Trainer, states: dict | None = None) -> list[tuple[str, str, int, int, torch.Tensor]]:
     """(tensor key, file key, global start, rows, block) of the expert row blocks this rank
     writes (ep > 1): gathered over tp (collective: every rank calls it), kept on the writers."""
     if tr.experts is None:
         return []
     writer = tr.experts.edp.rank == 0 and tr.mesh.tp.rank == 0
-    params, out = dict(tr.model.named_parameters()), []
+    out = []
     for kind in KINDS:
         for name in sorted(tr.experts.names):
-            block = gather_tp(_state_tensor(tr, params[name], kind), tr.specs[name], tr.mesh.tp)
+            block = gather_tp(_state_tensor(tr, name, kind, states), tr.specs[name], tr.mesh.tp)
             start, rows = tr.experts.block(name).pieces[0]
             if writer:
                 out.append((tensor_key(kind, name), f"{tensor_key(kind, name)}@{start}", start, rows, block))
     return out
 
 
-def _write_rank_file(tr: Trainer, tmp: Path, blocks: list) -> None:
+def _write_rank_file(tr: Trainer, tmp: Path, blocks: list, states: dict | None) -> None:
     world, tp, dp = tr.mesh.world, tr.mesh.tp, tr.mesh.dp
-    params = dict(tr.model.named_parameters())
     chunks = _chunk_plan(tr, tp.rank) if dp.rank == 0 else []
     rng = tr.rng.state()
-    entries = [(fkey, params[tkey.split("/", 1)[1]].dtype, shape) for tkey, fkey, _, _, shape in chunks]
+    dtypes = {
+        tkey: _state_tensor(tr, tkey.split("/", 1)[1], tkey.split("/", 1)[0], states).dtype for tkey, *_ in chunks
+    }
+    entries = [(fkey, dtypes[tkey], shape) for tkey, fkey, _, _, shape in chunks]
     entries += [(fkey, block.dtype, tuple(block.shape)) for _, fkey, _, _, block in blocks]
     entries += [(f"rng/{k}", torch.uint8, tuple(v.shape)) for k, v in rng.items()]
     path = tmp / rank_file(world.rank)
@@ -121,7 +148,7 @@ def _write_rank_file(tr: Trainer, tmp: Path, blocks: list) -> None:
         for tkey, fkey, start, length, _ in chunks:
             kind, name = tkey.split("/", 1)
             spec = tr.specs[name][tp.rank]
-            w.write(fkey, _local_rows(spec, _state_tensor(tr, params[name], kind), start, length))
+            w.write(fkey, _local_rows(spec, _state_tensor(tr, name, kind, states), start, length))
         for _, fkey, _, _, block in blocks:
             w.write(fkey, block)
         for k, v in rng.items():
@@ -130,7 +157,7 @@ def _write_rank_file(tr: Trainer, tmp: Path, blocks: list) -> None:
     for tkey, fkey, start, length, _ in chunks:
         name = tkey.split("/", 1)[1]
         spec = tr.specs[name][tp.rank]
-        shape, dtype = list(spec.global_shape), dtype_name(params[name].dtype)
+        shape, dtype = list(spec.global_shape), dtype_name(dtypes[tkey])
         written.append({"tensor": tkey, "key": fkey, "start": start, "length": length, "global_shape": shape,
                         "dtype": dtype, "dim": spec.dim})  # fmt: skip
     for tkey, fkey, start, length, block in blocks:
@@ -139,7 +166,12 @@ def _write_rank_file(tr: Trainer, tmp: Path, blocks: list) -> None:
         written.append({"tensor": tkey, "key": fkey, "start": start, "length": length, "global_shape": shape,
                         "dtype": dtype_name(block.dtype), "dim": 0})  # fmt: skip
     names = {id(p): n for n, p in tr.model.named_parameters()}
-    groups = [[names[id(p)] for p in g["params"] if names[id(p)] not in tr.copies] for g in tr.optimizer.param_groups]
+    if isinstance(tr.optimizer, DistributedOptimizer):
+        groups = [[n for n in g if n not in tr.copies] for g in tr.optimizer.group_names()]
+    else:
+        groups = [
+            [names[id(p)] for p in g["params"] if names[id(p)] not in tr.copies] for g in tr.optimizer.param_groups
+        ]
     record = {
         "file": path.name,
         "bytes": w.record.bytes,
@@ -213,7 +245,13 @@ def _manifest(tr: Trainer, tmp: Path) -> Manifest:
             for k, v in tensors.items()
         },
         files=files,
-        optimizer={"type": type(opt).__name__, "state_keys": list(KINDS[1:]), "param_groups": groups, "step": tr.step},
+        optimizer={
+            "type": "AdamW",
+            "distributed": bool(tr.cfg.optim.distributed),
+            "state_keys": list(KINDS[1:]),
+            "param_groups": groups,
+            "step": tr.step,
+        },
         rng={"seed": tr.cfg.run.seed, "files": rng_files, "keys": ["rng/default", "rng/tp"]},
         extra=extra,
     )
@@ -277,7 +315,8 @@ def save_checkpoint(tr: Trainer, root: str | Path, *, keep_last: int = 3) -> Pat
         tmp.mkdir()
 
     agree(world, prepare, catch=catch, what="preparing the checkpoint")
-    blocks = expert_blocks(tr)  # collective over tp, outside agree
-    agree(world, lambda: _write_rank_file(tr, tmp, blocks), catch=catch, what=f"writing {tmp}")
+    states = gathered_states(tr)  # collective over dp, outside agree
+    blocks = expert_blocks(tr, states)  # collective over tp, outside agree
+    agree(world, lambda: _write_rank_file(tr, tmp, blocks, states), catch=catch, what=f"writing {tmp}")
     agree(world, lambda: _commit(tr, root, tmp, final, keep_last) if world.rank == 0 else None, catch=catch)
     return final
