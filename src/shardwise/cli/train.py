@@ -76,6 +76,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="override run.recompute: recompute each attention core (selective) or each layer (full) in backward",
     )
+    p.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="set optim.distributed: fp32 master, AdamW moments and reduced grads split over dp (ZeRO-2)",
+    )
+    p.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default=None, help="override run.dtype: bf16 weights keep an fp32 master"
+    )
+    p.add_argument(
+        "--grad-reduce-dtype", choices=["fp32", "bf16"], default=None, help="override optim.grad_reduce_dtype"
+    )
     p.add_argument("--steps", type=int, default=None, help="override run.steps")
     p.add_argument("--out", type=Path, default=None, help="override run.out_dir")
     p.add_argument("--resume", default=None, help='override run.resume: a checkpoint directory or "latest"')
@@ -111,7 +122,13 @@ def _train_rank(world: Communicator, cfg, p2p_check: bool = False) -> dict:
         "dp": cfg.parallel.dp,
         "ep": cfg.parallel.ep,
         "backend": world.backend,
-        "dp_sync": cfg.parallel.dp_sync if cfg.parallel.pp == 1 and not _is_moe(cfg) else "bucketed",
+        "dp_sync": "reduce-scatter"
+        if cfg.optim.distributed
+        else cfg.parallel.dp_sync
+        if cfg.parallel.pp == 1 and not _is_moe(cfg)
+        else "bucketed",
+        "distributed_optimizer": cfg.optim.distributed,
+        "dtype": cfg.run.dtype,
         "sequence_parallel": cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
         "recompute": cfg.run.recompute,
         **pipeline_summary(cfg),
@@ -230,8 +247,13 @@ def load_config(args: argparse.Namespace):
         run["progress"] = False
     if args.recompute is not None:
         run["recompute"] = args.recompute
+    if args.dtype is not None:
+        run["dtype"] = args.dtype
+    optim = {"distributed": True} if args.distributed_optimizer else {}
+    if args.grad_reduce_dtype is not None:
+        optim["grad_reduce_dtype"] = args.grad_reduce_dtype
     raw = cfg.to_dict()  # overrides applied as data, then the combination validated once
-    for section, values in (("parallel", parallel), ("data", data), ("run", run)):
+    for section, values in (("parallel", parallel), ("data", data), ("run", run), ("optim", optim)):
         raw[section].update(values)
     return type(cfg).from_dict(raw)
 
@@ -356,6 +378,10 @@ def startup_line(cfg, model_cfg, tokens, backend: str) -> str:
         line += f", sequence parallel ({cfg.data.seq_len // par.tp} of {cfg.data.seq_len} positions per tp rank)"
     if cfg.run.recompute != "none":
         line += f", recompute {cfg.run.recompute}"
+    if cfg.optim.distributed:
+        line += f", distributed optimizer over dp={par.dp}"
+    if cfg.run.dtype == "bf16":
+        line += ", bf16 weights (fp32 master)"
     if model_cfg.num_experts:
         line += f", {model_cfg.num_experts} experts (top-{model_cfg.experts_per_token})"
         if par.ep > 1:

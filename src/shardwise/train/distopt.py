@@ -42,7 +42,7 @@ from shardwise.train.config import OptimSection
 from shardwise.train.layout import owned_mask
 from shardwise.train.sync import GradSync
 
-__all__ = ["DistributedOptimizer", "MOMENTS", "DTYPES", "autocast"]
+__all__ = ["DistributedOptimizer", "MOMENTS", "DTYPES", "autocast", "bytes_per_param", "held_bytes"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -326,3 +326,33 @@ class DistributedOptimizer(GradSync):
         """Bytes this rank holds for the optimizer: master, moments and the reduced gradient slice."""
         slice_n = sum(s.hi - s.lo for s in self.spaces)
         return {"master": 4 * slice_n, "moments": 8 * slice_n, "grad_slice": 4 * slice_n}
+
+
+def bytes_per_param(dtype: str, distributed: bool, dp: int) -> dict[str, float]:
+    """Training state per parameter on one rank (the formula the planner uses too): weights,
+    their gradients (whole during backward), and the optimizer's state.
+
+    - plain fp32: 4 + 4 + 8 (AdamW's moments) = 16
+    - fp32 master copy (run.dtype = "bf16", or optim.distributed): master 4 + moments 8 + the
+      reduced fp32 gradient 4 = 16 bytes, divided by dp under optim.distributed:
+      fp32 8 + 16 / dp; bf16 2 + 2 + 16 / dp (20 at dp = 1 without the distributed optimizer).
+    """
+    w = 2 if dtype == "bf16" else 4
+    master = distributed or dtype == "bf16"
+    opt = 16 / (dp if distributed else 1) if master else 8
+    return {"weights": w, "grads": w, "optimizer": opt, "total": 2 * w + opt}
+
+
+def held_bytes(model: nn.Module, optimizer) -> dict[str, int]:
+    """Bytes of the training state this rank holds now, from its tensors: weights, p.grad
+    (whole between backward and the dp reduction), the optimizer's state (AdamW's moments;
+    under the master-copy optimizer also the fp32 master and the reduced gradient slice)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    if isinstance(optimizer, DistributedOptimizer):
+        opt = sum(s.master.numel() * 4 + s.grad.numel() * 4 for s in optimizer.spaces)
+        state = optimizer.adamw.state
+    else:
+        opt, state = 0, optimizer.state
+    opt += sum(t.numel() * t.element_size() for st in state.values() for k, t in st.items() if k != "step")
+    return {"weights": weights, "grads": grads, "optimizer": opt}

@@ -29,7 +29,7 @@ from shardwise.pipeline.stage import stage_plan
 from shardwise.sharding import enable_sequence_parallel, partial_grad_names
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import DataError, DPSampler, TokenFile, tokenize_text
-from shardwise.train.distopt import DTYPES, DistributedOptimizer, autocast
+from shardwise.train.distopt import DTYPES, DistributedOptimizer, autocast, bytes_per_param
 from shardwise.train.experts import ep_groups, expert_layout, unsharded_state
 from shardwise.train.layout import all_rank_specs, build_model, train_plan
 from shardwise.train.optim import GradNorm, build_optimizer
@@ -266,6 +266,14 @@ def train(
         tr.step,
         run.steps,
     )
+    per = bytes_per_param(run.dtype, cfg.optim.distributed, tr.mesh.dp.size)
+    n = sum(p.numel() for p in tr.model.parameters())
+    log.info(
+        "training state per rank: %s weights + %s grads + %s optimizer = %s bytes/parameter, %.1f MiB (%s)",
+        *(f"{per[k]:.4g}" for k in ("weights", "grads", "optimizer", "total")), per["total"] * n / 2**20,
+        f"distributed optimizer: fp32 master, moments and reduced grads split over dp={tr.mesh.dp.size}"
+        if cfg.optim.distributed else "bf16 weights, fp32 master" if run.dtype == "bf16" else "plain AdamW",
+    )  # fmt: skip
     if cfg.parallel.sequence_parallel or run.recompute != "none":
         log.info(
             "activations: sequence parallelism %s, recompute %s",
