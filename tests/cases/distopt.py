@@ -63,3 +63,24 @@ def merged_state(results: list[dict]) -> dict[str, torch.Tensor]:
     for r in results:
         out |= r["state"] or {}
     return out
+
+
+def memory_case(world, cfg: TrainConfig) -> dict:
+    """One step, then the next step's backward: the training state this rank holds at that
+    point (weights, whole gradients, optimizer state; held_bytes) against bytes_per_param."""
+    from shardwise.train.distopt import bytes_per_param, held_bytes
+    from shardwise.train.step import _micro_steps, _pipeline_micro_steps
+
+    tr = setup(world, cfg)
+    train_step(tr)
+    micro = tr.sampler.micro_batches(tr.step)
+    (_pipeline_micro_steps if tr.pipeline is not None else _micro_steps)(tr, micro)
+    held = held_bytes(tr.model, tr.optimizer)
+    n = sum(p.numel() for p in tr.model.parameters())
+    formula = bytes_per_param(cfg.run.dtype, cfg.optim.distributed, tr.mesh.dp.size)
+    return {
+        "held": held,
+        "params": n,
+        "formula": formula,
+        "dtypes": sorted({str(p.dtype) for p in tr.model.parameters()}),
+    }
