@@ -14,6 +14,9 @@ planner and load_pretrained all go through it. For a family:
 4. Each parameter's ShardSpec names the rows/columns this rank holds; exactly those are
    read from the memory-mapped files (partial reads) into fresh tensors.
 
+A GGUF file (`model.Q8_0.gguf`) takes the same path: its metadata gives the config
+(shardwise.gguf.model), and each rank dequantizes only the blocks of its own slices.
+
 No collective runs here, so bad input fails on every rank identically and at once.
 """
 
@@ -27,6 +30,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from shardwise.comm import Communicator
+from shardwise.gguf import GGUFCheckpoint, GGUFError, GGUFFile, gguf_config, gguf_names, is_gguf
 from shardwise.hf.auto import check_auto, load_auto
 from shardwise.hf.checkpoint import Checkpoint, CheckpointError, raw_config
 from shardwise.hf.families import Family, family_for, supported_model_types
@@ -48,7 +52,7 @@ __all__ = ["ResolvedModel", "resolve_model", "read_config", "load_pretrained"]
 @dataclass(frozen=True)
 class ResolvedModel:
     path: Path
-    """The checkpoint directory (or config.json file) given."""
+    """The checkpoint directory (or config.json file, or GGUF file) given."""
     family: Family | None
     """The family with shardwise model code; None: the automatic plan."""
     config: ModelConfig | None
@@ -58,8 +62,8 @@ class ResolvedModel:
 def resolve_model(
     path: str | Path, *, tp: int | None = None, auto: bool = False, expert_parallel: bool = False
 ) -> ResolvedModel:
-    """Which model `path` (a checkpoint directory, or a config.json) holds, checked
-    before any weight is read.
+    """Which model `path` (a checkpoint directory, a config.json, or a *.gguf file) holds,
+    checked before any weight is read.
 
     A model_type in FAMILIES reads its config (and, with tp, refuses a tp that cannot
     split it: a ShardError listing the valid sizes). Any other model_type is refused
@@ -71,9 +75,9 @@ def resolve_model(
     """
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"model directory {path} does not exist")
+        raise CheckpointError(f"model {'file' if is_gguf(path) else 'directory'} {path} does not exist")
     where = path if path.is_file() else path / "config.json"
-    raw = raw_config(path)
+    raw = _gguf_raw(path) if is_gguf(path) else raw_config(path)
     family = family_for(raw)
     if family is None:
         if not auto or path.is_file():
@@ -97,6 +101,14 @@ def resolve_model(
     return ResolvedModel(path, family, cfg)
 
 
+def _gguf_raw(path: Path) -> dict:
+    """A GGUF file's config as config.json would give it; a bad file is a CheckpointError."""
+    try:
+        return gguf_config(GGUFFile(path))
+    except GGUFError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def read_config(path: str | Path) -> tuple[Family, ModelConfig]:
     """The family and ModelConfig of a checkpoint of a family shardwise has model code for."""
     m = resolve_model(path)
@@ -113,7 +125,8 @@ def load_pretrained(
     expert_parallel: bool = False,
     quantize: str | None = None,
 ) -> tuple[nn.Module, LoadReport]:
-    """Build, shard and fill a model from a Hugging Face directory; returns (model, report).
+    """Build, shard and fill a model from a Hugging Face directory or a GGUF file; returns
+    (model, report).
 
     stage = (StageLayout, pp rank): only that pipeline stage's layers (and embedding or
     head) are built and read (shardwise.pipeline.stage.keep_stage); the whole checkpoint
@@ -139,13 +152,17 @@ def load_pretrained(
     family, cfg = m.family, m.config
     if dtype is not None:
         cfg = replace(cfg, dtype=dtype_name(dtype))
+    gguf = is_gguf(path)
     try:
         check_tp(cfg, comm.size, expert_parallel=expert_parallel)
     except ShardError as e:
-        raise ShardError(f"{Path(path) / 'config.json'}: {e}") from None
-    ckpt = Checkpoint(path)
-    prefix = _prefix(ckpt, family)
-    table = family.names(cfg, prefix)
+        raise ShardError(f"{Path(path) if gguf else Path(path) / 'config.json'}: {e}") from None
+    if gguf:  # GGUF tensor names, q/k un-permuted and blocks dequantized as read
+        ckpt = GGUFCheckpoint(GGUFFile(path), cfg)
+        table = gguf_names(family.names(cfg, family.prefixes[0]), ckpt.file)
+    else:
+        ckpt = Checkpoint(path)
+        table = family.names(cfg, _prefix(ckpt, family))
 
     with on_meta():
         model = family.model(cfg)
@@ -155,7 +172,7 @@ def load_pretrained(
         raise AssertionError(f"name table mismatch: {sorted(specs.keys() ^ table.keys())}")
 
     plan = {name: segments(ckpt, name, table[name], spec.global_shape) for name, spec in specs.items()}
-    ignore = family.ignore + (("lm_head.weight",) if cfg.tie_embeddings else ())
+    ignore = () if gguf else family.ignore + (("lm_head.weight",) if cfg.tie_embeddings else ())
     refuse_unexpected(ckpt, plan, ignore, what=f"a {family.name} model with num_hidden_layers={cfg.num_layers}")
     if stage is not None:
         if m.family is None or family.model is not DecoderLM:
@@ -177,6 +194,8 @@ def load_pretrained(
         else:
             loaded[name] = t
         n_read += bytes_read(spec, ckpt.info(table[name][0].name).dtype)
+    if gguf:  # whole blocks of the file's own types, not elements
+        n_read = ckpt.bytes_read
     ckpt.close()
     assign(model, loaded)
     return model.eval(), LoadReport(family.name, cfg, weight_bytes(model), n_read)

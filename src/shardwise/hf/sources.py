@@ -118,6 +118,7 @@ def read_shard(ckpt: Checkpoint, segs: list[Segment], spec: ShardSpec, dtype: to
             shape = list(spec.global_shape)
             shape[spec.dim] = spec.pad
             parts.append(torch.zeros(shape, dtype=dtype))
-    if len(parts) == 1:
-        return parts[0].to(dtype, copy=True, memory_format=torch.contiguous_format)
+    if len(parts) == 1:  # a reader that returns fresh tensors (GGUF) needs no second copy
+        fresh = getattr(ckpt, "fresh_reads", False)
+        return parts[0].to(dtype, copy=not fresh, memory_format=torch.contiguous_format)
     return torch.cat([p.to(dtype) for p in parts], dim=spec.dim or 0)

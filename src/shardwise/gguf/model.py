@@ -1,0 +1,206 @@
+"""A GGUF file as a shardwise model: its architecture and config from the metadata, and
+its tensors under the names and in the layout the Hugging Face loader reads.
+
+- ARCHES maps llama.cpp's `general.architecture` to the config.json model_type of the
+  family shardwise runs it with (shardwise.hf.families) and to the metadata keys that
+  give each config field; `gguf_config` builds that config.json-like dict, so a GGUF file
+  goes through the same family config reader, tp check and plan as a checkpoint
+  directory.
+- `gguf_names` turns the family's name table (Hugging Face names) into GGUF tensor
+  names with the `gguf` package's own name map (the one llama.cpp's converter writes
+  with). GGUF stores every matrix as (out, in), GPT-2's Conv1D weights included.
+- GGUFCheckpoint reads slices with the converter's changes undone: Llama's q and k rows
+  are permuted within each head for llama.cpp's rotary layout (each rank reads its own
+  heads, whose rows are contiguous either way, and un-permutes them), Gemma's norm
+  weights are stored with the +1 of its RMSNorm added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardwise.gguf.reader import GGUFError, GGUFFile
+
+__all__ = ["Arch", "ARCHES", "gguf_config", "gguf_names", "GGUFCheckpoint", "GGUFInfo"]
+
+_COMMON = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "max_position_embeddings": "context_length",
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One llama.cpp architecture shardwise reads."""
+
+    model_type: str
+    """The config.json model_type of the family that runs it."""
+    keys: dict = field(default_factory=lambda: dict(_COMMON))
+    """config field -> metadata key (after "<arch>.")."""
+    defaults: dict = field(default_factory=dict)
+    permute_qk: bool = False
+    """llama.cpp's converter permuted q and k rows per head (Llama, Mistral)."""
+    norm_offset: float = 0.0
+    """Added to every norm weight by the converter (Gemma: 1)."""
+
+
+ARCHES: dict[str, Arch] = {
+    "llama": Arch("llama", permute_qk=True),  # Mistral too: llama.cpp writes it as llama
+    "qwen2": Arch("qwen2"),
+    "qwen3": Arch("qwen3"),
+    "gemma": Arch("gemma", defaults={"hidden_activation": "gelu_pytorch_tanh"}, norm_offset=1.0),
+    "phi3": Arch("phi3"),
+    "gpt2": Arch(
+        "gpt2",
+        keys={
+            "n_embd": "embedding_length",
+            "n_inner": "feed_forward_length",
+            "n_layer": "block_count",
+            "n_head": "attention.head_count",
+            "layer_norm_epsilon": "attention.layer_norm_epsilon",
+            "n_positions": "context_length",
+        },
+        defaults={"activation_function": "gelu_new"},
+    ),
+}
+
+
+def arch_of(f: GGUFFile) -> tuple[str, Arch]:
+    name = f.get("general.architecture")
+    if name not in ARCHES:
+        raise GGUFError(
+            f"{f.path}: architecture {name!r} has no shardwise model code; supported GGUF architectures: "
+            f"{', '.join(ARCHES)}"
+        )
+    return name, ARCHES[name]
+
+
+def gguf_config(f: GGUFFile) -> dict:
+    """The file's config as config.json would give it (model_type, sizes, rope, eps, tying)."""
+    name, arch = arch_of(f)
+    d: dict = {"model_type": arch.model_type, **arch.defaults}
+    for key, meta in arch.keys.items():
+        value = f.get(f"{name}.{meta}")
+        if value is not None:
+            d[key] = value
+    if "head_dim" in arch.keys and "head_dim" not in d:  # older files: only the rotary width
+        rope_dim = f.get(f"{name}.rope.dimension_count")
+        if rope_dim is not None:
+            d["head_dim"] = rope_dim
+    if "token_embd.weight" not in f.tensors:
+        raise GGUFError(f"{f.path}: no tensor 'token_embd.weight': not a language model GGUF file")
+    d["vocab_size"] = f.tensors["token_embd.weight"].shape[0]
+    d["tie_word_embeddings"] = "output.weight" not in f.tensors
+    if arch.model_type == "llama":  # llama.cpp keeps biases where the checkpoint had them
+        d["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
+        d["mlp_bias"] = "blk.0.ffn_up.bias" in f.tensors
+    if "rope_freqs.weight" in f.tensors:
+        raise GGUFError(
+            f"{f.path}: tensor 'rope_freqs.weight' (Llama 3.1-style rope scaling, stored as factors) "
+            "is not supported yet"
+        )
+    for tok in ("bos", "eos"):
+        value = f.get(f"tokenizer.ggml.{tok}_token_id")
+        if value is not None:
+            d[f"{tok}_token_id"] = value
+    return d
+
+
+def gguf_names(table: dict, f: GGUFFile) -> dict:
+    """A family's name table (Hugging Face names, as shardwise.hf.names builds it) with each
+    source renamed to its GGUF tensor and read untransposed."""
+    from dataclasses import replace
+
+    import gguf
+
+    name, _ = arch_of(f)
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == name)
+    n_layers = int(f.get(f"{name}.block_count", 0))
+    names = gguf.get_tensor_name_map(arch, n_layers)
+    out = {}
+    for param, sources in table.items():
+        renamed = []
+        for src in sources:
+            theirs = names.get_name(src.name, try_suffixes=(".weight", ".bias"))
+            if theirs is None:
+                raise GGUFError(f"{f.path}: no GGUF tensor name for {src.name!r} (for {param}) in {name}")
+            renamed.append(replace(src, name=theirs, transposed=False))
+        out[param] = renamed
+    return out
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    """What shardwise.hf.sources asks of a tensor: its file, shape and a dtype."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+
+class GGUFCheckpoint:
+    """A GGUF file behind the interface of shardwise.hf.checkpoint.Checkpoint (tensors,
+    info, read, close), reading dequantized slices with the converter's changes undone."""
+
+    fresh_reads = True
+    """read() returns new float32 tensors, never views of the file."""
+
+    def __init__(self, f: GGUFFile, cfg) -> None:
+        self.file, self.path = f, f.path
+        _, self.arch = arch_of(f)
+        self.tensors = {n: GGUFInfo(f.path, t.shape) for n, t in f.tensors.items()}
+        self.bytes_read = 0
+        self._heads = {}
+        if self.arch.permute_qk:
+            for i in range(cfg.num_layers):
+                for kind, n in (("q", cfg.num_heads), ("k", cfg.num_kv_heads)):
+                    for suffix in ("weight", "bias"):
+                        self._heads[f"blk.{i}.attn_{kind}.{suffix}"] = n
+
+    def info(self, name: str, *, needed_for: str = "") -> GGUFInfo:
+        if name not in self.tensors:
+            why = f" (needed for {needed_for})" if needed_for else ""
+            raise GGUFError(f"{self.path}: missing tensor {name!r}{why}")
+        return self.tensors[name]
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor `name`, or `index` of it (torch order), as float32."""
+        index = tuple(index or ())
+        rows = index[0] if index else None
+        cols = index[1] if len(index) > 1 else None
+        if name in self._heads:
+            return self._read_permuted(name, rows, cols, self._heads[name])
+        t = self._read(name, rows, cols)
+        if self.arch.norm_offset and name.endswith("norm.weight"):
+            t -= self.arch.norm_offset
+        return t
+
+    def _read(self, name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
+        self.bytes_read += self.file.bytes_of(name, rows, cols)
+        return self.file.read_block_range(name, rows, cols)
+
+    def _read_permuted(self, name: str, rows: slice | None, cols: slice | None, heads: int) -> torch.Tensor:
+        """Rows in Hugging Face order of a q/k tensor stored permuted per head: within a head
+        of d rows, our row a * d/2 + j is stored at row 2 * j + a."""
+        total = self.tensors[name].shape[0]
+        hd = total // heads
+        ours = torch.arange(total)[rows or slice(None)]
+        if ours.numel() == 0:
+            return self._read(name, slice(0, 0), cols)
+        within = ours % hd
+        stored = ours - within + (within % (hd // 2)) * 2 + within // (hd // 2)
+        lo, hi = int(stored.min()), int(stored.max()) + 1  # whole heads: exactly the rows asked
+        return self._read(name, slice(lo, hi), cols)[stored - lo]
+
+    def close(self) -> None:
+        self.file.close()

@@ -1,0 +1,26 @@
+"""The tokenizer a GGUF file carries in its metadata (tokenizer.ggml.*), through
+transformers' GGUF tokenizer conversion, and its end-of-sequence id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardwise.gguf.reader import GGUFFile
+
+__all__ = ["gguf_tokenizer", "gguf_stop_ids"]
+
+
+def gguf_tokenizer(path: str | Path):
+    """The file's tokenizers.Tokenizer, or None when the file carries no vocabulary."""
+    path = Path(path)
+    if GGUFFile(path).get("tokenizer.ggml.model") is None:
+        return None
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return tok.backend_tokenizer
+
+
+def gguf_stop_ids(path: str | Path) -> list[int]:
+    eos = GGUFFile(path).get("tokenizer.ggml.eos_token_id")
+    return [] if eos is None else [int(eos)]

@@ -1,0 +1,161 @@
+"""GGUF files loaded sharded: logits at tp 1-4 (3: uneven heads and MLP splits that cut
+Q8_0 and K-quant blocks) and greedy tokens at tp x pp equal transformers' own load of the
+same file (every weight dequantized in one process), for every quantization type shardwise
+reads. One pooled case per world size runs every type."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gguf_files import K_QUANTS, reference_logits, write_gguf
+from helpers import tp_group
+from hf_models import greedy, prompts, save_tiny
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+pytest.importorskip("accelerate")  # transformers' GGUF load needs it
+
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+TOL = 1e-4
+"""Max |logits - transformers| / |transformers| over the real tokens: both dequantize the same
+blocks to fp32 (measured 3e-7 to 1e-6; only the order of the sharded sums differs)."""
+STEPS = 8
+# K-quant blocks are 256 weights wide: a model whose rows are whole K blocks. 8 q / 4 kv heads
+# of 32: at tp=3 o_proj's input splits 96/96/64 (cutting a 256-block), the MLP's 512 171/171/170.
+LLAMA_K = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """files(qtype) -> (GGUF file, vocab, transformers' logits on prompts(), its greedy
+    tokens), made on first use."""
+    root = tmp_path_factory.mktemp("gguf")
+    hf = save_tiny("llama2", root, overrides=LLAMA_K)
+    cache: dict[str, tuple[str, int, torch.Tensor, torch.Tensor]] = {}
+
+    def get(qtype: str):
+        if qtype not in cache:
+            path = write_gguf(hf, root / f"llama.{qtype}.gguf", qtype)
+            ids, mask = prompts(LLAMA_K["vocab_size"])
+            model, logits = reference_logits(path, ids, mask)
+
+            def fwd(i, m, pos):
+                return model(input_ids=i, attention_mask=m, position_ids=pos).logits
+
+            with torch.no_grad():
+                tokens = greedy(fwd, ids, mask, steps=STEPS)
+            assert len(set(tokens.flatten().tolist())) > 3, f"{qtype}: greedy tokens should vary"
+            cache[qtype] = (str(path), LLAMA_K["vocab_size"], logits, tokens)
+        return cache[qtype]
+
+    return get
+
+
+def _logits_and_tokens(world, cases: list[tuple[str, str, int]]) -> dict:
+    from shardwise.hf import load_pretrained
+
+    out = {}
+    for qtype, path, vocab in cases:
+        model, report = load_pretrained(path, comm=tp_group(world))
+        ids, mask = prompts(vocab)
+
+        def fwd(i, m, pos, model=model):
+            return model(i, attention_mask=m, positions=pos)
+
+        with torch.no_grad():
+            logits = fwd(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+            tokens = greedy(fwd, ids, mask, steps=STEPS)
+        out[qtype] = {"logits": logits, "tokens": tokens, "read": report.bytes_read}
+    return out
+
+
+def _staged_tokens(world, cases: list[tuple[str, str, int]], tp: int, pp: int) -> dict:
+    from shardwise.comm import ParallelDims
+    from shardwise.engine import StageForward, generate
+    from shardwise.hf import load_pretrained
+    from shardwise.pipeline.stage import StageLayout
+
+    mesh = ParallelDims(world_size=world.size, tp=tp, pp=pp).build(world)
+    out = {}
+    for qtype, path, vocab in cases:
+        model, _ = load_pretrained(path, comm=mesh.tp, stage=(StageLayout.build(2, pp), mesh.pp_rank))
+        ids, mask = prompts(vocab)
+        lists = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+        res = generate(model, lists, comm=mesh.tp, max_new_tokens=STEPS, stages=StageForward(model, mesh))
+        out[qtype] = {"tokens": res.tokens, "layers": model.layer_indices()}
+    return out
+
+
+def _err(a: torch.Tensor, b: torch.Tensor, real: torch.Tensor) -> float:
+    return ((a[real] - b[real]).norm() / b[real].norm()).item()
+
+
+GATE_TYPES = ("Q8_0", "Q4_K")
+"""`make test` runs these at tp=3 (the uneven split that cuts blocks); `make test-more` every
+type at tp 1-4."""
+
+
+def _type_params():
+    out = [pytest.param(3, GATE_TYPES, id="tp3-gate")]
+    rest = tuple(t for t in TYPES if t not in GATE_TYPES)
+    out.append(pytest.param(3, rest, id="tp3-rest", marks=pytest.mark.full))
+    out += [pytest.param(tp, TYPES, id=f"tp{tp}", marks=pytest.mark.full) for tp in (1, 2, 4)]
+    return out
+
+
+@pytest.mark.parametrize("tp,types", _type_params())
+def test_every_type_matches_transformers_gguf_load(rank_pool, files, tp, types):
+    cases = [(q, files(q)[0], files(q)[1]) for q in types]
+    results = rank_pool.run(_logits_and_tokens, tp, args=(cases,))
+    real = prompts(LLAMA_K["vocab_size"])[1].bool()
+    failures = []
+    for qtype in types:
+        _, _, ref, ref_tokens = files(qtype)
+        for rank, r in enumerate(results):
+            err = _err(r[qtype]["logits"], ref, real)
+            if err > TOL:
+                failures.append(f"{qtype} rank {rank}: logits differ from transformers by {err:.2e}")
+            if not torch.equal(r[qtype]["tokens"], ref_tokens):
+                failures.append(f"{qtype} rank {rank}: tokens {r[qtype]['tokens'].tolist()} != {ref_tokens.tolist()}")
+        if tp > 1:  # each rank reads about its share of the file's blocks
+            total = max(r[qtype]["read"] for r in results)
+            if total > 0.75 * _whole(files(qtype)[0]):
+                failures.append(f"{qtype}: a rank read {total} bytes of {_whole(files(qtype)[0])}")
+    assert not failures, "\n".join(failures)
+
+
+def _whole(path: str) -> int:
+    from shardwise.gguf import GGUFFile
+
+    f = GGUFFile(path)
+    return sum(t.nbytes for t in f.tensors.values())
+
+
+LAYOUTS = [(2, 2), pytest.param(1, 2, marks=pytest.mark.full), pytest.param(3, 2, marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+def test_greedy_tokens_across_stages_match_transformers(rank_pool, files, tp, pp):
+    types = ("Q6_K",) if (tp, pp) == (2, 2) else ("Q8_0", "Q4_K", "Q5_K")
+    cases = [(q, files(q)[0], files(q)[1]) for q in types]
+    results = rank_pool.run(_staged_tokens, tp * pp, args=(cases, tp, pp))
+    failures = []
+    for qtype in types:
+        want = files(qtype)[3].tolist()
+        for rank, r in enumerate(results):
+            if r[qtype]["tokens"] != want:
+                failures.append(f"{qtype} rank {rank}: {r[qtype]['tokens']} != transformers {want}")
+            stage = rank // tp
+            if r[qtype]["layers"] != [stage]:
+                failures.append(f"{qtype} rank {rank}: holds layers {r[qtype]['layers']}, stage {stage}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.full
+def test_k_quants_are_random_blocks(files):
+    """The K-quant files hold random blocks (the writer cannot quantize them): their logits
+    must differ from the F32 file's, or the test would not exercise them."""
+    real = prompts(LLAMA_K["vocab_size"])[1].bool()
+    for qtype in K_QUANTS:
+        assert _err(files(qtype)[2], files("F32")[2], real) > 0.1
