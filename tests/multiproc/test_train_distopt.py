@@ -99,7 +99,7 @@ def test_distributed_optimizer_matches_plain_dp2_dp4_and_one_process(rank_pool, 
 
 @pytest.mark.full
 def test_distributed_optimizer_uneven_dp3(rank_pool, tokens, tmp_path):
-    """dp=3 splits 2.4e5 elements unevenly (the first ranks one more)."""
+    """dp=3 splits the buckets unevenly (the first ranks one element more of each)."""
     cfg = _cfg(tokens, tmp_path, dp=3, batch=6)
     results = rank_pool.run(layouts_case, 3, args=(_both(cfg),))
     # NOTE: at dp=3 gloo's reduce-scatter sums the three ranks in another order than its
@@ -107,7 +107,8 @@ def test_distributed_optimizer_uneven_dp3(rank_pool, tokens, tmp_path):
     # into up to ~2e-6 on a weight whose gradient is near zero.
     _check_layouts(results, ["1x1x3"], tol=1e-5)
     held = [r[1]["held"]["moments"] // 8 for r in results]
-    assert max(held) - min(held) == 1 and held == sorted(held, reverse=True), held
+    # every bucket deals its L elements 1/3 each, the first L % 3 ranks one more
+    assert held == sorted(held, reverse=True) and held[0] - held[-1] <= 20 and held[0] > held[-1], held
 
 
 @pytest.mark.full
@@ -184,10 +185,10 @@ def test_distributed_checkpoints_resume_at_other_layouts(rank_pool, tokens, tmp_
 
 
 def _assert_formula(r: dict, what: str) -> None:
-    """The bytes held equal the formula's, to the element an uneven split adds (16 bytes per space)."""
+    """The bytes held equal the formula's, to the elements uneven splits add (16 bytes per bucket)."""
     total = sum(r["held"].values())
     want = r["formula"]["total"] * r["params"]
-    assert abs(total - want) <= 32, (
+    assert abs(total - want) <= 16 * (r["params"] // 10_000 + 2), (
         f"{what}: held {r['held']} = {total} bytes, formula {r['formula']} x {r['params']} = {want}"
     )
 

@@ -1,13 +1,15 @@
 """The distributed optimizer: fp32 master weights and AdamW moments split over dp (ZeRO-2).
 
 Per (tp, pp, ep) position, the parameters this rank holds are laid end to end in one flat
-index space (the weight-decayed ones first, then the rest), and the space is dealt over
-the dp ranks as contiguous slices, the first N % dp ranks one element more:
+index space (the weight-decayed ones first, then the rest), cut into buckets of whole
+parameters (parallel.bucket_mb), and every bucket is dealt over the dp ranks in contiguous
+pieces, the first L % dp ranks one element more (as Megatron-core's buckets, without its
+padding to a multiple of dp, so a checkpoint never depends on dp):
 
-    flat space  [ qkv.w | o.w | ... | embed.w || norm.w | ... ]      N elements
-    dp rank r   [ lo_r, hi_r )                                       N / dp each (+1 for r < N % dp)
+    bucket      [ qkv.w | o.w | gate_up.w | down.w ]               L elements
+    dp rank r   [ b0 + r * L / dp, ... )                           L / dp each (+1 for r < L % dp)
 
-Each rank keeps, for its slice only, the fp32 master copy, AdamW's two moments and the
+A rank's slice is its pieces of every bucket, in bucket order. Each rank keeps, for its slice only, the fp32 master copy, AdamW's two moments and the
 reduced fp32 gradient: 16 bytes per element of its slice. A step:
 
 1. backward (every micro-batch, any schedule) accumulates full gradients in p.grad;
@@ -62,7 +64,7 @@ def _overlap(a: int, b: int, c: int, d: int) -> tuple[int, int]:
 
 
 class _Space:
-    """One flat index space (dense, or experts) split over `comm`: this rank's slice of it."""
+    """One flat index space (dense, or experts) cut into buckets, each bucket split over `comm`."""
 
     def __init__(
         self,
@@ -83,43 +85,49 @@ class _Space:
             self.offsets[n] = (total, total + p.numel())
             total += p.numel()
         self.numel = total
-        self.decay_numel = sum(p.numel() for n, p in ordered if n in decay)
-        sizes = split_sizes(total, comm.size) if shard else [total] * comm.size
-        starts = [sum(sizes[:r]) for r in range(comm.size)] if shard else [0] * comm.size
-        self.ranges = [(s, s + n) for s, n in zip(starts, sizes, strict=True)]
-        self.lo, self.hi = self.ranges[comm.rank]
-        # Buckets of whole parameters, about bucket_numel elements each: (first, end) indices into params.
-        self.buckets, first, size = [], 0, 0
-        for i, p in enumerate(self.params):
-            if i > first and size + p.numel() > bucket_numel:
-                self.buckets.append((first, i))
+        # Buckets of whole parameters, about bucket_numel elements each, never mixing decayed and
+        # not decayed ones: (first, end) indices into params.
+        spans, first, size = [], 0, 0
+        for i, (n, p) in enumerate(ordered):
+            if i > first and (size + p.numel() > bucket_numel or (n in decay) != (ordered[first][0] in decay)):
+                spans.append((first, i))
                 first, size = i, 0
             size += p.numel()
-        if self.params:
-            self.buckets.append((first, len(self.params)))
-        n = self.hi - self.lo
-        self.master = torch.empty(n, dtype=torch.float32)  # (slice,) the fp32 master copy
-        self.grad = torch.zeros(n, dtype=torch.float32)  # (slice,) the dp-reduced gradient
+        if ordered:
+            spans.append((first, len(ordered)))
+        # Each bucket [b0, b1) is dealt over the ranks: rank r holds [b0 + sum(sizes[:r]), + sizes[r]).
+        self.buckets: list[tuple[int, int, int, int, list[tuple[int, int]], int]] = []  # + ranks' ranges, my offset
+        self.bucket_of, at, cut = {}, 0, 0
+        for first, end in spans:
+            b0, b1 = self.offsets[self.names[first]][0], self.offsets[self.names[end - 1]][1]
+            sizes = split_sizes(b1 - b0, comm.size) if shard else [b1 - b0] * comm.size
+            starts = [b0 + sum(sizes[:r]) for r in range(comm.size)] if shard else [b0] * comm.size
+            ranges = [(a, a + n) for a, n in zip(starts, sizes, strict=True)]
+            self.buckets.append((first, end, b0, b1, ranges, at))
+            for n in self.names[first:end]:
+                self.bucket_of[n] = len(self.buckets) - 1
+            at += sizes[comm.rank]
+            if self.names[first] in decay:
+                cut = at  # decayed buckets come first
+        self.master = torch.empty(at, dtype=torch.float32)  # (slice,) the fp32 master copy
+        self.grad = torch.zeros(at, dtype=torch.float32)  # (slice,) the dp-reduced gradient
         with torch.no_grad():
             for name, p in ordered:
-                a, b = _overlap(self.lo, self.hi, *self.offsets[name])
-                if b > a:
-                    start = self.offsets[name][0]
-                    self.master[a - self.lo : b - self.lo] = p.detach().reshape(-1)[a - start : b - start].float()
-        cut = min(max(self.decay_numel - self.lo, 0), n)  # decayed elements of the slice come first
+                offset, piece = self.piece(name, p.detach().reshape(-1))
+                self.master[offset : offset + piece.numel()] = piece.float()
         self.parts = [(self.master[:cut], self.grad[:cut]), (self.master[cut:], self.grad[cut:])]
 
-    def bucket_range(self, first: int, end: int) -> tuple[int, int]:
-        return self.offsets[self.names[first]][0], self.offsets[self.names[end - 1]][1]
+    def _mine(self, b: int) -> tuple[int, int]:
+        return self.buckets[b][4][self.comm.rank]
 
-    def sizes(self, a: int, b: int) -> list[int]:
-        """Every rank's share of flat range [a, b)."""
-        return [e - s for s, e in (_overlap(lo, hi, a, b) for lo, hi in self.ranges)]
+    def sizes(self, name: str) -> list[int]:
+        """Every rank's share of parameter `name`."""
+        start, end = self.offsets[name]
+        return [e - s for s, e in (_overlap(lo, hi, start, end) for lo, hi in self.buckets[self.bucket_of[name]][4])]
 
     def reduce(self, reduce_dtype: torch.dtype) -> None:
         """Sum every gradient over comm into this rank's slice, divided by divide_by; free p.grad."""
-        for first, end in self.buckets:
-            a, b = self.bucket_range(first, end)
+        for b, (first, end, _, _, ranges, at) in enumerate(self.buckets):
             chunk = self.params[first:end]
             flat = torch.cat(
                 [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(reduce_dtype) for p in chunk]
@@ -127,38 +135,39 @@ class _Space:
             for p in chunk:
                 p.grad = None
             if self.shard:
-                part = self.comm.reduce_scatter(flat, dim=0, sizes=self.sizes(a, b))
+                part = self.comm.reduce_scatter(flat, dim=0, sizes=[hi - lo for lo, hi in ranges])
             else:
                 part = self.comm.all_reduce(flat)
-            s, e = _overlap(self.lo, self.hi, a, b)
-            self.grad[s - self.lo : e - self.lo] = part.div_(self.divide_by)
+            lo, hi = self._mine(b)
+            self.grad[at : at + hi - lo] = part.div_(self.divide_by)
 
     def gather(self) -> None:
         """The updated slices, all-gathered over comm into the model's weights."""
         with torch.no_grad():
-            for first, end in self.buckets:
-                a, b = self.bucket_range(first, end)
-                s, e = _overlap(self.lo, self.hi, a, b)
-                mine = self.master[s - self.lo : e - self.lo]
-                full = self.comm.all_gather(mine, dim=0, sizes=self.sizes(a, b)) if self.shard else mine
+            for b, (first, end, b0, _, ranges, at) in enumerate(self.buckets):
+                lo, hi = self._mine(b)
+                mine = self.master[at : at + hi - lo]
+                full = self.comm.all_gather(mine, dim=0, sizes=[e - s for s, e in ranges]) if self.shard else mine
                 for name, p in zip(self.names[first:end], self.params[first:end], strict=True):
                     ps, pe = self.offsets[name]
-                    p.copy_(full[ps - a : pe - a].view_as(p))
+                    p.copy_(full[ps - b0 : pe - b0].view_as(p))
 
     def piece(self, name: str, flat: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(offset in this rank's slice, the part of `name`'s flat tensor it holds)."""
         start, end = self.offsets[name]
-        a, b = _overlap(self.lo, self.hi, start, end)
-        return a - self.lo, flat[a - start : b - start]
+        b = self.bucket_of[name]
+        lo, hi = self._mine(b)
+        a, e = _overlap(lo, hi, start, end)
+        return self.buckets[b][5] + a - lo, flat[a - start : e - start]
 
     def full(self, name: str, slice_values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """`name`'s whole (tp-local) tensor from every rank's slice of `slice_values` (collective)."""
-        start, end = self.offsets[name]
-        a, b = _overlap(self.lo, self.hi, start, end)
-        mine = slice_values[a - self.lo : b - self.lo]
+        numel = self.offsets[name][1] - self.offsets[name][0]
+        offset, piece = self.piece(name, torch.empty(numel, device="meta"))
+        mine = slice_values[offset : offset + piece.numel()]
         if not self.shard:
             return mine.clone().view(shape)
-        return self.comm.all_gather(mine.contiguous(), dim=0, sizes=self.sizes(start, end)).view(shape)
+        return self.comm.all_gather(mine.contiguous(), dim=0, sizes=self.sizes(name)).view(shape)
 
 
 class DistributedOptimizer(GradSync):
@@ -210,7 +219,7 @@ class DistributedOptimizer(GradSync):
         params = dict(named)
         self.counted = []
         for s in self.spaces:
-            mask = torch.zeros(s.hi - s.lo, dtype=torch.bool)
+            mask = torch.zeros(s.master.numel(), dtype=torch.bool)
             for name in s.names:
                 if name in self.skip:
                     continue
@@ -280,7 +289,7 @@ class DistributedOptimizer(GradSync):
         out: list[list[str]] = [[], []]
         for s in self.spaces:
             for n in s.names:
-                out[0 if s.offsets[n][0] < s.decay_numel else 1].append(n)
+                out[0 if s.params[s.names.index(n)].dim() >= 2 else 1].append(n)
         return out
 
     # ---- checkpoints ---------------------------------------------------------------------
@@ -306,7 +315,7 @@ class DistributedOptimizer(GradSync):
     def load_piece(self, name: str, kind: str, piece: torch.Tensor, step: int) -> None:
         """Fill this rank's part of `name`'s master ("param") or moment from local_piece's output."""
         s = self.space_of[name]
-        offset = max(s.lo, s.offsets[name][0]) - s.lo
+        offset = s.piece(name, torch.empty(self.shapes[name].numel(), device="meta"))[0]
         if kind == "param":
             s.master[offset : offset + piece.numel()] = piece
             return
@@ -324,7 +333,7 @@ class DistributedOptimizer(GradSync):
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the optimizer: master, moments and the reduced gradient slice."""
-        slice_n = sum(s.hi - s.lo for s in self.spaces)
+        slice_n = sum(s.master.numel() for s in self.spaces)
         return {"master": 4 * slice_n, "moments": 8 * slice_n, "grad_slice": 4 * slice_n}
 
 
