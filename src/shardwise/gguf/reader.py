@@ -4,8 +4,10 @@
     f.get("llama.block_count")               # 32
     f.read_block_range("blk.0.attn_q.weight", rows=slice(0, 128), cols=slice(100, 300))
 
-The header (metadata, tensor names, types, shapes, offsets) is parsed once through the
-`gguf` package's reader, which memory-maps the file; every tensor's type is checked
+The header (metadata, tensor names, types, shapes, offsets) is parsed here, directly off
+the memory-mapped file: array values (a vocabulary of 150k strings) are only skipped
+over until asked for, so opening a file costs milliseconds on every rank, where the `gguf`
+package's reader parses every string of every array. Every tensor's type is checked
 against the formats shardwise decodes and its bytes against the file's end before any
 data is read, so an unsupported type or a truncated file fails here with one line.
 A read copies out only the bytes of the requested rows and of the whole blocks that
@@ -19,6 +21,9 @@ of ggml's ne[] order.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +35,16 @@ from shardwise.gguf.blocks import FORMATS, Format, dequantize_blocks
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "is_gguf"]
 
 _MAGIC = b"GGUF"
+_VERSIONS = (2, 3)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+"""GGUF value types with a fixed size (8 is a string, 9 an array)."""
+_GGML_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+    11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
+    19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32",
+    27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+}  # fmt: skip
+"""ggml's type ids (ggml.h), for naming the ones shardwise cannot read."""
 _CHUNK = 1 << 22
 """Weights dequantized at a time (the float temporaries of a chunk are a few times this)."""
 
@@ -79,48 +94,108 @@ class GGUFFile:
         with self.path.open("rb") as f:
             if f.read(4) != _MAGIC:
                 raise GGUFError(f"{self.path}: not a GGUF file (no GGUF magic at its start)")
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            from gguf import GGUFReader
-        except ImportError as e:
-            raise GGUFError(f"{self.path}: reading GGUF files needs the gguf package ({e})") from None
-        try:
-            self._reader = GGUFReader(self.path)
-        except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
-            raise GGUFError(f"{self.path}: truncated or corrupt GGUF file ({e})") from None
-        self._fields = self._reader.fields
+            infos, data_start = self._parse_header()
+        except GGUFError:
+            raise
+        except (struct.error, UnicodeDecodeError, OverflowError, ValueError) as e:
+            raise GGUFError(f"{self.path}: truncated or corrupt GGUF header ({e})") from None
         self.tensors: dict[str, GGUFTensor] = {}
         unsupported: dict[str, str] = {}
-        for t in self._reader.tensors:
-            kind = t.tensor_type.name
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        for name, shape, kind_id, offset in infos:
+            kind = _GGML_TYPES.get(kind_id, f"type {kind_id}")
             if kind not in FORMATS:
-                unsupported.setdefault(kind, t.name)
+                unsupported.setdefault(kind, name)
                 continue
-            info = GGUFTensor(t.name, kind, shape, int(t.data_offset))
-            if shape[-1] % info.fmt.block:
+            info = GGUFTensor(name, kind, shape, data_start + offset)
+            if not shape or shape[-1] % info.fmt.block:
                 raise GGUFError(
-                    f"{self.path}: tensor {t.name!r} of type {kind} has rows of {shape[-1]} weights, "
-                    f"not a multiple of its block of {info.fmt.block}"
+                    f"{self.path}: tensor {name!r} of type {kind} has shape {shape}: rows are not whole "
+                    f"blocks of {info.fmt.block}"
                 )
             if info.offset + info.nbytes > size:
                 raise GGUFError(
-                    f"{self.path}: truncated: tensor {t.name!r} ends at byte {info.offset + info.nbytes}, "
+                    f"{self.path}: truncated: tensor {name!r} ends at byte {info.offset + info.nbytes}, "
                     f"the file has {size}"
                 )
-            self.tensors[t.name] = info
+            self.tensors[name] = info
         if unsupported:
             kind, name = next(iter(unsupported.items()))
             raise GGUFError(
                 f"{self.path}: tensor {name!r} has quantization type {kind}, which shardwise cannot read; "
                 f"supported: {', '.join(FORMATS)}"
             )
-        self._data = self._reader.data  # np.memmap of the whole file (uint8)
+        self._data = np.frombuffer(self._mm, dtype=np.uint8)
+
+    def _parse_header(self) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
+        """(tensor infos (name, torch shape, ggml type id, data offset), start of the data);
+        metadata values are recorded by offset in self._fields."""
+        mm = self._mm
+        (version,) = struct.unpack_from("<I", mm, 4)
+        if version not in _VERSIONS:
+            raise GGUFError(f"{self.path}: GGUF version {version}; shardwise reads versions {_VERSIONS}")
+        n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
+        pos = 24
+        self._fields: dict[str, tuple[int, int]] = {}  # key -> (value type, offset of the value)
+        for _ in range(n_kv):
+            key, pos = self._string(pos)
+            (kind,) = struct.unpack_from("<I", mm, pos)
+            self._fields[key] = (kind, pos + 4)
+            pos = self._skip(kind, pos + 4)
+        infos = []
+        for _ in range(n_tensors):
+            name, pos = self._string(pos)
+            (n_dims,) = struct.unpack_from("<I", mm, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", mm, pos + 4)
+            kind, offset = struct.unpack_from("<IQ", mm, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, tuple(int(d) for d in reversed(dims)), kind, offset))
+        align = self.get("general.alignment", 32)
+        return infos, -(-pos // align) * align
+
+    def _string(self, pos: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", self._mm, pos)
+        if pos + 8 + n > len(self._mm):
+            raise ValueError(f"a string at byte {pos} runs past the end of the file")
+        return self._mm[pos + 8 : pos + 8 + n].decode("utf-8"), pos + 8 + n
+
+    def _skip(self, kind: int, pos: int) -> int:
+        """The offset after a value of type `kind` at `pos`."""
+        if kind in _SCALARS:
+            return pos + struct.calcsize(_SCALARS[kind])
+        if kind == 8:
+            return pos + 8 + struct.unpack_from("<Q", self._mm, pos)[0]
+        if kind != 9:
+            raise ValueError(f"unknown metadata value type {kind} at byte {pos}")
+        item, count = struct.unpack_from("<IQ", self._mm, pos)
+        pos += 12
+        if item in _SCALARS:
+            return pos + count * struct.calcsize(_SCALARS[item])
+        for _ in range(count):
+            pos = self._skip(item, pos)
+        return pos
+
+    def _value(self, kind: int, pos: int):
+        if kind in _SCALARS:
+            return struct.unpack_from(_SCALARS[kind], self._mm, pos)[0]
+        if kind == 8:
+            return self._string(pos)[0]
+        item, count = struct.unpack_from("<IQ", self._mm, pos)
+        pos += 12
+        if item in _SCALARS:
+            return list(struct.unpack_from(f"<{count}{_SCALARS[item][1]}", self._mm, pos))
+        out = []
+        for _ in range(count):
+            out.append(self._value(item, pos))
+            pos = self._skip(item, pos)
+        return out
 
     def get(self, key: str, default=None):
         """Metadata value `key` (a str, a number, or a list of them); parsed on demand, as a
         vocabulary's fields alone can hold hundreds of thousands of strings."""
         field = self._fields.get(key)
-        return default if field is None else _value(field)
+        return default if field is None else self._value(*field)
 
     def keys(self) -> list[str]:
         return [k for k in self._fields if not k.startswith("GGUF.")]
@@ -158,16 +233,5 @@ class GGUFFile:
 
     def close(self) -> None:
         self._data = None
-        self._reader = None
-
-
-def _value(field):
-    """A metadata field's value: a str, a number, or a list of them."""
-    from gguf import GGUFValueType
-
-    try:
-        return field.contents()
-    except Exception:  # noqa: BLE001 - an odd field is only metadata we may not need
-        if field.types and field.types[0] == GGUFValueType.STRING:
-            return bytes(field.parts[-1]).decode("utf-8", "replace")
-        return None
+        with contextlib.suppress(BufferError):  # a view is still alive: the map closes with it
+            self._mm.close()

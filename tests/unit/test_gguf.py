@@ -1,0 +1,147 @@
+"""GGUF reading in one process: each type's blocks against the gguf package's reference
+dequantization (block by block, and row x column ranges that do not fall on block
+boundaries), every family at tp=1 against its Hugging Face source, and bad files refused
+with one line before any rank starts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gguf_files import K_QUANTS, random_blocks, write_gguf
+from hf_models import prompts, save_tiny
+
+gguf = pytest.importorskip("gguf")
+
+from shardwise.gguf import FORMATS, GGUFError, GGUFFile, dequantize_blocks  # noqa: E402
+
+ROWS = 7
+
+
+def _data(qtype: str, cols: int, seed: int = 0) -> np.ndarray:
+    """(ROWS, bytes) of `qtype` blocks: quantized random weights, or random K-quant blocks."""
+    qt = gguf.GGMLQuantizationType[qtype]
+    if qtype in K_QUANTS or qtype in ("Q2_K", "Q3_K"):
+        return random_blocks(ROWS, cols, qtype, seed)
+    x = np.random.default_rng(seed).standard_normal((ROWS, cols)).astype(np.float32)
+    return x if qtype == "F32" else gguf.quants.quantize(x, qt)
+
+
+def _file(tmp_path, tensors: dict[str, tuple[str, np.ndarray]], arch: str = "llama"):
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    for name, (qtype, data) in tensors.items():
+        qt = gguf.GGMLQuantizationType[qtype]
+        w.add_tensor(name, data, raw_dtype=None if qtype == "F32" else qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_blocks_and_ranges_match_the_gguf_reference(tmp_path, qtype):
+    fmt = FORMATS[qtype]
+    cols = 3 * max(fmt.block, 32)  # three blocks (96 weights for the 1-weight types)
+    data = _data(qtype, cols)
+    ref = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]).reshape(ROWS, cols)
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(ROWS, -1)
+    for b in range(raw.shape[1] // fmt.nbytes):  # block by block
+        block = torch.from_numpy(raw[:, b * fmt.nbytes : (b + 1) * fmt.nbytes].copy())
+        got = dequantize_blocks(block, fmt).numpy()
+        np.testing.assert_array_equal(got, ref[:, b * fmt.block : (b + 1) * fmt.block], err_msg=f"block {b}")
+    f = GGUFFile(_file(tmp_path, {"w": (qtype, data)}))
+    assert f.tensors["w"].shape == (ROWS, cols) and f.tensors["w"].type == qtype
+    edges = [0, 1, fmt.block - 1, fmt.block, fmt.block + 5, cols - 3, cols]
+    for r0, r1 in ((0, ROWS), (2, 5), (6, 7), (3, 3)):
+        for c0 in edges:
+            for c1 in edges:
+                if c1 < c0:
+                    continue
+                got = f.read_block_range("w", slice(r0, r1), slice(c0, c1)).numpy()
+                np.testing.assert_array_equal(got, ref[r0:r1, c0:c1], err_msg=f"rows {r0}:{r1} cols {c0}:{c1}")
+                whole = -(-c1 // fmt.block) - c0 // fmt.block
+                assert f.bytes_of("w", slice(r0, r1), slice(c0, c1)) == (r1 - r0) * whole * fmt.nbytes
+
+
+FAMILIES = {
+    "llama2": {"vocab_size": 256},
+    "mistral": {"sliding_window": None},  # GGUF keeps no window: llama.cpp runs Mistral as Llama
+    "qwen2": {},
+    "qwen3": {},
+    "gemma": {},
+    "phi3": {},
+    "gpt2": {},
+}
+
+
+@pytest.mark.parametrize(
+    "family", [f if f in ("gemma", "gpt2") else pytest.param(f, marks=pytest.mark.full) for f in FAMILIES]
+)
+def test_f32_file_of_every_family_equals_its_source(tmp_path, family):
+    """An F32 GGUF file holds the checkpoint's weights exactly: logits at tp=1 equal the source
+    model's (names, Llama's q/k permutation, Gemma's norm offset, GPT-2's transposes)."""
+    transformers = pytest.importorskip("transformers")
+    from shardwise.comm import LocalCommunicator
+    from shardwise.hf import load_pretrained
+
+    hf = save_tiny(family, tmp_path, overrides=FAMILIES[family])
+    path = write_gguf(hf, tmp_path / f"{family}.gguf", "F32")
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    ids, mask = prompts(ref_model.config.vocab_size)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    model, report = load_pretrained(path, comm=LocalCommunicator())
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask, positions=pos)
+        ref = ref_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    real = mask.bool()
+    assert ((ours[real] - ref[real]).norm() / ref[real].norm()).item() < 1e-5
+    assert report.bytes_read == sum(t.nbytes for t in GGUFFile(path).tensors.values())
+
+
+@pytest.fixture(scope="module")
+def llama_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_bad")
+    return write_gguf(save_tiny("llama2", root, overrides={"vocab_size": 128}), root / "llama.gguf", "Q8_0")
+
+
+def _refusal(path, tp: int = 1, *, named: bool = True) -> str:
+    from shardwise.hf import CheckpointError, resolve_model
+    from shardwise.layers import ShardError
+
+    with pytest.raises((CheckpointError, ShardError)) as e:
+        resolve_model(path, tp=tp)
+    msg = str(e.value)
+    assert "\n" not in msg and (str(path) in msg or not named)
+    return msg
+
+
+def test_bad_files_are_refused_with_one_line(tmp_path, llama_file):
+    # an unsupported quantization type, named with the supported list
+    path = _file(tmp_path, {"token_embd.weight": ("Q2_K", _data("Q2_K", 256))})
+    msg = _refusal(path)
+    assert "Q2_K" in msg and "supported: F32, F16, BF16, Q8_0" in msg
+    # an architecture shardwise has no model code for
+    (tmp_path / "m").mkdir()
+    path = _file(tmp_path / "m", {"token_embd.weight": ("F32", _data("F32", 32))}, arch="mamba")
+    assert "architecture 'mamba'" in _refusal(path)
+    # truncated: cut into the last tensor's data, then into the header
+    data = llama_file.read_bytes()
+    for keep in (len(data) - 100, 200):
+        cut = tmp_path / f"cut{keep}.gguf"
+        cut.write_bytes(data[:keep])
+        assert "truncated" in _refusal(cut)
+    # not a GGUF file at all
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"PK\x03\x04 not gguf")
+    assert "not a GGUF file" in _refusal(bad)
+    # a tp the model cannot use (4 heads): the valid sizes are named
+    assert "valid tp sizes: 1-4" in _refusal(llama_file, tp=5, named=False)
+
+
+def test_unsupported_type_is_refused_by_the_reader(tmp_path):
+    path = _file(tmp_path, {"w": ("Q3_K", _data("Q3_K", 256))})
+    with pytest.raises(GGUFError, match="quantization type Q3_K"):
+        GGUFFile(path)
