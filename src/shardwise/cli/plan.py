@@ -56,7 +56,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--prompt-len", type=int, default=512)
     i.add_argument("--output-len", type=int, default=128)
     i.add_argument("--target-latency-ms", type=float, help="end-to-end latency target for one request")
-    i.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the model's")
+    i.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16", "fp32", "bf16"],
+        help="default: the model's; with --train: bf16 = bf16-mixed precision, fp32 = fp32 (instead of --precision)",
+    )
     i.add_argument(
         "--quantize",
         choices=["fp16", "int8"],
@@ -80,6 +84,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     t.add_argument(
         "--sequence-parallel", action="store_true", help="sequence parallelism: activations between matmuls / tp"
+    )
+    t.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="shardwise's distributed optimizer: fp32 master, moments and reduced grads split over dp",
     )
     t.add_argument(
         "--schedule",
@@ -135,16 +144,21 @@ def _build(args):
     flash = not args.no_flash_attention
     if args.train and args.quantize:
         raise PlannerError(f"--quantize {args.quantize} is for inference; training does not take --quantize")
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(args.dtype, args.dtype)
     if args.train:
+        precision = {"float32": "fp32", "bfloat16": "bf16-mixed", "float16": "fp16-mixed"}.get(dtype, args.precision)
         wl = TrainingWorkload(
             global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len,
-            optimizer=args.optimizer, precision=args.precision, recompute=args.recompute, flash_attention=flash,
+            optimizer=args.optimizer, precision=precision, recompute=args.recompute, flash_attention=flash,
             sequence_parallel=args.sequence_parallel, schedule=args.schedule,
+            distributed_optimizer=args.distributed_optimizer,
         )  # fmt: skip
     else:
+        if args.distributed_optimizer:
+            raise PlannerError("--distributed-optimizer is for training (--train)")
         wl = InferenceWorkload(
             batch=args.batch, prompt_len=args.prompt_len, output_len=args.output_len,
-            target_latency_ms=args.target_latency_ms, dtype=args.dtype, flash_attention=flash,
+            target_latency_ms=args.target_latency_ms, dtype=dtype, flash_attention=flash,
             quantize=args.quantize,
         )  # fmt: skip
     cluster = _cluster(args)

@@ -54,7 +54,7 @@ class Collective:
     """`calls` collectives of one kind on one group, their total payload and time."""
 
     op: str
-    """all_reduce, all_gather, all_to_all, broadcast or send."""
+    """all_reduce, all_gather, reduce_scatter, all_to_all, broadcast or send."""
     group: str
     """tp, pp or dp."""
     calls: int

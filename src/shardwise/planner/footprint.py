@@ -39,6 +39,7 @@ from shardwise.models.config import ModelConfig
 from shardwise.planner.activations import layer_activation_bytes, recompute_mode
 
 __all__ = [
+    "distributed_optimizer_bytes",
     "Footprint",
     "StageLoad",
     "Projections",
@@ -348,6 +349,14 @@ def optimizer_bytes_per_param(optimizer: str, master_bytes: int) -> int:
     return master_bytes + (8 if optimizer == "adam" else 4)
 
 
+def distributed_optimizer_bytes(dp: int) -> float:
+    """Optimizer state per parameter per rank under shardwise's distributed optimizer: the fp32
+    master (4), Adam's moments (8) and the dp-reduced fp32 gradient (4), split over dp. With
+    the weights and their (whole, during backward) gradients: fp32 8 + 16 / dp, bf16 4 + 16 / dp
+    (shardwise.train.distopt.bytes_per_param, which the training log and bench_distopt.py check)."""
+    return 16 / dp
+
+
 def training_activation_bytes_per_layer(
     cfg: ModelConfig, tp: int, micro_batch: int, seq: int, width: int, *, recompute: str | bool, flash: bool,
     sequence_parallel: bool = False,
@@ -416,7 +425,7 @@ def training_memory(
     cfg: ModelConfig, tp: int, pp: int, *, micro_batches: int, micro_batch: int, seq: int, width: int,
     weight_bytes: int, grad_bytes: int, optimizer: str, master_bytes: int, recompute: str | bool, flash: bool,
     budget: float, sequence_parallel: bool = False, loads: list[StageLoad] | None = None, stage: int | None = None,
-    ep_dp: int = 1,
+    ep_dp: int = 1, dp: int = 1, distributed_optimizer: bool = False,
 ) -> Footprint:  # fmt: skip
     """The busiest pipeline rank (or pipeline stage `stage`'s): weights, gradients and optimizer
     state of its layers (and of the embedding on the first, the norm and head on the last), and
@@ -429,7 +438,8 @@ def training_memory(
     holds again what recomputation dropped: one layer's worth (full) or its attention
     core's (selective). benchmarks/validate_planner.py checks the total against measured
     peaks of real training runs. ep_dp: a mixture of experts' experts dealt over ep_dp
-    data-parallel ranks (expert_share)."""
+    data-parallel ranks (expert_share). distributed_optimizer: the optimizer state split over
+    dp (distributed_optimizer_bytes; experts' over all of dp too, an approximation when ep > 1)."""
     kw = dict(width=width, flash=flash, sequence_parallel=sequence_parallel)
     per_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, recompute=recompute, **kw)
     full_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, recompute="none", **kw)
@@ -441,6 +451,9 @@ def training_memory(
             continue
         act = per_layer * ld.chunk_layers * ld.in_flight + extra + logits * ld.head_in_flight
         n = stage_params(cfg, tp, pp, ld.stage, layers=ld.layers, ep_dp=ep_dp)
-        opt = n * optimizer_bytes_per_param(optimizer, master_bytes)
+        if distributed_optimizer:
+            opt = n * distributed_optimizer_bytes(dp)
+        else:
+            opt = n * optimizer_bytes_per_param(optimizer, master_bytes)
         out.append(Footprint(n * weight_bytes, 0.0, act, n * grad_bytes, opt, budget))
     return max(out, key=lambda m: m.total)

@@ -32,6 +32,7 @@ from shardwise.planner.cost import (
     training_flops_per_token,
 )
 from shardwise.planner.footprint import (
+    distributed_optimizer_bytes,
     expert_params,
     kv_bytes_per_token,
     moe_layer_count,
@@ -159,6 +160,8 @@ def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s:
     each = c.bytes / c.calls
     if c.op == "all_gather":
         s = link.all_gather_s(each, group_size)
+    elif c.op == "reduce_scatter":  # each rank's input; ring: it moves what an all-gather of its share does
+        s = link.all_gather_s(each / max(group_size, 1), group_size)
     elif c.op == "send":
         s = link.send_s(each)
     elif c.op == "all_to_all":
@@ -395,11 +398,20 @@ def predict_training(
     n_params = stage_params(cfg, tp, pp, stage, layers=layers, ep_dp=layout.ep_dp)
     # experts dealt over dp have one copy each: their gradients are not all-reduced over dp
     replicated = n_params - (expert_params(cfg, tp, layers, ep_dp=dp) if layout.ep == "dp" else 0)
-    if dp > 1:  # after the last micro-batch's backward: all of it is the burst before
+    if dp > 1 and wl.distributed_optimizer:  # fp32 grads reduce-scattered, the weights all-gathered after
+        grads = Collective("reduce_scatter", "dp", 1, replicated * 4)
+        per_step.append(_timed(grads, cluster, dp, tp * dp, f.compute_s + b.compute_s))
+        per_step.append(
+            _timed(Collective("all_gather", "dp", 1, replicated * prec.weight_bytes // dp), cluster, dp, tp * dp)
+        )
+    elif dp > 1:  # after the last micro-batch's backward: all of it is the burst before
         grads = Collective("all_reduce", "dp", 1, replicated * prec.grad_bytes)
         per_step.append(_timed(grads, cluster, dp, tp * dp, f.compute_s + b.compute_s))
     per_step = merge(per_step)
-    state = prec.weight_bytes + prec.grad_bytes + optimizer_bytes_per_param(wl.optimizer, prec.master_bytes)
+    if wl.distributed_optimizer:  # the optimizer reads and writes its 1/dp share only
+        state = prec.weight_bytes + prec.grad_bytes + distributed_optimizer_bytes(dp)
+    else:
+        state = prec.weight_bytes + prec.grad_bytes + optimizer_bytes_per_param(wl.optimizer, prec.master_bytes)
     optimizer_s = 2 * n_params * state / dev.optimizer_bytes_per_s(tp * pp * dp > 1)  # read and write every byte once
     comm_s = sum(c.seconds for c in per_step)
     compute_s = m * (f.compute_s + b.compute_s) + optimizer_s

@@ -233,6 +233,7 @@ def _training_candidate(
             recompute=wl.recompute, flash=wl.flash_attention, budget=budget,
             sequence_parallel=wl.sequence_parallel and lay.tp > 1,
             loads=sched.loads() if sched is not None else None, ep_dp=lay.ep_dp,
+            dp=lay.dp, distributed_optimizer=wl.distributed_optimizer,
         )  # fmt: skip
         c = Candidate(lay, mem, mem.fits(headroom), cross, training=predict_training(cfg, cluster, lay, wl, sched))
         if best is None or (not c.fits, c.time_s, mem.total) < (not best.fits, best.time_s, best.memory.total):

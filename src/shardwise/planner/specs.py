@@ -381,6 +381,10 @@ class TrainingWorkload:
     schedule: str | None = None
     """Pipeline schedule for layouts with pp > 1: "gpipe", "1f1b" or "interleaved"; None = the
     fastest that fits, per layout."""
+    distributed_optimizer: bool = False
+    """shardwise's distributed optimizer (`train --distributed-optimizer`): the fp32 master,
+    Adam's moments and the reduced fp32 gradient (16 bytes per parameter) split over dp;
+    gradients reduce-scattered, weights all-gathered (footprint.distributed_optimizer_bytes)."""
 
     kind = "training"
 
@@ -398,6 +402,10 @@ class TrainingWorkload:
             object.__setattr__(self, "recompute", recompute_mode(self.recompute))
         except ValueError as e:
             raise PlannerError(str(e)) from None
+        if self.distributed_optimizer and self.optimizer != "adam":
+            raise PlannerError(
+                f"the distributed optimizer splits AdamW's state; optimizer={self.optimizer!r} is not supported"
+            )
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise PlannerError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
 
