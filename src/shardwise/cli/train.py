@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from shardwise.cli.common import add_host_args, fail, job
@@ -332,6 +333,9 @@ def run_training(
         args=(cfg, p2p_check),
         backend=backend,
         timeout_s=timeout,
+        # NOTE: no job deadline (launch's default, 4 x timeout + 60 s, cut long runs short): every
+        # step has collectives, so a stuck rank still fails the job within the collective timeout.
+        job_timeout_s=math.inf,
         tp=cfg.parallel.tp,
         allow_cross_host_tp=allow_cross_host_tp,
     )
