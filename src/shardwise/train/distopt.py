@@ -146,7 +146,7 @@ class _Space:
         with torch.no_grad():
             for b, (first, end, b0, _, ranges, at) in enumerate(self.buckets):
                 lo, hi = self._mine(b)
-                mine = self.master[at : at + hi - lo]
+                mine = self.master[at : at + hi - lo].to(self.params[first].dtype)  # bf16 weights: half the bytes
                 full = self.comm.all_gather(mine, dim=0, sizes=[e - s for s, e in ranges]) if self.shard else mine
                 for name, p in zip(self.names[first:end], self.params[first:end], strict=True):
                     ps, pe = self.offsets[name]
