@@ -10,8 +10,10 @@ and a random-weight Llama of SmolLM2-135M's shape (benchmarks/make_smol_shape.py
 width 576, vocab 49152, tied), both fp32 Hugging Face checkpoints.
 
 Decode (batch 1): ms per token of 32 greedy tokens after a 128-token prompt.
-- shardwise: shardwise.bench.measure.generation_rank with `load_pretrained(..., quantize=)`,
-  MPI, one thread per rank; fp32, fp16, int8 at tp=1 and tp=2;
+- shardwise: shardwise.bench.measure.generation_rank (`load_pretrained(..., quantize=)`),
+  MPI, one thread per rank; fp32, fp16, int8 at tp=1 and tp=2; fp32 twice: in the weight
+  order `generate` picks for one sequence (shardwise.quant.layout: column-major where
+  measured faster) and as loaded (row-major, "fp32-rowmajor");
 - llama.cpp (llama-cpp-python) on the same weights, written as GGUF by
   benchmarks/gguf_export.py (F32 and Q8_0), 1 and 2 threads, in a process of its own:
   after the same prompt, each token is fed with `llm.eval([tok])` and timed alone.
@@ -57,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 GGUF_ROOT = Path("/tmp/shardwise-bench/gguf")
 PROMPT, NEW = 128, 32
-FORMATS = ("fp32", "fp16", "int8")
+FORMATS = ("fp32", "fp32-rowmajor", "fp16", "int8")  # fp32-rowmajor: as loaded (quant/layout.py)
 LLAMA_TYPES = {"f32": "F32", "q8_0": "Q8_0"}
 Q8_0_BYTES = 34 / 32  # a block: an fp16 scale and 32 int8 weights
 CHECK_TOKENS, CHECK_RTOL = 16, 1e-3
@@ -91,25 +93,25 @@ def _streamed_bytes(model, position: int) -> dict:
     return {"weights": weights, "kv": per_position * position}
 
 
-def _decode_rank(world, path: str, quantize: str | None, repeats: int) -> dict:
-    """generation_rank's decode times with the weights converted to `quantize`, and the bytes
-    this rank streams per token."""
+def _decode_rank(world, path: str, quantize: str | None, repeats: int, layout: bool = True) -> dict:
+    """generation_rank's decode times with the weights converted to `quantize` (fp32: in the
+    order `generate` picks when `layout`, as loaded otherwise), and the bytes this rank
+    streams per token."""
     import shardwise.hf
     from shardwise.bench.measure import generation_rank
 
     load, loaded = shardwise.hf.load_pretrained, []
 
-    def load_quantized(*args, **kwargs):
-        loaded.append(load(*args, quantize=quantize, **kwargs))
+    def keep(*args, **kwargs):
+        loaded.append(load(*args, **kwargs))
         return loaded[-1]
 
-    # NOTE: generation_rank has no quantize option; it imports load_pretrained from shardwise.hf
-    # when called, so this rank's load is swapped for one that converts (and keeps the model)
-    shardwise.hf.load_pretrained = load_quantized
+    # NOTE: generation_rank imports load_pretrained from shardwise.hf when called; this keeps
+    # a reference to the model it loads, for the bytes below
+    shardwise.hf.load_pretrained = keep
     try:
-        gen = generation_rank(
-            world, {"model": path, "batch": 1, "prompt_len": PROMPT, "output_len": NEW, "repeats": repeats}
-        )
+        opts = {"model": path, "batch": 1, "prompt_len": PROMPT, "output_len": NEW, "repeats": repeats}
+        gen = generation_rank(world, opts | {"quantize": quantize, "decode_layout": layout})
     finally:
         shardwise.hf.load_pretrained = load
     model, report = loaded[0]
@@ -248,8 +250,9 @@ def measure_decode(models: dict[str, Path], ggufs: dict, rounds: int, repeats: i
             if engine == "bandwidth":
                 res = launch(_bandwidth_rank, n, args=(bw_bytes,), backend="mpi", timeout_s=600)
             elif engine == "shardwise":
-                quantize = None if fmt == "fp32" else fmt
-                res = launch(_decode_rank, n, args=(str(models[name]), quantize, repeats), backend="mpi", timeout_s=600)
+                quantize = None if fmt.startswith("fp32") else fmt
+                args = (str(models[name]), quantize, repeats, fmt != "fp32-rowmajor")
+                res = launch(_decode_rank, n, args=args, backend="mpi", timeout_s=600)
             else:
                 res = _run_llama({"path": str(ggufs[name][fmt]), "threads": n, "repeats": repeats})
             runs.setdefault(key, []).append(res)

@@ -223,12 +223,15 @@ def after_compute_rank(world: Communicator, opts: dict) -> dict:
 
 def generation_rank(world: Communicator, opts: dict) -> dict:
     """Load opts["model"] sharded over the world; time prefill and decode of batch x prompt_len
-    prompts, `repeats` times after one warm-up (whose prefill is reported as cold). Returns
+    prompts, `repeats` times after one warm-up (whose prefill is reported as cold), with the
+    weights converted to opts["quantize"] when given and fp32 weights in the order `generate`
+    picks for the batch (opts["decode_layout"] False: as loaded). Returns
     every prefill and decode step's time, and the time spent inside collectives in each
     (waiting for the other ranks included), read from the accounting after every step."""
     from shardwise.comm import ParallelDims
     from shardwise.engine import StageForward, generate, stage_layout
     from shardwise.hf import load_pretrained, read_config
+    from shardwise.quant.layout import decode_layout
 
     pp, stages, stage = opts.get("pp", 1), None, None
     if pp == 1:
@@ -236,7 +239,9 @@ def generation_rank(world: Communicator, opts: dict) -> dict:
     else:  # pipeline stages, one after another, as `shardwise generate --pp` runs them
         mesh = ParallelDims(world_size=world.size, tp=world.size // pp, pp=pp).build(world)
         tp, stage = mesh.tp, (stage_layout(read_config(opts["model"])[1], pp), mesh.pp_rank)
-    model, report = load_pretrained(opts["model"], comm=tp, stage=stage)
+    model, report = load_pretrained(opts["model"], comm=tp, stage=stage, quantize=opts.get("quantize"))
+    if opts.get("decode_layout", True):  # as `shardwise generate` does
+        decode_layout(model, rows=opts["batch"])
     if pp > 1:
         stages = StageForward(model, mesh)
     vocab = report.config.vocab_size

@@ -74,6 +74,7 @@ def _prompts(args, model_dir: Path) -> list[list[int]]:
 def _generate_rank(world: Communicator, opts: dict) -> dict:
     setup_logging(world.rank, world.size)
     from shardwise.hf import load_pretrained
+    from shardwise.quant.layout import decode_layout
 
     pp = opts.get("pp", 1)
     mesh = stage = None
@@ -92,6 +93,7 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
             expert_parallel=opts.get("expert_parallel", False),
             quantize=opts.get("quantize"),
         )
+    decode_layout(model, rows=len(opts["prompts"]))  # fp32 on CPU: the weight order measured fastest
     log.debug("rank %d/%d holds %.1f MiB of parameters", world.rank, world.size, report.param_bytes / 2**20)
     if opts["fail_rank"] == world.rank:  # after loading, so the others are already in a collective
         raise RuntimeError(f"injected failure on rank {world.rank} (--debug-fail-rank)")

@@ -90,6 +90,7 @@ class _Engine:
 
     def __init__(self, world: Communicator, opts: ServeOptions) -> None:
         from shardwise.hf import load_pretrained
+        from shardwise.quant.layout import decode_layout
 
         self.world, self.stages, stage = world, None, None
         if opts.pp == 1:
@@ -109,6 +110,7 @@ class _Engine:
             expert_parallel=opts.expert_parallel,
             quantize=opts.quantize,
         )
+        decode_layout(self.model, rows=opts.max_batch_size)  # fp32 on CPU: the order measured fastest
         if stage is not None:
             self.stages = StageForward(self.model, mesh)
             self.stage_text = stage[0].describe().replace(", loss", "")
