@@ -48,6 +48,8 @@ __all__ = ["DistributedOptimizer", "MOMENTS", "DTYPES", "autocast", "bytes_per_p
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CHUNK = 1 << 18
+"""Elements per AdamW parameter (a view of the master slice): 1 MiB of fp32."""
 """The config's dtype names (run.dtype, optim.grad_reduce_dtype)."""
 
 
@@ -61,6 +63,15 @@ def _overlap(a: int, b: int, c: int, d: int) -> tuple[int, int]:
     """[a, b) ∩ [c, d) as (start, end), empty as (x, x)."""
     lo, hi = max(a, c), min(b, d)
     return (lo, max(lo, hi))
+
+
+def _masked_sum_of_squares(x: torch.Tensor, mask: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """sum(x[mask] ** 2) in fp64, a chunk at a time (no slice-sized fp64 temporaries)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(0, x.numel(), chunk):
+        sq = x[i : i + chunk].double().square_()
+        total += sq.masked_fill_(~mask[i : i + chunk], 0.0).sum()
+    return total
 
 
 class _Space:
@@ -115,7 +126,13 @@ class _Space:
             for name, p in ordered:
                 offset, piece = self.piece(name, p.detach().reshape(-1))
                 self.master[offset : offset + piece.numel()] = piece.float()
-        self.parts = [(self.master[:cut], self.grad[:cut]), (self.master[cut:], self.grad[cut:])]
+        # AdamW's parameters: views of the slice of at most CHUNK elements (each of AdamW's passes
+        # then stays in cache), (start in the slice, master view, grad view, 0 = decayed / 1 = not).
+        self.chunks = [
+            (a, self.master[a : min(a + CHUNK, end)], self.grad[a : min(a + CHUNK, end)], group)
+            for group, (start, end) in enumerate(((0, cut), (cut, at)))
+            for a in range(start, end, CHUNK)
+        ]
 
     def _mine(self, b: int) -> tuple[int, int]:
         return self.buckets[b][4][self.comm.rank]
@@ -204,15 +221,18 @@ class DistributedOptimizer(GradSync):
         self.shapes = {n: p.shape for n, p in named}
         self.adamw = torch.optim.AdamW(
             [
-                {"params": [s.parts[0][0] for s in self.spaces], "weight_decay": cfg.weight_decay},
-                {"params": [s.parts[1][0] for s in self.spaces], "weight_decay": 0.0},
+                {
+                    "params": [c[1] for s in self.spaces for c in s.chunks if c[3] == 0],
+                    "weight_decay": cfg.weight_decay,
+                },
+                {"params": [c[1] for s in self.spaces for c in s.chunks if c[3] == 1], "weight_decay": 0.0},
             ],
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
             eps=cfg.eps,
         )
         for s in self.spaces:
-            for master, grad in s.parts:
+            for _, master, grad, _ in s.chunks:
                 master.grad = grad
         # Which elements of each slice the norm counts (1) or not (0): rows owned on this tp
         # rank, not a tied copy. (slice,) bool per space.
@@ -249,7 +269,7 @@ class DistributedOptimizer(GradSync):
     # ---- GradNorm ------------------------------------------------------------------------
     def norm(self) -> torch.Tensor:
         """The unsharded gradient's L2 norm from the slices (collective), a 0-d fp32 tensor."""
-        sums = [(s.grad.double().pow(2) * m).sum().view(1) for s, m in zip(self.spaces, self.counted, strict=True)]
+        sums = [_masked_sum_of_squares(s.grad, m).view(1) for s, m in zip(self.spaces, self.counted, strict=True)]
         dense = self.spaces[0].comm.all_reduce(sums[0]) if self.shard else sums[0]
         total = dense
         if len(sums) > 1:
@@ -297,10 +317,12 @@ class DistributedOptimizer(GradSync):
         """(slice,) this rank's master ("param") or moment values of space s."""
         if kind == "param":
             return s.master
-        parts = [self.adamw.state.get(m, {}).get(kind) for m, _ in s.parts]
-        return torch.cat(
-            [p if p is not None else torch.zeros_like(m) for p, (m, _) in zip(parts, s.parts, strict=True)]
-        )
+        out = torch.zeros_like(s.master)
+        for a, master, _, _ in s.chunks:
+            t = self.adamw.state.get(master, {}).get(kind)
+            if t is not None:
+                out[a : a + master.numel()] = t
+        return out
 
     def state_tensor(self, name: str, kind: str) -> torch.Tensor:
         """`name`'s whole tp-local fp32 master ("param") or moment, gathered from the dp slices
@@ -319,15 +341,15 @@ class DistributedOptimizer(GradSync):
         if kind == "param":
             s.master[offset : offset + piece.numel()] = piece
             return
-        cut = s.parts[0][0].numel()
-        for i, (master, _) in enumerate(s.parts):
+        for base, master, _, _ in s.chunks:
+            a, b = _overlap(offset, offset + piece.numel(), base, base + master.numel())
+            if b == a:
+                continue
             state = self.adamw.state[master]
             if not state:
                 state["step"] = torch.tensor(float(step))
                 for k in MOMENTS:
                     state[k] = torch.zeros_like(master)
-            base = 0 if i == 0 else cut
-            a, b = _overlap(offset, offset + piece.numel(), base, base + master.numel())
             if b > a:
                 state[kind][a - base : b - base] = piece[a - offset : b - offset]
 
