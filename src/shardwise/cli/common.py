@@ -145,13 +145,17 @@ def resolve_model(model: Path | None, tp: int, *, auto: bool = False, expert_par
     """(model dir, ModelConfig) after checking the directory and the tp size (shardwise.hf.resolve_model);
     exits with a one-line error. auto=True also accepts a model for the automatic plan (ModelConfig None).
     expert_parallel: tp is checked against whole experts; a model without experts is refused."""
+    from shardwise.gguf import is_gguf
     from shardwise.hf import CheckpointError
     from shardwise.hf import resolve_model as resolve
     from shardwise.layers import ShardError
 
     model_dir = DEFAULT_MODEL if model is None else model
     try:
-        if not model_dir.is_dir():  # commands load weights: a config.json alone will not do
+        if is_gguf(model_dir):  # llama.cpp's format: one file, its metadata the config
+            if not model_dir.is_file():
+                raise CheckpointError(f"model file {model_dir} does not exist")
+        elif not model_dir.is_dir():  # commands load weights: a config.json alone will not do
             raise CheckpointError(f"model directory {model_dir} does not exist")
         if tp < 1:
             raise ShardError(f"--tp must be >= 1, got {tp}")

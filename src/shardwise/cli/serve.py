@@ -26,7 +26,7 @@ from shardwise.cli.common import (
     resolve_stages,
 )
 from shardwise.comm import DEFAULT_TIMEOUT_S
-from shardwise.engine.text import DEFAULT_MODEL
+from shardwise.engine.text import DEFAULT_MODEL, load_tokenizer
 
 __all__ = ["add_parser", "run"]
 
@@ -92,7 +92,7 @@ def _check(args: argparse.Namespace, model_dir: Path, cfg) -> list[str]:
     if family.model is not DecoderLM or not cfg.causal:
         return [f"{model_dir} is a {family.name} model; serve needs a decoder (causal language model)"]
     problems = []
-    if not (model_dir / "tokenizer.json").exists():
+    if not (model_dir / "tokenizer.json").exists() and load_tokenizer(model_dir) is None:
         problems.append(f"{model_dir} has no tokenizer.json; serve needs the checkpoint's tokenizer")
     if args.max_model_len is not None and not 1 <= args.max_model_len <= cfg.max_positions:
         problems.append(

@@ -117,7 +117,14 @@ def _transformers(path: str, dtype: torch.dtype, encoder: bool, ids, mask):
     transformers.utils.logging.disable_progress_bar()
     cls = transformers.AutoModel if encoder else transformers.AutoModelForCausalLM
     try:
-        model = cls.from_pretrained(path, dtype=dtype).eval()
+        from pathlib import Path
+
+        from shardwise.gguf import is_gguf
+
+        where = {"pretrained_model_name_or_path": path}
+        if is_gguf(path):  # transformers dequantizes the whole file in this process
+            where = {"pretrained_model_name_or_path": str(Path(path).parent), "gguf_file": Path(path).name}
+        model = cls.from_pretrained(**where, dtype=dtype).eval()
         kw = {"token_type_ids": torch.zeros_like(ids)} if encoder else {"position_ids": (mask.cumsum(-1) - 1).clamp(0)}
         with torch.no_grad():
             out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kw)

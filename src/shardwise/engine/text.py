@@ -14,7 +14,12 @@ DEFAULT_MODEL = Path(str(files("shardwise") / "assets" / "default"))
 
 
 def load_tokenizer(model_dir: str | Path):
-    """The checkpoint's tokenizers.Tokenizer, or None when it ships no tokenizer.json."""
+    """The checkpoint's tokenizers.Tokenizer (a GGUF file's: from its metadata), or None when
+    it ships no tokenizer.json."""
+    from shardwise.gguf import gguf_tokenizer, is_gguf
+
+    if is_gguf(model_dir):
+        return gguf_tokenizer(model_dir)
     path = Path(model_dir) / "tokenizer.json"
     if not path.exists():
         return None
@@ -24,7 +29,11 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def stop_ids(model_dir: str | Path) -> list[int]:
-    """End-of-sequence ids from generation_config.json, else config.json."""
+    """End-of-sequence ids from generation_config.json, else config.json (a GGUF file: its metadata)."""
+    from shardwise.gguf import gguf_stop_ids, is_gguf
+
+    if is_gguf(model_dir):
+        return gguf_stop_ids(model_dir)
     for name in ("generation_config.json", "config.json"):
         path = Path(model_dir) / name
         if path.exists():
