@@ -6,9 +6,11 @@ Llama-shaped model (hidden 256, 4 layers, vocab 8192: 7.1M parameters, every ran
 copy: tp = pp = 1), take one step, then the next step's backward; at that point each rank
 counts the bytes of the tensors it holds (shardwise.train.distopt.held_bytes: weights,
 whole gradients, the optimizer's state) and compares them with the formula
-(bytes_per_param). Then `--steps` more steps are timed (median), with the bytes the dp
-collectives moved per step from the communicator's accounting, and the peak RSS of the
-rank over the whole run (ru_maxrss, minus the RSS before setup).
+(bytes_per_param). Then `--steps` more steps are timed (median over the steps and the
+ranks; `--rounds 2` runs plain, distributed, distributed, plain and prints both medians),
+with the bytes the dp collectives moved per step from the communicator's accounting
+(small scalar all-reduces left out), and the peak RSS of the rank over the whole run
+(ru_maxrss, minus the RSS before setup; every configuration in its own processes).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_distopt.py [--steps 6] [--dp 1,2,4] [--dtypes fp32,bf16]
         [--bucket-mb 25]
@@ -78,6 +80,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--dp", default="1,2,4")
     ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each optimizer (2: plain, dist, dist, plain)")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="parallel.bucket_mb (both optimizers)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -85,7 +88,6 @@ def main() -> None:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from shardwise.comm import LocalCommunicator
     from shardwise.launch import launch
     from shardwise.train import TrainConfig
     from train_helpers import write_tiny_tokens
@@ -100,7 +102,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         for dp in map(int, args.dp.split(",")):
-            for distributed in (False, True):
+            runs: dict[bool, list] = {False: [], True: []}
+            order = [False, True, True, False][: 2 * args.rounds] if args.rounds > 1 else [False, True]
+            for distributed in order:  # ABBA: a drift in the machine's load hits both alike
                 cfg = TrainConfig.from_dict(
                     {
                         "model": MODEL,
@@ -115,25 +119,25 @@ def main() -> None:
                         "run": {"steps": 100, "dtype": dtype, "progress": False, "plot": False, "out_dir": str(tmp)},
                     }
                 )
-                res = (
-                    [rank(LocalCommunicator(), cfg, args.steps)]
-                    if dp == 1
-                    else launch(rank, dp, args=(cfg, args.steps))
-                )
+                runs[distributed].append(launch(rank, dp, args=(cfg, args.steps)))  # own processes: own peak RSS
+            for distributed in (False, True):
+                res = runs[distributed][0]
                 r = res[0]
                 n, h = r["params"], r["held"]
                 per = {k: v / n for k, v in h.items()}
                 total = sum(per.values())
                 moved = sum(r["dp_bytes"].values())
-                ops = " + ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in r["dp_bytes"].items() if v)
+                ops = " + ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in r["dp_bytes"].items() if v >= 2**16)
+                ms = [statistics.median(x["ms"] for x in job) for job in runs[distributed]]
                 row = {"dtype": dtype, "dp": dp, "distributed": distributed, "per_param": per, "total": total,
                        "formula": r["formula"]["total"], "peak_rss_mib": max(x["peak_rss_mib"] for x in res),
-                       "ms": statistics.median(x["ms"] for x in res), "dp_bytes": r["dp_bytes"]}  # fmt: skip
+                       "ms": ms, "dp_bytes": r["dp_bytes"]}  # fmt: skip
                 rows.append(row)
                 print(
                     f"| {dtype} | {dp} | {'distributed' if distributed else 'plain'} | {per['weights']:.2f} | "
                     f"{per['grads']:.2f} | {per['optimizer']:.2f} | {total:.2f} ({r['formula']['total']:.4g}) | "
-                    f"{row['peak_rss_mib']:.0f} | {row['ms']:.0f} | {ops or '-'} ({moved / 2**20:.1f} MiB) |",
+                    f"{row['peak_rss_mib']:.0f} | {', '.join(f'{m:.0f}' for m in ms)} | {ops or '-'} "
+                    f"({moved / 2**20:.1f} MiB) |",
                     flush=True,
                 )
     if args.json:

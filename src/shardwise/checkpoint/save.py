@@ -70,23 +70,14 @@ def _state_tensor(tr: Trainer, name: str, kind: str, states: dict | None) -> tor
 
 
 def gathered_states(tr: Trainer) -> dict[tuple[str, str], torch.Tensor] | None:
-    """Under the distributed optimizer (or a bf16 model's fp32 master): the (kind, name) tensors
-    this rank writes, each gathered whole from the dp slices (collective: one all-gather per
-    tensor, in the same order on every rank); None for the plain optimizer. The dense ones are
-    kept on dp rank 0 only (their writer), the experts on every rank (gathered over tp next)."""
+    """Under the distributed optimizer (or a bf16 model's fp32 master), with experts: every
+    expert tensor's tp-local master and moments, gathered from the edp slices (collective, the
+    same order on every rank), for expert_blocks to gather over tp; None otherwise. The dense
+    tensors are gathered one at a time while the file is written (_write_rank_file)."""
     opt = tr.optimizer
-    if not isinstance(opt, DistributedOptimizer):
+    if not isinstance(opt, DistributedOptimizer) or tr.experts is None:
         return None
-    experts = tr.experts.names if tr.experts is not None else set()
-    out = {}
-    for kind in KINDS:
-        for name in tr.specs:
-            if name in tr.copies:
-                continue
-            t = opt.state_tensor(name, kind)
-            if tr.mesh.dp.rank == 0 or name in experts:
-                out[(kind, name)] = t
-    return out
+    return {(kind, name): opt.state_tensor(name, kind) for kind in KINDS for name in sorted(tr.experts.names)}
 
 
 def _chunk_plan(tr: Trainer, rank_tp: int) -> list[tuple[str, str, int, int, tuple[int, ...]]]:
@@ -134,25 +125,61 @@ def expert_blocks(tr: Trainer, states: dict | None = None) -> list[tuple[str, st
 
 
 def _write_rank_file(tr: Trainer, tmp: Path, blocks: list, states: dict | None) -> None:
+    """This rank's file and sidecar. Under the distributed optimizer each tensor is gathered
+    from the dp slices as its turn comes (one all-gather over dp per tensor, on every rank of
+    the dp group, in the same order), so dp rank 0 holds its share plus one tensor; an error
+    while writing is kept until every gather has run, then raised (agreed by the caller)."""
     world, tp, dp = tr.mesh.world, tr.mesh.tp, tr.mesh.dp
     chunks = _chunk_plan(tr, tp.rank) if dp.rank == 0 else []
+    streamed = isinstance(tr.optimizer, DistributedOptimizer)
     rng = tr.rng.state()
     dtypes = {
-        tkey: _state_tensor(tr, tkey.split("/", 1)[1], tkey.split("/", 1)[0], states).dtype for tkey, *_ in chunks
-    }
+        tkey: torch.float32
+        if streamed
+        else _state_tensor(tr, tkey.split("/", 1)[1], tkey.split("/", 1)[0], states).dtype
+        for tkey, *_ in chunks
+    }  # the distributed optimizer's master and moments are fp32
     entries = [(fkey, dtypes[tkey], shape) for tkey, fkey, _, _, shape in chunks]
     entries += [(fkey, block.dtype, tuple(block.shape)) for _, fkey, _, _, block in blocks]
     entries += [(f"rng/{k}", torch.uint8, tuple(v.shape)) for k, v in rng.items()]
     path = tmp / rank_file(world.rank)
-    with SafetensorsWriter(path, entries, metadata={"step": tr.step, "rank": world.rank}) as w:
-        for tkey, fkey, start, length, _ in chunks:
-            kind, name = tkey.split("/", 1)
-            spec = tr.specs[name][tp.rank]
-            w.write(fkey, _local_rows(spec, _state_tensor(tr, name, kind, states), start, length))
-        for _, fkey, _, _, block in blocks:
-            w.write(fkey, block)
-        for k, v in rng.items():
-            w.write(f"rng/{k}", v)
+    todo: dict[str, list] = {}
+    for c in chunks:
+        todo.setdefault(c[0], []).append(c)
+    experts = tr.experts.names if tr.experts is not None else set()
+    error: BaseException | None = None
+    w = None
+    try:
+        w = SafetensorsWriter(path, entries, metadata={"step": tr.step, "rank": world.rank})
+    except OSError as e:
+        error = e
+    for kind in KINDS:
+        for name in tr.specs:
+            tkey = tensor_key(kind, name)
+            if name in tr.copies or name in experts or (not streamed and tkey not in todo):
+                continue
+            t = tr.optimizer.state_tensor(name, kind) if streamed else _state_tensor(tr, name, kind, states)
+            if error is not None:
+                continue
+            try:
+                for _, fkey, start, length, _ in todo.get(tkey, []):
+                    w.write(fkey, _local_rows(tr.specs[name][tp.rank], t, start, length))
+            except (OSError, ValueError) as e:
+                error = e
+            del t
+    if error is None:
+        try:
+            for _, fkey, _, _, block in blocks:
+                w.write(fkey, block)
+            for k, v in rng.items():
+                w.write(f"rng/{k}", v)
+            w.close()
+        except (OSError, ValueError) as e:
+            error = e
+    if error is not None:
+        if w is not None:
+            w._file.close()
+        raise error
     written = []  # what the manifest says of each chunk
     for tkey, fkey, start, length, _ in chunks:
         name = tkey.split("/", 1)[1]
@@ -315,8 +342,10 @@ def save_checkpoint(tr: Trainer, root: str | Path, *, keep_last: int = 3) -> Pat
         tmp.mkdir()
 
     agree(world, prepare, catch=catch, what="preparing the checkpoint")
-    states = gathered_states(tr)  # collective over dp, outside agree
+    states = gathered_states(tr)  # collective over edp, outside agree
     blocks = expert_blocks(tr, states)  # collective over tp, outside agree
+    # NOTE: under the distributed optimizer the writing gathers over dp: every rank runs every
+    # gather, keeping a write error until the end (see _write_rank_file).
     agree(world, lambda: _write_rank_file(tr, tmp, blocks, states), catch=catch, what=f"writing {tmp}")
     agree(world, lambda: _commit(tr, root, tmp, final, keep_last) if world.rank == 0 else None, catch=catch)
     return final
