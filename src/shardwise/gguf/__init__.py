@@ -4,7 +4,7 @@ of its own slices. shardwise.hf.load sends a `*.gguf` model path here."""
 from shardwise.gguf.blocks import FORMATS, Format, dequantize_blocks
 from shardwise.gguf.model import ARCHES, GGUFCheckpoint, gguf_config, gguf_names
 from shardwise.gguf.reader import GGUFError, GGUFFile, is_gguf
-from shardwise.gguf.tokenizer import gguf_stop_ids, gguf_tokenizer
+from shardwise.gguf.tokenizer import gguf_stop_ids, gguf_tokenizer, gguf_tokenizer_config
 
 __all__ = [
     "FORMATS",
@@ -19,4 +19,5 @@ __all__ = [
     "is_gguf",
     "gguf_stop_ids",
     "gguf_tokenizer",
+    "gguf_tokenizer_config",
 ]

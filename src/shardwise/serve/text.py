@@ -39,9 +39,14 @@ class ChatTemplate:
 
     @staticmethod
     def load(model_dir: str | Path) -> ChatTemplate:
+        from shardwise.gguf import gguf_tokenizer_config, is_gguf
+
         model_dir = Path(model_dir)
         cfg_file = model_dir / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        if is_gguf(model_dir):  # tokenizer.chat_template and the bos/eos tokens in its metadata
+            cfg = gguf_tokenizer_config(model_dir)
+        else:
+            cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
         source = cfg.get("chat_template")
         if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
