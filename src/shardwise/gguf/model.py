@@ -153,10 +153,10 @@ class GGUFCheckpoint:
     info, read, close), reading dequantized slices with the converter's changes undone."""
 
     fresh_reads = True
-    """read() returns new float32 tensors, never views of the file."""
+    """read() returns new tensors, never views of the file."""
 
-    def __init__(self, f: GGUFFile, cfg) -> None:
-        self.file, self.path = f, f.path
+    def __init__(self, f: GGUFFile, cfg, *, dtype: torch.dtype = torch.float32) -> None:
+        self.file, self.path, self.dtype = f, f.path, dtype
         _, self.arch = arch_of(f)
         self.tensors = {n: GGUFInfo(f.path, t.shape) for n, t in f.tensors.items()}
         self.bytes_read = 0
@@ -174,20 +174,19 @@ class GGUFCheckpoint:
         return self.tensors[name]
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """Tensor `name`, or `index` of it (torch order), as float32."""
+        """Tensor `name`, or `index` of it (torch order), in self.dtype."""
         index = tuple(index or ())
         rows = index[0] if index else None
         cols = index[1] if len(index) > 1 else None
         if name in self._heads:
             return self._read_permuted(name, rows, cols, self._heads[name])
-        t = self._read(name, rows, cols)
-        if self.arch.norm_offset and name.endswith("norm.weight"):
-            t -= self.arch.norm_offset
-        return t
+        if self.arch.norm_offset and name.endswith("norm.weight"):  # subtracted in float32
+            return (self._read(name, rows, cols, torch.float32) - self.arch.norm_offset).to(self.dtype)
+        return self._read(name, rows, cols)
 
-    def _read(self, name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
+    def _read(self, name: str, rows: slice | None, cols: slice | None, dtype: torch.dtype | None = None):
         self.bytes_read += self.file.bytes_of(name, rows, cols)
-        return self.file.read_block_range(name, rows, cols)
+        return self.file.read_block_range(name, rows, cols, dtype=dtype or self.dtype)
 
     def _read_permuted(self, name: str, rows: slice | None, cols: slice | None, heads: int) -> torch.Tensor:
         """Rows in Hugging Face order of a q/k tensor stored permuted per head: within a head

@@ -200,9 +200,12 @@ class GGUFFile:
     def keys(self) -> list[str]:
         return [k for k in self._fields if not k.startswith("GGUF.")]
 
-    def read_block_range(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        """Rows `rows` and columns `cols` of tensor `name` as a fresh float32 tensor (torch
-        shape); a 1-D tensor takes `rows` as its only index. Reads whole blocks only."""
+    def read_block_range(
+        self, name: str, rows: slice | None = None, cols: slice | None = None, *, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """Rows `rows` and columns `cols` of tensor `name` as a fresh tensor of `dtype` (torch
+        shape); a 1-D tensor takes `rows` as its only index. Reads whole blocks only, and
+        converts chunk by chunk: no float32 copy of the whole range is ever held."""
         t = self.tensors[name]
         n_rows = t.shape[0] if len(t.shape) > 1 else 1
         n_cols = t.shape[-1]
@@ -212,7 +215,7 @@ class GGUFFile:
         c0, c1, _ = (cols or slice(None)).indices(n_cols)
         fmt = t.fmt
         b0, b1 = c0 // fmt.block, -(-c1 // fmt.block)  # whole blocks overlapping [c0, c1)
-        out = torch.empty(max(r1 - r0, 0), c1 - c0)
+        out = torch.empty(max(r1 - r0, 0), c1 - c0, dtype=dtype)
         step = max(1, _CHUNK // max(1, (b1 - b0) * fmt.block))
         mm = self._data[t.offset : t.offset + n_rows * t.row_bytes].reshape(n_rows, t.row_bytes)
         for r in range(r0, r1, step):

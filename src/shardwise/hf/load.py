@@ -158,7 +158,7 @@ def load_pretrained(
     except ShardError as e:
         raise ShardError(f"{Path(path) if gguf else Path(path) / 'config.json'}: {e}") from None
     if gguf:  # GGUF tensor names, q/k un-permuted and blocks dequantized as read
-        ckpt = GGUFCheckpoint(GGUFFile(path), cfg)
+        ckpt = GGUFCheckpoint(GGUFFile(path), cfg, dtype=DTYPES[cfg.dtype])
         table = gguf_names(family.names(cfg, family.prefixes[0]), ckpt.file)
     else:
         ckpt = Checkpoint(path)
