@@ -1,0 +1,159 @@
+"""Loading a GGUF file sharded: load time and peak memory per rank at tp=1 and tp=2, against
+transformers' own GGUF load (which dequantizes the whole file in one process).
+
+    .venv/bin/python benchmarks/bench_gguf.py [--file PATH] [--layers 16] [--dtype float32]
+
+The file is a Llama-3.2-1B-shaped model (hidden 2048, MLP 8192, 32 query / 8 KV heads of 64,
+vocabulary 128256, tied embeddings: 1.24B parameters) in Q8_0, made here once from random
+valid blocks (random int8 weights, fp16 scales of 0.01/127) with the `gguf` package's writer;
+no download. Each configuration runs once, in fresh processes: shardwise through
+shardwise.launch (one process per rank), transformers in one spawned process. Peak memory is
+RssAnon above the process's baseline after imports (shardwise.memory.PeakAnonMemory); the
+file's pages are shared page cache, not anonymous memory, and the file is read once before
+timing so that both loaders start from a warm cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shardwise.comm import tp_only
+from shardwise.launch import launch
+
+MiB = 2**20
+SHAPE = dict(hidden=2048, inter=8192, heads=32, kv=8, head_dim=64, vocab=128256)
+
+
+def make_file(path: Path, layers: int) -> Path:
+    """A Llama-shaped Q8_0 GGUF file of random valid blocks (skipped when it exists)."""
+    import gguf
+
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    h, i, nq, nkv, hd, v = (SHAPE[k] for k in ("hidden", "inter", "heads", "kv", "head_dim", "vocab"))
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("random-llama-1b")
+    w.add_context_length(8192)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(i)
+    w.add_block_count(layers)
+    w.add_head_count(nq)
+    w.add_head_count_kv(nkv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(500000.0)
+    w.add_rope_dimension_count(hd)
+    w.add_vocab_size(v)
+    rng = np.random.default_rng(0)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    scale = np.frombuffer(np.float16(0.01 / 127).tobytes(), np.uint8)
+
+    def q8_0(rows: int, cols: int) -> np.ndarray:
+        blocks = rng.integers(0, 256, size=(rows, cols // 32, 34), dtype=np.uint8)
+        blocks[:, :, 0:2] = scale
+        return blocks.reshape(rows, -1)
+
+    w.add_tensor("token_embd.weight", q8_0(v, h), raw_dtype=q8)
+    w.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    for b in range(layers):
+        p = f"blk.{b}."
+        for name, rows, cols in (
+            ("attn_q", nq * hd, h),
+            ("attn_k", nkv * hd, h),
+            ("attn_v", nkv * hd, h),
+            ("attn_output", h, nq * hd),
+            ("ffn_gate", i, h),
+            ("ffn_up", i, h),
+            ("ffn_down", h, i),
+        ):
+            w.add_tensor(f"{p}{name}.weight", q8_0(rows, cols), raw_dtype=q8)
+        w.add_tensor(f"{p}attn_norm.weight", np.ones(h, np.float32))
+        w.add_tensor(f"{p}ffn_norm.weight", np.ones(h, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _shardwise_rank(world, path: str, dtype: str) -> dict:
+    import gc
+
+    from shardwise.hf import load_pretrained
+    from shardwise.memory import PeakAnonMemory, import_meta_kernels
+
+    import_meta_kernels()
+    gc.collect()
+    t0 = time.perf_counter()
+    with PeakAnonMemory() as mem:
+        model, report = load_pretrained(path, comm=tp_only(world), dtype=dtype)
+    return {
+        "seconds": time.perf_counter() - t0,
+        "peak": mem.peak_above_baseline,
+        "params": report.param_bytes,
+        "read": report.bytes_read,
+    }
+
+
+def _transformers(path: str, dtype: str, out) -> None:
+    import gc
+
+    import torch
+    import transformers
+
+    from shardwise.memory import PeakAnonMemory
+
+    transformers.logging.set_verbosity_error()
+    gc.collect()
+    t0 = time.perf_counter()
+    with PeakAnonMemory() as mem:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(Path(path).parent), gguf_file=Path(path).name, dtype=getattr(torch, dtype)
+        )
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    out.put({"seconds": time.perf_counter() - t0, "peak": mem.peak_above_baseline, "params": params})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--file", type=Path, default=Path("/tmp/shardwise-bench/random-llama-1b.q8_0.gguf"))
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--skip-transformers", action="store_true")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    path = make_file(args.file, args.layers)
+    print(f"file: {path} ({path.stat().st_size / MiB:.0f} MiB, made/found in {time.perf_counter() - t0:.0f} s)")
+    with path.open("rb") as f:  # warm the page cache for every loader alike
+        while f.read(1 << 26):
+            pass
+    rows = []
+    for tp in (1, 2):
+        r = launch(_shardwise_rank, tp, args=(str(path), args.dtype), timeout_s=1200)
+        rows.append((f"shardwise tp={tp}", r))
+    if not args.skip_transformers:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_transformers, args=(str(path), args.dtype, q))
+        p.start()
+        rows.append(("transformers (one process)", [q.get(timeout=3600)]))
+        p.join()
+    print(f"\n{args.dtype} weights, Q8_0 file, each configuration run once\n")
+    print(
+        "| loader | load s (slowest rank) | peak anonymous MiB per rank | parameter MiB per rank | MiB read per rank |"
+    )
+    print("|---|---|---|---|---|")
+    for label, r in rows:
+        peaks = ", ".join(f"{x['peak'] / MiB:.0f}" for x in r)
+        params = ", ".join(f"{x['params'] / MiB:.0f}" for x in r)
+        read = ", ".join(f"{x['read'] / MiB:.0f}" for x in r) if "read" in r[0] else "whole file"
+        print(f"| {label} | {max(x['seconds'] for x in r):.1f} | {peaks} | {params} | {read} |")
+
+
+if __name__ == "__main__":
+    main()
