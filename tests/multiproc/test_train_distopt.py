@@ -113,14 +113,18 @@ def test_distributed_optimizer_uneven_dp3(rank_pool, tokens, tmp_path):
 
 @pytest.mark.full
 def test_distributed_optimizer_with_experts_seqpar_recompute(rank_pool, tokens, tmp_path):
-    """Mixtral with ep=2 at dp=4 (experts over edp=2), and tp=2 x dp=2 with sequence
-    parallelism, full recomputation and gradient accumulation (4 micro-steps)."""
+    """Mixtral with ep=2 at dp=4 (experts over edp=2); tp=2 x dp=2 with sequence
+    parallelism, full recomputation and gradient accumulation (4 micro-steps); pp=2 x dp=2
+    with tied embeddings."""
     moe = _cfg(tokens, tmp_path, dp=4, ep=2, model=MIXTRAL)
     seq = _cfg(tokens, tmp_path, tp=2, dp=2, parallel={"sequence_parallel": True}, run={"recompute": "full"}).replace(
         data={"micro_batch_size": 1}
     )
-    results = rank_pool.run(layouts_case, 4, args=(_both(moe) + _both(seq),))
-    _check_layouts(results, ["mixtral ep2 x dp4", "2x1x2 seqpar recompute"])
+    tied = _cfg(tokens, tmp_path, pp=2, dp=2, model={"tie_embeddings": True}).replace(
+        data={"micro_batch_size": 2}
+    )  # the last stage's copy of the embedding: updated alike, counted once in the norm
+    results = rank_pool.run(layouts_case, 4, args=(_both(moe) + _both(seq) + _both(tied),))
+    _check_layouts(results, ["mixtral ep2 x dp4", "2x1x2 seqpar recompute", "1x2x2 tied embeddings"])
 
 
 @pytest.mark.full
