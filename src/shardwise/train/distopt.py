@@ -67,7 +67,7 @@ def _overlap(a: int, b: int, c: int, d: int) -> tuple[int, int]:
 
 def _masked_sum_of_squares(x: torch.Tensor, mask: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
     """sum(x[mask] ** 2) in fp64, a chunk at a time (no slice-sized fp64 temporaries)."""
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
     for i in range(0, x.numel(), chunk):
         sq = x[i : i + chunk].double().square_()
         total += sq.masked_fill_(~mask[i : i + chunk], 0.0).sum()
@@ -120,8 +120,9 @@ class _Space:
             at += sizes[comm.rank]
             if self.names[first] in decay:
                 cut = at  # decayed buckets come first
-        self.master = torch.empty(at, dtype=torch.float32)  # (slice,) the fp32 master copy
-        self.grad = torch.zeros(at, dtype=torch.float32)  # (slice,) the dp-reduced gradient
+        device = self.params[0].device if self.params else torch.device("cpu")  # the model's device, not "cpu"
+        self.master = torch.empty(at, dtype=torch.float32, device=device)  # (slice,) the fp32 master copy
+        self.grad = torch.zeros(at, dtype=torch.float32, device=device)  # (slice,) the dp-reduced gradient
         with torch.no_grad():
             for name, p in ordered:
                 offset, piece = self.piece(name, p.detach().reshape(-1))
@@ -239,7 +240,7 @@ class DistributedOptimizer(GradSync):
         params = dict(named)
         self.counted = []
         for s in self.spaces:
-            mask = torch.zeros(s.master.numel(), dtype=torch.bool)
+            mask = torch.zeros(s.master.numel(), dtype=torch.bool, device=s.master.device)
             for name in s.names:
                 if name in self.skip:
                     continue
@@ -251,12 +252,12 @@ class DistributedOptimizer(GradSync):
         """Bool over p's elements: those this tp rank counts in the norm."""
         rows = owned_mask(per_rank, self.tp.rank)
         if rows is None:
-            return torch.ones(p.shape, dtype=torch.bool)
+            return torch.ones(p.shape, dtype=torch.bool, device=p.device)
         if p.dim() == 0 or per_rank[self.tp.rank].dim is None:
-            return torch.full(p.shape, bool(rows.any()))
+            return torch.full(p.shape, bool(rows.any()), device=p.device)
         shape = [1] * p.dim()
         shape[per_rank[self.tp.rank].dim] = -1
-        return rows.view(shape).expand(p.shape)
+        return rows.to(p.device).view(shape).expand(p.shape)
 
     # ---- GradSync ------------------------------------------------------------------------
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
