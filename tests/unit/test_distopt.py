@@ -82,3 +82,16 @@ def test_config_fields_round_trip(tmp_path):
     cfg = tiny_config(tmp_path / "t.safetensors", tmp_path, optim={"distributed": True}, run={"dtype": "bf16"})
     again = TrainConfig.from_dict(cfg.to_dict())
     assert again.optim.distributed and again.run.dtype == "bf16" and again.optim.grad_reduce_dtype == "fp32"
+
+
+def test_a_device_without_bf16_is_refused_in_one_line(monkeypatch):
+    import torch
+
+    from shardwise.train.distopt import check_dtype
+
+    check_dtype("bf16", "cpu")
+    check_dtype("fp32", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla T4")
+    with pytest.raises(ValueError, match=r"run.dtype='bf16': Tesla T4 \(cuda\) cannot compute in bfloat16"):
+        check_dtype("bf16", "cuda")

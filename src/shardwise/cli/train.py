@@ -296,12 +296,17 @@ def prepare(cfg) -> tuple:
     external launcher's ranks, then tokenize the text (once), before any rank starts;
     (ModelConfig, token file, backend). Raises on bad input."""
     from shardwise.sharding.plans import check_tp
-    from shardwise.train import model_config, token_file
+    from shardwise.train import ConfigError, model_config, token_file
+    from shardwise.train.distopt import check_dtype
 
     model_cfg = model_config(cfg)
     cfg.check_stages(model_cfg.num_layers)  # a pretrained model's layers are known only now
     cfg.check_experts(model_cfg)
     check_tp(model_cfg, cfg.parallel.tp)
+    try:
+        check_dtype(cfg.run.dtype, "cpu")  # training runs on CPU tensors
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     check_world(cfg)
     backend = train_backend(cfg.parallel.backend)
     return model_cfg, token_file(cfg), backend

@@ -44,13 +44,22 @@ from shardwise.train.config import OptimSection
 from shardwise.train.layout import owned_mask
 from shardwise.train.sync import GradSync
 
-__all__ = ["DistributedOptimizer", "MOMENTS", "DTYPES", "autocast", "bytes_per_param", "held_bytes"]
+__all__ = ["DistributedOptimizer", "MOMENTS", "DTYPES", "autocast", "bytes_per_param", "check_dtype", "held_bytes"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CHUNK = 1 << 18
 """Elements per AdamW parameter (a view of the master slice): 1 MiB of fp32."""
 """The config's dtype names (run.dtype, optim.grad_reduce_dtype)."""
+
+
+def check_dtype(dtype: str, device: str | torch.device = "cpu") -> None:
+    """ValueError (one line) when `device` cannot compute in run.dtype `dtype`; called before
+    any rank starts. CPUs compute bf16 (slowly without native support); CUDA needs bf16 support."""
+    device = torch.device(device)
+    if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"run.dtype='bf16': {name} ({device}) cannot compute in bfloat16; use run.dtype='fp32'")
 
 
 def autocast(model: nn.Module, run) -> contextlib.AbstractContextManager:
