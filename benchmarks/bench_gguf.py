@@ -2,6 +2,7 @@
 transformers' own GGUF load (which dequantizes the whole file in one process).
 
     .venv/bin/python benchmarks/bench_gguf.py [--file PATH] [--layers 16] [--dtype float32]
+    .venv/bin/python benchmarks/bench_gguf.py --decode --skip-load     # decode against llama.cpp
 
 The file is a Llama-3.2-1B-shaped model (hidden 2048, MLP 8192, 32 query / 8 KV heads of 64,
 vocabulary 128256, tied embeddings: 1.24B parameters) in Q8_0, made here once from random
@@ -11,12 +12,19 @@ shardwise.launch (one process per rank), transformers in one spawned process. Pe
 RssAnon above the process's baseline after imports (shardwise.memory.PeakAnonMemory); the
 file's pages are shared page cache, not anonymous memory, and the file is read once before
 timing so that both loaders start from a warm cache.
+
+--decode: decode ms per token on the same file, shardwise (fp32 and --quantize int8, tp 1
+and 2, one thread per rank) against llama.cpp (llama-cpp-python, 1 and 2 threads), batch 1,
+a 32-token prompt of fixed ids, the median of 16 steps after a warm-up. The file carries a
+placeholder SentencePiece-style vocabulary (<unk>, <s>, </s>, the 256 byte tokens, then
+<tN>) only because llama.cpp refuses a file without one; prompts are token ids.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import statistics
 import time
 from pathlib import Path
 
@@ -49,6 +57,14 @@ def make_file(path: Path, layers: int) -> Path:
     w.add_rope_freq_base(500000.0)
     w.add_rope_dimension_count(hd)
     w.add_vocab_size(v)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"<t{n}>" for n in range(len(tokens), v)]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * v)
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (v - 259))  # unknown, control, byte, normal
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
     rng = np.random.default_rng(0)
     q8 = gguf.GGMLQuantizationType.Q8_0
     scale = np.frombuffer(np.float16(0.01 / 127).tobytes(), np.uint8)
@@ -119,12 +135,61 @@ def _transformers(path: str, dtype: str, out) -> None:
     out.put({"seconds": time.perf_counter() - t0, "peak": mem.peak_above_baseline, "params": params})
 
 
+PROMPT = [(37 * i + 300) % SHAPE["vocab"] for i in range(32)]
+NEW = 16
+
+
+def _decode_rank(world, path: str, quantize: str | None) -> float:
+    from shardwise.engine import generate
+    from shardwise.hf import load_pretrained
+
+    tp = tp_only(world)
+    model, _ = load_pretrained(path, comm=tp, quantize=quantize)
+    generate(model, [PROMPT], comm=tp, max_new_tokens=4)  # warm-up
+    return statistics.median(generate(model, [PROMPT], comm=tp, max_new_tokens=NEW + 1).decode_ms)
+
+
+def _llama_cpp(path: str, threads: int, out) -> None:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=128, verbose=False)
+    times = []
+    for r in range(2):  # the first is a warm-up
+        llm.reset()
+        llm.eval(PROMPT)
+        for i in range(NEW):
+            t0 = time.perf_counter()
+            llm.eval([(11 * i + 500) % SHAPE["vocab"]])
+            if r:
+                times.append((time.perf_counter() - t0) * 1e3)
+    out.put(statistics.median(times))
+
+
+def decode_table(path: Path) -> None:
+    print("\ndecode ms per token (median of 16 steps, batch 1, 32-token prompt)\n")
+    print("| engine | weights | ranks x threads | ms/token |")
+    print("|---|---|---|---|")
+    for quantize in (None, "int8"):
+        for tp in (1, 2):
+            [ms, *_] = launch(_decode_rank, tp, args=(str(path), quantize), timeout_s=1800)
+            print(f"| shardwise | {quantize or 'fp32'} | {tp} x 1 | {ms:.1f} |", flush=True)
+    ctx = mp.get_context("spawn")
+    for threads in (1, 2):
+        q = ctx.Queue()
+        p = ctx.Process(target=_llama_cpp, args=(str(path), threads, q))
+        p.start()
+        print(f"| llama.cpp | Q8_0 | 1 x {threads} | {q.get(timeout=1800):.1f} |", flush=True)
+        p.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--file", type=Path, default=Path("/tmp/shardwise-bench/random-llama-1b.q8_0.gguf"))
+    ap.add_argument("--file", type=Path, default=Path("/tmp/shardwise-bench/random-llama-1b-v2.q8_0.gguf"))
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-load", action="store_true", help="no load table")
+    ap.add_argument("--decode", action="store_true", help="decode speed against llama.cpp")
     args = ap.parse_args()
     t0 = time.perf_counter()
     path = make_file(args.file, args.layers)
@@ -132,6 +197,13 @@ def main() -> None:
     with path.open("rb") as f:  # warm the page cache for every loader alike
         while f.read(1 << 26):
             pass
+    if not args.skip_load:
+        load_table(path, args)
+    if args.decode:
+        decode_table(path)
+
+
+def load_table(path: Path, args) -> None:
     rows = []
     for tp in (1, 2):
         r = launch(_shardwise_rank, tp, args=(str(path), args.dtype), timeout_s=1200)
