@@ -1,4 +1,5 @@
-"""Training on a tp x dp mesh: config, data, RNG streams, optimizer, dp sync, step and loop."""
+"""Training on a tp x dp mesh: config, data, RNG streams, optimizer (plain or distributed over
+dp), dp sync, step and loop."""
 
 from shardwise.train.config import (
     ConfigError,
@@ -10,6 +11,7 @@ from shardwise.train.config import (
     TrainConfig,
 )
 from shardwise.train.data import DataError, DPSampler, TokenFile, tokenize_text, write_token_file
+from shardwise.train.distopt import DistributedOptimizer, bytes_per_param, held_bytes
 from shardwise.train.experts import ExpertLayout, router_aux_loss, unsharded_state
 from shardwise.train.layout import all_rank_specs, build_model, full_state, owned_intervals, rank_specs, train_plan
 from shardwise.train.loop import Checkpointing, TrainResult, model_config, plot_losses, setup, token_file, train
@@ -31,6 +33,9 @@ __all__ = [
     "TokenFile",
     "tokenize_text",
     "write_token_file",
+    "DistributedOptimizer",
+    "bytes_per_param",
+    "held_bytes",
     "all_rank_specs",
     "build_model",
     "full_state",
