@@ -1,8 +1,9 @@
 """The distributed optimizer (optim.distributed: master weights, AdamW moments and reduced
 gradients split over dp) trains exactly as the plain optimizer: per-step losses, gradient
 norms (clipping active at every step) and the unsharded weights after 3 steps, at
-1x1x2, 1x1x3 (uneven slices), 2x1x2, 1x2x2, 2x2x1 and 1x1x4, and with experts over
-edp (Mixtral, ep=2 at dp=4), on gloo (pooled) and MPI (full tier).
+1x1x2, 1x1x3 (uneven slices), 2x1x2, 1x2x2, 1x1x4 and 2x2x2 (tp x pp x dp), with experts
+over edp (Mixtral, ep=2 at dp=4), sequence parallelism with recomputation, and tied
+embeddings across stages, on gloo (pooled) and MPI (2x1x2, 1x2x2, ep=2; full tier).
 
 Checkpoints: saved with the distributed optimizer at dp=4, resumed at dp=3 with it (uneven
 slices) and at dp=1 without it; saved at tp=2 x dp=2 with it, resumed at tp=1 x pp=2 x dp=2
@@ -138,7 +139,10 @@ def test_distributed_optimizer_on_mpi(tokens, tmp_path):
     if not _mpi_available():
         pytest.skip("needs mpi4py and mpiexec")
     cfgs = _both(_cfg(tokens, tmp_path, tp=2, dp=2)) + _both(_cfg(tokens, tmp_path, pp=2, dp=2))
-    _check_layouts(launch(layouts_case, 4, args=(cfgs,), backend="mpi"), ["2x1x2 mpi", "1x2x2 mpi"])
+    cfgs += _both(_cfg(tokens, tmp_path, dp=4, ep=2, model=MIXTRAL))
+    _check_layouts(
+        launch(layouts_case, 4, args=(cfgs,), backend="mpi"), ["2x1x2 mpi", "1x2x2 mpi", "mixtral ep2 x dp4 mpi"]
+    )
 
 
 def _run(tokens, out, layout: dict, distributed: bool, steps: int, resume=None):
@@ -260,3 +264,12 @@ def test_bf16_checkpoint_stores_the_fp32_master_and_resumes_in_fp32(rank_pool, t
     later, _ = _run(tokens, tmp_path / "bf" / "fp32", {}, False, 4, saved["checkpoint"])
     resumed = resumes_case(LocalCommunicator(), [(later, str(tmp_path / "after"))])[0]
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][2:]), rtol=0, atol=2e-2)
+
+
+@pytest.mark.full
+def test_distributed_optimizer_matches_plain_tp2_pp2_dp2(tokens, tmp_path):
+    """2x2x2: eight ranks on one launched gloo job (slow on two cores)."""
+    from shardwise.launch import launch
+
+    cfg = _cfg(tokens, tmp_path, tp=2, pp=2, dp=2)
+    _check_layouts(launch(layouts_case, 8, args=(_both(cfg),)), ["2x2x2"])
