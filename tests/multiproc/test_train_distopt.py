@@ -273,3 +273,18 @@ def test_distributed_optimizer_matches_plain_tp2_pp2_dp2(tokens, tmp_path):
 
     cfg = _cfg(tokens, tmp_path, tp=2, pp=2, dp=2)
     _check_layouts(launch(layouts_case, 8, args=(_both(cfg),)), ["2x2x2"])
+
+
+@pytest.mark.full
+def test_distributed_checkpoint_with_experts_resumes_at_ep1(rank_pool, tokens, tmp_path):
+    """Mixtral saved with the distributed optimizer at ep=2 x dp=4 (each expert's state split
+    over its edp=2 ranks, the dense part over dp=4), resumed at ep=1 x dp=2 with it: equals
+    an uninterrupted run."""
+    moe = {"model": MIXTRAL}
+    ref = resumes_case(LocalCommunicator(), [_run(tokens, tmp_path / "ref", dict(moe), False, 4)])[0]
+    e = tmp_path / "e"
+    src = rank_pool.run(resumes_case, 4, args=([_run(tokens, e, {"dp": 4, "ep": 2, **moe}, True, 2)],))[0][0]
+    resumed = rank_pool.run(
+        resumes_case, 2, args=([_run(tokens, e / "ep1", {"dp": 2, **moe}, True, 4, src["checkpoint"])],)
+    )
+    _check_resumes(ref, [([r[0] for r in resumed], "ep2 x dp4 distributed -> ep1 x dp2 distributed")])
