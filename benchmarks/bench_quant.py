@@ -3,6 +3,7 @@ against llama.cpp F32 / Q8_0 at 1 and 2 threads on the same weights, the weight-
 ceiling of each, and serving throughput with fp32 and int8 weights.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_quant.py [--rounds 5] [--serve-rounds 3] [--quick]
+        [--models bench-156m smol-shape] [--no-serve]
     .venv/bin/python benchmarks/bench_quant.py --render docs/bench_quant.json   # the tables again
 
 Models: the benchmark model (benchmarks/bench_model.py: 156M, hidden 1024, 8 layers, untied)
@@ -453,6 +454,7 @@ def main() -> None:
     ap.add_argument("--serve-rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=2, help="serving: requests per client, one after another")
     ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--models", nargs="+", choices=("bench-156m", "smol-shape"), default=["bench-156m", "smol-shape"])
     ap.add_argument(
         "--quick", action="store_true", help="1 round of 1 repeat, small bandwidth buffers: checks the script"
     )
@@ -472,7 +474,8 @@ def main() -> None:
     from gguf_export import ensure_gguf
     from make_smol_shape import ensure_smol_shape
 
-    models = {"bench-156m": ensure_bench_model(), "smol-shape": ensure_smol_shape()}
+    makers = {"bench-156m": ensure_bench_model, "smol-shape": ensure_smol_shape}
+    models = {name: makers[name]() for name in args.models}
     ggufs = {name: {kind: ensure_gguf(path, kind, GGUF_ROOT) for kind in LLAMA_TYPES} for name, path in models.items()}
     checks = {name: check_conversion(models[name], ggufs[name]) for name in ggufs}
     print(f"conversion check: {checks}", file=sys.stderr)
@@ -495,7 +498,7 @@ def main() -> None:
     runs = measure_decode(models, ggufs, rounds, repeats, 64 * 2**20 if args.quick else 512 * 2**20)
     data["decode"] = summarise_decode(runs, models)
     if not args.no_serve:
-        data["serving"] = measure_serving(models["bench-156m"], serve_rounds, args.requests, SERVE_CLIENTS)
+        data["serving"] = measure_serving(makers["bench-156m"](), serve_rounds, args.requests, SERVE_CLIENTS)
     data["load_end"] = _load()
     data["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
     data["targets"] = targets(data)
