@@ -1,6 +1,7 @@
 """GGUF files for tests, written with the `gguf` package the way llama.cpp's converter
 writes them (architecture metadata, GGUF tensor names, Llama's q/k rows permuted per
-head, Gemma's norms + 1, GPT-2's Conv1D weights as (out, in)).
+head, Llama 3.1 rope scaling as `rope_freqs` divisors, Gemma's norms + 1, GPT-2's Conv1D
+weights as (out, in)).
 
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, BF16 and F32 are quantized from the checkpoint's
 weights by the gguf package. It cannot quantize the K-quants, so for Q4_K, Q5_K and Q6_K
@@ -84,6 +85,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, name: str | None 
         if hd != hidden // heads:
             w.add_key_length(hd)
             w.add_value_length(hd)
+        if rope.get("rope_type") == "llama3":
+            w.add_tensor("rope_freqs.weight", _rope_freqs(rope, hd))
     vocab = cfg["vocab_size"]
     w.add_vocab_size(vocab)
     _tokenizer(w, hf_dir, vocab, cfg)
@@ -108,6 +111,23 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, name: str | None 
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _rope_freqs(rope: dict, hd: int) -> np.ndarray:
+    """llama.cpp's per-frequency divisors for Llama 3.1 rope scaling."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, hd, 2):
+        wavelen = 2 * np.pi * rope["rope_theta"] ** (i / hd)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _add(w, name: str, a: np.ndarray, qtype: str, seed: int) -> None:

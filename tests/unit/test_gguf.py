@@ -68,6 +68,18 @@ def test_blocks_and_ranges_match_the_gguf_reference(tmp_path, qtype):
 
 FAMILIES = {
     "llama2": {"vocab_size": 256},
+    "llama3": {  # head_dim 32: three frequencies in the smoothed band of the rope scaling
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "rope_parameters": dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    },
     "mistral": {"sliding_window": None},  # GGUF keeps no window: llama.cpp runs Mistral as Llama
     "qwen2": {},
     "qwen3": {},
@@ -78,11 +90,12 @@ FAMILIES = {
 
 
 @pytest.mark.parametrize(
-    "family", [f if f in ("gemma", "gpt2") else pytest.param(f, marks=pytest.mark.full) for f in FAMILIES]
+    "family", [f if f in ("gemma", "gpt2", "llama3") else pytest.param(f, marks=pytest.mark.full) for f in FAMILIES]
 )
 def test_f32_file_of_every_family_equals_its_source(tmp_path, family):
     """An F32 GGUF file holds the checkpoint's weights exactly: logits at tp=1 equal the source
-    model's (names, Llama's q/k permutation, Gemma's norm offset, GPT-2's transposes)."""
+    model's (names, Llama's q/k permutation and rope_freqs, Gemma's norm offset, GPT-2's
+    transposes)."""
     transformers = pytest.importorskip("transformers")
     from shardwise.comm import LocalCommunicator
     from shardwise.hf import load_pretrained
@@ -98,7 +111,8 @@ def test_f32_file_of_every_family_equals_its_source(tmp_path, family):
         ref = ref_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     real = mask.bool()
     assert ((ours[real] - ref[real]).norm() / ref[real].norm()).item() < 1e-5
-    assert report.bytes_read == sum(t.nbytes for t in GGUFFile(path).tensors.values())
+    weights = {n: t for n, t in GGUFFile(path).tensors.items() if n != "rope_freqs.weight"}  # config
+    assert report.bytes_read == sum(t.nbytes for t in weights.values())
 
 
 @pytest.fixture(scope="module")

@@ -105,15 +105,57 @@ def gguf_config(f: GGUFFile) -> dict:
         d["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
         d["mlp_bias"] = "blk.0.ffn_up.bias" in f.tensors
     if "rope_freqs.weight" in f.tensors:
-        raise GGUFError(
-            f"{f.path}: tensor 'rope_freqs.weight' (Llama 3.1-style rope scaling, stored as factors) "
-            "is not supported yet"
-        )
+        if arch.model_type != "llama":
+            raise GGUFError(f"{f.path}: tensor 'rope_freqs.weight' in a {name} file is not supported")
+        d["rope_parameters"] = _llama3_rope(f, name, d)
     for tok in ("bos", "eos"):
         value = f.get(f"tokenizer.ggml.{tok}_token_id")
         if value is not None:
             d[f"{tok}_token_id"] = value
     return d
+
+
+def _llama3_rope(f: GGUFFile, name: str, d: dict) -> dict:
+    """Llama 3.1-style rope scaling from the per-frequency divisors llama.cpp stores in
+    `rope_freqs.weight` (its converter computes them from factor, low/high_freq_factor and
+    the original context; GGUF keeps only the result), as transformers' rope_parameters.
+
+    Per frequency, divisor = 1 / ((1 - s) / factor + s) where the smoothing
+    s = (orig / wavelen - low) / (high - low), clipped to [0, 1]. factor is the largest
+    divisor; s is linear in 1 / wavelen, so two unclipped frequencies fix its slope and
+    offset, and any original context with the matching low and high gives the same
+    divisors (the file's own original context when it records one)."""
+    import math
+
+    theta = float(d.get("rope_theta", 10000.0))
+    hd = int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"])
+    div = f.read_block_range("rope_freqs.weight").double()
+    inv_wavelen = torch.tensor([theta ** (-i / hd) / (2 * math.pi) for i in range(0, hd, 2)], dtype=torch.float64)
+    if div.numel() != inv_wavelen.numel():
+        raise GGUFError(f"{f.path}: rope_freqs.weight has {div.numel()} values for a head_dim of {hd}")
+    factor = float(div.max())
+    if factor <= 1.0:
+        return {"rope_type": "default", "rope_theta": theta}
+    s = (1 / div - 1 / factor) / (1 - 1 / factor)  # 1: unscaled, 0: divided by factor
+    mid = (s > 1e-6) & (s < 1 - 1e-6)
+    if int(mid.sum()) >= 2:  # s = a / wavelen + b on the smoothed band
+        x, y = inv_wavelen[mid], s[mid]
+        a = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+        b = float(y.mean() - a * x.mean())
+    else:  # no band: any line from 0 at the last divided frequency to 1 at the first kept one
+        lo, hi = float(inv_wavelen[s <= 0.5].max()), float(inv_wavelen[s > 0.5].min())
+        a = 1 / (hi - lo)
+        b = -lo * a
+    orig = float(f.get(f"{name}.rope.scaling.original_context_length") or 8192)
+    low = -b * orig / a
+    return {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": low + orig / a,
+        "original_max_position_embeddings": int(orig),
+    }
 
 
 def gguf_names(table: dict, f: GGUFFile) -> dict:

@@ -172,7 +172,9 @@ def load_pretrained(
         raise AssertionError(f"name table mismatch: {sorted(specs.keys() ^ table.keys())}")
 
     plan = {name: segments(ckpt, name, table[name], spec.global_shape) for name, spec in specs.items()}
-    ignore = () if gguf else family.ignore + (("lm_head.weight",) if cfg.tie_embeddings else ())
+    ignore = family.ignore + (("lm_head.weight",) if cfg.tie_embeddings else ())
+    if gguf:  # rope_freqs: Llama 3.1 rope scaling, already in the config (gguf_config)
+        ignore = ("rope_freqs.weight",)
     refuse_unexpected(ckpt, plan, ignore, what=f"a {family.name} model with num_hidden_layers={cfg.num_layers}")
     if stage is not None:
         if m.family is None or family.model is not DecoderLM:
