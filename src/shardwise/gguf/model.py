@@ -9,6 +9,8 @@ its tensors under the names and in the layout the Hugging Face loader reads.
 - `gguf_names` turns the family's name table (Hugging Face names) into GGUF tensor
   names with the `gguf` package's own name map (the one llama.cpp's converter writes
   with). GGUF stores every matrix as (out, in), GPT-2's Conv1D weights included.
+- Llama 3.1's rope scaling, stored only as per-frequency divisors (`rope_freqs`), is
+  turned back into transformers' llama3 rope parameters (_llama3_rope).
 - GGUFCheckpoint reads slices with the converter's changes undone: Llama's q and k rows
   are permuted within each head for llama.cpp's rotary layout (each rank reads its own
   heads, whose rows are contiguous either way, and un-permutes them), Gemma's norm
@@ -163,7 +165,12 @@ def gguf_names(table: dict, f: GGUFFile) -> dict:
     source renamed to its GGUF tensor and read untransposed."""
     from dataclasses import replace
 
-    import gguf
+    try:
+        import gguf
+    except ImportError as e:
+        raise GGUFError(
+            f"{f.path}: GGUF tensor names need the gguf package (pip install 'shardwise[hf]'): {e}"
+        ) from None
 
     name, _ = arch_of(f)
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == name)
