@@ -1,0 +1,223 @@
+"""A paged KV cache: fixed-size blocks from one pool per rank, a block table per sequence.
+
+The slot cache (engine/slots.py) reserves max_len positions for every slot before the
+first request. Here a rank holds one pool of blocks per layer, each block BLOCK_SIZE
+positions of this rank's KV heads, and a sequence takes blocks only as it grows:
+
+    pool (per layer)   k, v: (num_blocks, BLOCK_SIZE, local KV heads, head_dim)
+    block table        sequence id -> [block, block, ...]; position p of the sequence
+                       lives in block table[p // BLOCK_SIZE], row p % BLOCK_SIZE
+
+Block ids are the same in every layer (one table serves them all) and on every tp rank
+(each rank's pool holds its own KV heads of the same blocks), so a scheduler decides once.
+
+One step runs the unchanged DecoderLM forward in the right-aligned layout of
+engine/slots.py (see there): the rows' new keys are written through their tables, and each
+row's keys are gathered through its table into (B, K) columns. That gather is the slot
+cache's gather with other indices (one flat index per key), so a step costs what it did.
+
+BLOCK_SIZE = 16, as vLLM: a sequence wastes at most 15 positions of its last block, a
+2k-token sequence needs a 128-entry table, and a shared prefix is reused in units of 16
+tokens. The gather indexes single positions, so the size does not change a step's cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from shardwise.engine.slots import StepBatch, _StepIndex
+from shardwise.models.decoder import DecoderLM
+from shardwise.models.modules import KVCache
+
+__all__ = ["BLOCK_SIZE", "OutOfBlocks", "BlockPool", "PagedKVCache", "PagedCaches", "blocks_for"]
+
+BLOCK_SIZE = 16
+
+
+class OutOfBlocks(RuntimeError):
+    """A step needs more free blocks than the pool has (the scheduler preempts, or refuses)."""
+
+
+def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    """Blocks that hold `tokens` positions."""
+    return -(-tokens // block_size)
+
+
+class BlockPool:
+    """Free blocks and reference counts; a block is free when no sequence holds it."""
+
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"a pool needs at least one block of at least one position, got {num_blocks} x {block_size}"
+            )
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: ids ascend
+        self.refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise OutOfBlocks(f"all {self.num_blocks} blocks of {self.block_size} positions are in use")
+        block = self._free.pop()
+        self.refs[block] = 1
+        return block
+
+    def retain(self, block: int) -> None:
+        """One more sequence holds `block` (a shared prefix)."""
+        if self.refs[block] < 1:
+            raise ValueError(f"block {block} is free; only a held block can be shared")
+        self.refs[block] += 1
+
+    def release(self, block: int) -> bool:
+        """One holder fewer; True when the block became free."""
+        if self.refs[block] < 1:
+            raise ValueError(f"block {block} is already free")
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self._free.append(block)
+            return True
+        return False
+
+
+class PagedKVCache:
+    """One attention layer's pool: (num_blocks, block_size, local KV heads, head_dim) keys and values.
+
+    Stands in for KVCache in Attention.forward, as SlotKVCache does."""
+
+    def __init__(
+        self, owner: PagedCaches, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *, dtype, device
+    ):
+        self.owner = owner
+        self.k = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (B, nkv, T, hd) of the step's query columns -> (B, nkv, K, hd), K = start + T."""
+        step = self.owner.step
+        if step is None or start + k.shape[2] != step[0].K:
+            raise RuntimeError("PagedKVCache used outside PagedCaches.forward")
+        ix, write, read = step
+        k_flat = self.k.view(-1, *self.k.shape[2:])  # (blocks * block_size, nkv, hd)
+        v_flat = self.v.view(-1, *self.v.shape[2:])
+        k_flat[write] = k.transpose(1, 2)[ix.valid]  # (N, nkv, hd): only real tokens are written
+        v_flat[write] = v.transpose(1, 2)[ix.valid]
+        return k_flat[read].transpose(1, 2), v_flat[read].transpose(1, 2)  # (B, nkv, K, hd)
+
+
+class PagedCaches:
+    """Every layer's pool on this rank, the block tables, and the step forward."""
+
+    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.tables: dict[int, list[int]] = {}
+        self.step: tuple[_StepIndex, torch.Tensor, torch.Tensor] | None = None
+        self.layers: list[PagedKVCache] = []
+        self.by_layer: dict[int, PagedKVCache] = {}  # global layer index -> pool (a stage holds some layers)
+        modules = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
+        for i, layer in zip(model.layer_indices(), modules, strict=True):
+            _, kv_heads = KVCache.local_heads(layer.attn)
+            w = layer.attn.qkv.weight
+            cache = PagedKVCache(
+                self, num_blocks, block_size, kv_heads, model.cfg.head_dim, dtype=w.dtype, device=w.device
+            )
+            self.layers.append(cache)
+            self.by_layer[i] = cache
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of pool this rank holds."""
+        return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers)
+
+    @staticmethod
+    def bytes_per_block(model: DecoderLM, block_size: int = BLOCK_SIZE) -> int:
+        """Bytes one block takes on this rank, over every layer it holds (keys and values)."""
+        modules = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
+        total = 0
+        for layer in modules:
+            _, kv_heads = KVCache.local_heads(layer.attn)
+            total += 2 * block_size * kv_heads * model.cfg.head_dim * layer.attn.qkv.weight.dtype.itemsize
+        return total
+
+    # ---- block tables ----------------------------------------------------------------------
+    def reserve(self, lengths: dict[int, int]) -> None:
+        """Give each sequence blocks for `lengths[seq]` positions; all of them or none
+        (OutOfBlocks, nothing allocated, when the pool cannot)."""
+        need = {s: blocks_for(n, self.block_size) - len(self.tables.get(s, ())) for s, n in lengths.items()}
+        total = sum(max(0, n) for n in need.values())
+        if total > self.pool.num_free:
+            raise OutOfBlocks(
+                f"this step needs {total} more blocks; {self.pool.num_free} of {self.pool.num_blocks} are free"
+            )
+        for s, n in need.items():
+            table = self.tables.setdefault(s, [])
+            table += [self.pool.allocate() for _ in range(max(0, n))]
+
+    def release(self, seqs: Iterable[int]) -> int:
+        """Drop these sequences' tables (finished, or their client left); returns blocks freed."""
+        freed = 0
+        for s in seqs:
+            for block in self.tables.pop(s, ()):
+                freed += self.pool.release(block)
+        return freed
+
+    def _index(self, batch: StepBatch) -> tuple[_StepIndex, torch.Tensor, torch.Tensor]:
+        """The step's index with positions mapped through the tables: (index, write (N,), read (B, K))."""
+        B = batch.ids.shape[0]
+        seqs = batch.slots.tolist()
+        if len(set(seqs)) != B:
+            raise ValueError(f"a sequence appears twice in one step: {seqs}")
+        rows = StepBatch(slots=torch.arange(B), past=batch.past, n_new=batch.n_new, ids=batch.ids)
+        ix = _StepIndex.of(rows)  # slots = row numbers
+        for s, total in zip(seqs, (batch.past + batch.n_new).tolist(), strict=True):
+            have = len(self.tables.get(s, ())) * self.block_size
+            if total > have:
+                raise ValueError(f"sequence {s} needs {total} positions; its table holds {have} (reserve first)")
+        width = max(len(self.tables[s]) for s in seqs)
+        table = torch.zeros(B, width, dtype=torch.long)  # (B, blocks); 0 past a row's end: masked keys
+        for b, s in enumerate(seqs):
+            table[b, : len(self.tables[s])] = torch.tensor(self.tables[s])
+        bs = self.block_size
+        write = table[ix.write_slot, ix.write_pos // bs] * bs + ix.write_pos % bs  # (N,)
+        read = table[ix.read_slot, ix.read_pos // bs] * bs + ix.read_pos % bs  # (B, K)
+        dev = self.layers[0].k.device
+        return ix, write.to(dev), read.to(dev)
+
+    # ---- steps -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, model: DecoderLM, batch: StepBatch) -> torch.Tensor:
+        """One step (batch.slots: sequence ids, already reserved) -> next-token logits (B, V)."""
+        self.step = step = self._index(batch)
+        T = batch.ids.shape[1]
+        try:
+            logits = model(
+                batch.ids,
+                attention_mask=step[0].key_mask,
+                positions=step[0].positions,
+                caches=self.layers,  # type: ignore[arg-type]  (duck-typed KVCache)
+                start=step[0].K - T,
+                last_only=True,
+            )  # (B, 1, V)
+        finally:
+            self.step = None
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def stage_step(
+        self, model: DecoderLM, batch: StepBatch, hidden: torch.Tensor | None, *, last: bool
+    ) -> torch.Tensor:
+        """One step through this stage's layers, as SlotCaches.stage_step."""
+        self.step = step = self._index(batch)
+        ix, T = step[0], batch.ids.shape[1]
+        try:
+            x, rope, attn = model.prelude(batch.ids, ix.key_mask, ix.positions, True, ix.K - T, hidden=hidden)
+            x = model.run_layers(x, rope, attn, self.by_layer, ix.K - T)  # type: ignore[arg-type]
+        finally:
+            self.step = None
+        return model.head(x, last_only=True)[:, -1] if last else x

@@ -1,0 +1,94 @@
+"""engine/paged.py: the block pool and tables, and a paged step against the slot cache's on
+the same script of sequences joining, growing and leaving (blocks reused after a leave)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.comm import LocalCommunicator
+from shardwise.engine.paged import BLOCK_SIZE, BlockPool, OutOfBlocks, PagedCaches, blocks_for
+from shardwise.engine.slots import SlotCaches, StepBatch
+from shardwise.engine.text import DEFAULT_MODEL
+from shardwise.hf import load_pretrained
+
+
+@pytest.fixture(scope="module")
+def model():
+    m, _ = load_pretrained(DEFAULT_MODEL, comm=LocalCommunicator())
+    return m.eval()
+
+
+def test_pool_counts_holders_and_frees_in_order():
+    pool = BlockPool(3, block_size=4)
+    a, b = pool.allocate(), pool.allocate()
+    assert (a, b, pool.num_free) == (0, 1, 1)
+    pool.retain(a)  # shared by a second sequence
+    assert pool.release(a) is False and pool.release(a) is True
+    assert pool.num_free == 2
+    with pytest.raises(ValueError, match="block 0 is already free"):
+        pool.release(a)
+    with pytest.raises(ValueError, match="block 0 is free; only a held block can be shared"):
+        pool.retain(a)
+    pool.allocate(), pool.allocate()
+    with pytest.raises(OutOfBlocks, match="all 3 blocks of 4 positions are in use"):
+        pool.allocate()
+    assert [blocks_for(n, 4) for n in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
+
+
+def test_reserve_is_all_or_nothing_and_release_frees(model):
+    caches = PagedCaches(model, num_blocks=5, block_size=4)
+    caches.reserve({7: 5, 9: 4})  # 2 + 1 blocks
+    assert caches.tables == {7: [0, 1], 9: [2]} and caches.pool.num_free == 2
+    caches.reserve({7: 8})  # still 2 blocks: nothing new
+    assert caches.pool.num_free == 2
+    with pytest.raises(OutOfBlocks, match="this step needs 3 more blocks; 2 of 5 are free"):
+        caches.reserve({7: 12, 9: 12})
+    assert caches.tables == {7: [0, 1], 9: [2]} and caches.pool.num_free == 2  # nothing taken
+    assert caches.release([7, 42]) == 2 and caches.pool.num_free == 4
+    with pytest.raises(ValueError, match="sequence 9 needs 6 positions; its table holds 4"):
+        caches.forward(model, StepBatch.build([(9, 0, list(range(2, 8)))]))
+
+
+def _script():
+    """(step rows, sequences that leave after it): rows are (seq, new ids)."""
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n):
+        return torch.randint(2, 500, (n,), generator=g).tolist()
+
+    return [
+        ([(0, ids(21))], []),  # a prompt longer than one block
+        ([(0, ids(1)), (1, ids(5))], []),  # decode + a prompt joining
+        ([(0, ids(1)), (1, ids(1))], []),
+        ([(1, ids(1)), (0, ids(1)), (2, ids(33))], [0]),  # rows in another order; 0 leaves
+        ([(2, ids(1)), (3, ids(17))], []),  # 3 takes the blocks 0 freed
+        ([(3, ids(1)), (2, ids(1)), (1, ids(1))], []),
+        ([(3, ids(1)), (1, ids(2))], [1, 2, 3]),
+    ]
+
+
+def test_paged_steps_equal_slot_steps(model):
+    block = 8  # smaller than the default, so the script crosses many block boundaries
+    paged = PagedCaches(model, num_blocks=blocks_for(64, block) * 2, block_size=block)
+    slots = SlotCaches(model, num_slots=4, max_len=64)
+    past: dict[int, int] = {}
+    for rows, leaving in _script():
+        lengths = {s: past.get(s, 0) + len(new) for s, new in rows}
+        paged.reserve(lengths)
+        batch = StepBatch.build([(s, past.get(s, 0), new) for s, new in rows])
+        got, want = paged.forward(model, batch), slots.forward(model, batch)  # (B, V)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        past.update(lengths)
+        paged.release(leaving)
+        for s in leaving:
+            past.pop(s)
+    assert paged.tables == {} and paged.pool.num_free == paged.pool.num_blocks
+
+
+def test_default_block_size_and_bytes(model):
+    caches = PagedCaches(model, num_blocks=3)
+    assert caches.block_size == BLOCK_SIZE == 16
+    assert caches.nbytes == 3 * PagedCaches.bytes_per_block(model)
+    cfg = model.cfg
+    assert PagedCaches.bytes_per_block(model) == cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4
