@@ -97,7 +97,7 @@ def make_file(path: Path, layers: int) -> Path:
     return path
 
 
-def _shardwise_rank(world, path: str, dtype: str) -> dict:
+def _shardwise_rank(world, path: str, dtype: str, quantize: str | None = None) -> dict:
     import gc
 
     from shardwise.hf import load_pretrained
@@ -107,7 +107,7 @@ def _shardwise_rank(world, path: str, dtype: str) -> dict:
     gc.collect()
     t0 = time.perf_counter()
     with PeakAnonMemory() as mem:
-        model, report = load_pretrained(path, comm=tp_only(world), dtype=dtype)
+        model, report = load_pretrained(path, comm=tp_only(world), dtype=dtype, quantize=quantize)
     return {
         "seconds": time.perf_counter() - t0,
         "peak": mem.peak_above_baseline,
@@ -187,6 +187,7 @@ def main() -> None:
     ap.add_argument("--file", type=Path, default=Path("/tmp/shardwise-bench/random-llama-1b-v2.q8_0.gguf"))
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--quantize", choices=["int8", "fp16"], default=None, help="shardwise only")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-load", action="store_true", help="no load table")
     ap.add_argument("--decode", action="store_true", help="decode speed against llama.cpp")
@@ -206,16 +207,17 @@ def main() -> None:
 def load_table(path: Path, args) -> None:
     rows = []
     for tp in (1, 2):
-        r = launch(_shardwise_rank, tp, args=(str(path), args.dtype), timeout_s=1200)
+        r = launch(_shardwise_rank, tp, args=(str(path), args.dtype, args.quantize), timeout_s=1200)
         rows.append((f"shardwise tp={tp}", r))
-    if not args.skip_transformers:
+    if not args.skip_transformers and args.quantize is None:
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         p = ctx.Process(target=_transformers, args=(str(path), args.dtype, q))
         p.start()
         rows.append(("transformers (one process)", [q.get(timeout=3600)]))
         p.join()
-    print(f"\n{args.dtype} weights, Q8_0 file, each configuration run once\n")
+    what = f"--quantize {args.quantize}" if args.quantize else f"{args.dtype} weights"
+    print(f"\n{what}, Q8_0 file, each configuration run once\n")
     print(
         "| loader | load s (slowest rank) | peak anonymous MiB per rank | parameter MiB per rank | MiB read per rank |"
     )
