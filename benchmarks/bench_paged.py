@@ -20,7 +20,7 @@ import torch
 
 def measure(model_dir: str | None, batches: list[int], pasts: list[int], steps: int) -> list[dict]:
     from shardwise.comm import LocalCommunicator
-    from shardwise.engine.paged import PagedCaches, blocks_for
+    from shardwise.engine.paged import BlockTables, PagedCaches, blocks_for
     from shardwise.engine.slots import SlotCaches, StepBatch
     from shardwise.engine.text import DEFAULT_MODEL
     from shardwise.hf import load_pretrained
@@ -34,20 +34,25 @@ def measure(model_dir: str | None, batches: list[int], pasts: list[int], steps: 
             max_len = past + steps + 1
             slots = SlotCaches(model, B, max_len)
             paged = PagedCaches(model, B * blocks_for(max_len))
+            tables = BlockTables(paged.num_blocks)
             g = torch.Generator().manual_seed(B)
             prompt = [(s, 0, torch.randint(2, vocab, (past,), generator=g).tolist()) for s in range(B)]
-            paged.reserve({s: past for s in range(B)})
-            first = StepBatch.build(prompt)
-            slots.forward(model, first), paged.forward(model, first)
+            tables.reserve({s: past for s in range(B)})
+            slots.forward(model, StepBatch.build(prompt))
+            paged.forward(model, StepBatch.build(prompt, tables=tables.rows(list(range(B)))))
             times: dict[str, list[float]] = {"slots": [], "paged": []}
             for i in range(steps):
-                batch = StepBatch.build([(s, past + i, [(7 * s + i) % vocab]) for s in range(B)])
-                paged.reserve({s: past + i + 1 for s in range(B)})
+                rows = [(s, past + i, [(7 * s + i) % vocab]) for s in range(B)]
+                tables.reserve({s: past + i + 1 for s in range(B)})
+                batches = {
+                    "slots": StepBatch.build(rows),
+                    "paged": StepBatch.build(rows, tables=tables.rows(list(range(B)))),
+                }
                 logits = {}
                 for name in ("slots", "paged") if i % 2 == 0 else ("paged", "slots"):
                     cache = slots if name == "slots" else paged
                     c0 = time.thread_time()
-                    logits[name] = cache.forward(model, batch)
+                    logits[name] = cache.forward(model, batches[name])
                     times[name].append((time.thread_time() - c0) * 1e3)
                 if not torch.allclose(logits["slots"], logits["paged"], rtol=1e-5, atol=1e-5):
                     raise SystemExit(f"batch {B}, past {past}, step {i}: the caches' logits differ")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardwise.comm import LocalCommunicator
-from shardwise.engine.paged import BLOCK_SIZE, BlockPool, OutOfBlocks, PagedCaches, blocks_for
+from shardwise.engine.paged import BLOCK_SIZE, BlockPool, BlockTables, OutOfBlocks, PagedCaches, blocks_for
 from shardwise.engine.slots import SlotCaches, StepBatch
 from shardwise.engine.text import DEFAULT_MODEL
 from shardwise.hf import load_pretrained
@@ -37,17 +37,21 @@ def test_pool_counts_holders_and_frees_in_order():
 
 
 def test_reserve_is_all_or_nothing_and_release_frees(model):
-    caches = PagedCaches(model, num_blocks=5, block_size=4)
-    caches.reserve({7: 5, 9: 4})  # 2 + 1 blocks
-    assert caches.tables == {7: [0, 1], 9: [2]} and caches.pool.num_free == 2
-    caches.reserve({7: 8})  # still 2 blocks: nothing new
-    assert caches.pool.num_free == 2
+    tables = BlockTables(num_blocks=5, block_size=4)
+    tables.reserve({7: 5, 9: 4})  # 2 + 1 blocks
+    assert tables.tables == {7: [0, 1], 9: [2]} and tables.pool.num_free == 2
+    tables.reserve({7: 8})  # still 2 blocks: nothing new
+    assert tables.pool.num_free == 2 and tables.missing({7: 9, 9: 4}) == 1
     with pytest.raises(OutOfBlocks, match="this step needs 3 more blocks; 2 of 5 are free"):
-        caches.reserve({7: 12, 9: 12})
-    assert caches.tables == {7: [0, 1], 9: [2]} and caches.pool.num_free == 2  # nothing taken
-    assert caches.release([7, 42]) == 2 and caches.pool.num_free == 4
-    with pytest.raises(ValueError, match="sequence 9 needs 6 positions; its table holds 4"):
-        caches.forward(model, StepBatch.build([(9, 0, list(range(2, 8)))]))
+        tables.reserve({7: 12, 9: 12})
+    assert tables.tables == {7: [0, 1], 9: [2]} and tables.pool.num_free == 2  # nothing taken
+    assert tables.rows([9, 7]).tolist() == [[2, 0], [0, 1]]
+    assert tables.release([7, 42]) == 2 and tables.pool.num_free == 4
+    caches = PagedCaches(model, num_blocks=5, block_size=4)
+    with pytest.raises(ValueError, match=r"do not hold 6 positions in a pool of 5 blocks"):
+        caches.forward(model, StepBatch.build([(9, 0, list(range(2, 8)))], tables=tables.rows([9])))
+    with pytest.raises(ValueError, match="needs its rows' block tables"):
+        caches.forward(model, StepBatch.build([(9, 0, [2])]))
 
 
 def _script():
@@ -71,19 +75,23 @@ def _script():
 def test_paged_steps_equal_slot_steps(model):
     block = 8  # smaller than the default, so the script crosses many block boundaries
     paged = PagedCaches(model, num_blocks=blocks_for(64, block) * 2, block_size=block)
+    tables = BlockTables(paged.num_blocks, block)
     slots = SlotCaches(model, num_slots=4, max_len=64)
     past: dict[int, int] = {}
     for rows, leaving in _script():
         lengths = {s: past.get(s, 0) + len(new) for s, new in rows}
-        paged.reserve(lengths)
+        tables.reserve(lengths)
         batch = StepBatch.build([(s, past.get(s, 0), new) for s, new in rows])
-        got, want = paged.forward(model, batch), slots.forward(model, batch)  # (B, V)
+        paged_batch = StepBatch.build(
+            [(s, past.get(s, 0), new) for s, new in rows], tables=tables.rows([s for s, _ in rows])
+        )
+        got, want = paged.forward(model, paged_batch), slots.forward(model, batch)  # (B, V)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         past.update(lengths)
-        paged.release(leaving)
+        tables.release(leaving)
         for s in leaving:
             past.pop(s)
-    assert paged.tables == {} and paged.pool.num_free == paged.pool.num_blocks
+    assert tables.tables == {} and tables.pool.num_free == tables.pool.num_blocks
 
 
 def test_default_block_size_and_bytes(model):
@@ -92,3 +100,41 @@ def test_default_block_size_and_bytes(model):
     assert caches.nbytes == 3 * PagedCaches.bytes_per_block(model)
     cfg = model.cfg
     assert PagedCaches.bytes_per_block(model) == cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+def _serve(model, prompts, max_tokens, *, num_blocks, block_size, num_slots=4):
+    """Rank 0's engine loop in one process: the scheduler over a paged pool -> (tokens per
+    prompt, preemptions)."""
+    from shardwise.engine.sampling import SamplingParams
+    from shardwise.serve.metrics import Metrics
+    from shardwise.serve.scheduler import Scheduler, Sequence
+
+    metrics = Metrics(tp=1, slots=num_slots)
+    tables = BlockTables(num_blocks, block_size)
+    caches = PagedCaches(model, num_blocks, block_size)
+    sched = Scheduler(num_slots=num_slots, max_queue=16, metrics=metrics, blocks=tables)
+    outs = [[] for _ in prompts]
+    for p, out in zip(prompts, outs, strict=True):
+        sched.submit(Sequence(list(p), max_tokens, SamplingParams(), frozenset(), out.append))
+    for _ in range(500):
+        batch = sched.next_batch()
+        if batch is None:
+            break
+        sched.finish_step(caches.forward(model, batch))
+    assert tables.tables == {} or all(s.done for s in sched.running.values())
+    sched.next_batch()  # frees what finished last
+    assert tables.pool.num_free == num_blocks  # every block back in the pool
+    return [[o.token for o in out if o.token is not None] for out in outs], metrics.preemptions
+
+
+def test_scheduler_over_blocks_preempts_and_tokens_do_not_change(model):
+    from shardwise.engine import generate
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (9, 14, 5, 11)]
+    want = [generate(model, [p], comm=LocalCommunicator(), max_new_tokens=12).tokens[0] for p in prompts]
+    roomy, pre = _serve(model, prompts, 12, num_blocks=64, block_size=4)
+    assert roomy == want and pre == 0
+    # 11 blocks of 4 positions hold 44 tokens; the four sequences grow to 17-26 each
+    tight, pre = _serve(model, prompts, 12, num_blocks=11, block_size=4)
+    assert tight == want and pre > 0

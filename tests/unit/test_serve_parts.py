@@ -20,13 +20,19 @@ from shardwise.serve.text import FALLBACK_TEMPLATE, ChatTemplate, TextStream
 def test_step_round_trip():
     batch = StepBatch.build([(3, 10, [7]), (0, 0, [1, 2, 3, 4]), (5, 2, [9, 8])])
     header, payload = encode(batch)
-    assert header.tolist() == [1, 3, 4, 3 * 3 + 3 * 4]
+    assert header.tolist() == [1, 3, 4, 3 * 3 + 3 * 4, 0]
     back = decode(header, payload)
     for name in ("slots", "past", "n_new", "ids"):
         assert torch.equal(getattr(back, name), getattr(batch, name))
     assert back.ids.tolist() == [[0, 0, 0, 7], [1, 2, 3, 4], [0, 0, 9, 8]]
+    assert back.tables is None
     with pytest.raises(ValueError, match="does not match its header"):
         decode(header, payload[:-1])
+    # a paged step carries its rows' block tables (B, W)
+    tables = torch.tensor([[4, 0], [1, 2], [3, 0]])
+    header, payload = encode(StepBatch.build([(3, 10, [7]), (0, 0, [1, 2, 3, 4]), (5, 2, [9, 8])], tables=tables))
+    assert header.tolist() == [1, 3, 4, 3 * 3 + 3 * 4 + 3 * 2, 2]
+    assert torch.equal(decode(header, payload).tables, tables)
 
 
 def _seq(prompt, max_tokens=3, stop=(), outs=None):

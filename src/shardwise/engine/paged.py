@@ -8,8 +8,10 @@ positions of this rank's KV heads, and a sequence takes blocks only as it grows:
     block table        sequence id -> [block, block, ...]; position p of the sequence
                        lives in block table[p // BLOCK_SIZE], row p % BLOCK_SIZE
 
-Block ids are the same in every layer (one table serves them all) and on every tp rank
-(each rank's pool holds its own KV heads of the same blocks), so a scheduler decides once.
+Block ids are the same in every layer (one table serves them all) and on every rank (each
+rank's pool holds its own KV heads of the same blocks): BlockTables lives on rank 0 with
+the scheduler, which decides once and sends each step's rows' tables with the step
+(StepBatch.tables, (B, W) block ids); PagedCaches, on every rank, only reads them.
 
 One step runs the unchanged DecoderLM forward in the right-aligned layout of
 engine/slots.py (see there): the rows' new keys are written through their tables, and each
@@ -31,7 +33,7 @@ from shardwise.engine.slots import StepBatch, _StepIndex
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.modules import KVCache
 
-__all__ = ["BLOCK_SIZE", "OutOfBlocks", "BlockPool", "PagedKVCache", "PagedCaches", "blocks_for"]
+__all__ = ["BLOCK_SIZE", "OutOfBlocks", "BlockPool", "BlockTables", "PagedKVCache", "PagedCaches", "blocks_for"]
 
 BLOCK_SIZE = 16
 
@@ -85,6 +87,48 @@ class BlockPool:
         return False
 
 
+class BlockTables:
+    """The block table of every sequence, and the pool they take from (the scheduler's side)."""
+
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.tables: dict[int, list[int]] = {}
+
+    def missing(self, lengths: dict[int, int]) -> int:
+        """Blocks the pool must still give for each sequence to hold `lengths[seq]` positions."""
+        return sum(max(0, blocks_for(n, self.block_size) - len(self.tables.get(s, ()))) for s, n in lengths.items())
+
+    def reserve(self, lengths: dict[int, int]) -> None:
+        """Give each sequence blocks for `lengths[seq]` positions; all of them or none
+        (OutOfBlocks, nothing allocated, when the pool cannot)."""
+        total = self.missing(lengths)
+        if total > self.pool.num_free:
+            raise OutOfBlocks(
+                f"this step needs {total} more blocks; {self.pool.num_free} of {self.pool.num_blocks} are free"
+            )
+        for s, n in lengths.items():
+            table = self.tables.setdefault(s, [])
+            table += [self.pool.allocate() for _ in range(blocks_for(n, self.block_size) - len(table))]
+
+    def release(self, seqs: Iterable[int]) -> int:
+        """Drop these sequences' tables (finished, preempted, or their client left); returns blocks freed."""
+        freed = 0
+        for s in seqs:
+            for block in self.tables.pop(s, ()):
+                freed += self.pool.release(block)
+        return freed
+
+    def rows(self, seqs: list[int], device=None) -> torch.Tensor:
+        """(B, W) block ids of these sequences' tables, W the longest; 0 past a table's end."""
+        width = max((len(self.tables.get(s, ())) for s in seqs), default=0)
+        out = torch.zeros(len(seqs), max(width, 1), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            t = self.tables.get(s, ())
+            out[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        return out.to(device)
+
+
 class PagedKVCache:
     """One attention layer's pool: (num_blocks, block_size, local KV heads, head_dim) keys and values.
 
@@ -111,12 +155,14 @@ class PagedKVCache:
 
 
 class PagedCaches:
-    """Every layer's pool on this rank, the block tables, and the step forward."""
+    """Every layer's pool on this rank, and the step forward through the step's block tables."""
 
     def __init__(self, model: DecoderLM, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
-        self.pool = BlockPool(num_blocks, block_size)
-        self.block_size = block_size
-        self.tables: dict[int, list[int]] = {}
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"a pool needs at least one block of at least one position, got {num_blocks} x {block_size}"
+            )
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.step: tuple[_StepIndex, torch.Tensor, torch.Tensor] | None = None
         self.layers: list[PagedKVCache] = []
         self.by_layer: dict[int, PagedKVCache] = {}  # global layer index -> pool (a stage holds some layers)
@@ -145,54 +191,31 @@ class PagedCaches:
             total += 2 * block_size * kv_heads * model.cfg.head_dim * layer.attn.qkv.weight.dtype.itemsize
         return total
 
-    # ---- block tables ----------------------------------------------------------------------
-    def reserve(self, lengths: dict[int, int]) -> None:
-        """Give each sequence blocks for `lengths[seq]` positions; all of them or none
-        (OutOfBlocks, nothing allocated, when the pool cannot)."""
-        need = {s: blocks_for(n, self.block_size) - len(self.tables.get(s, ())) for s, n in lengths.items()}
-        total = sum(max(0, n) for n in need.values())
-        if total > self.pool.num_free:
-            raise OutOfBlocks(
-                f"this step needs {total} more blocks; {self.pool.num_free} of {self.pool.num_blocks} are free"
-            )
-        for s, n in need.items():
-            table = self.tables.setdefault(s, [])
-            table += [self.pool.allocate() for _ in range(max(0, n))]
-
-    def release(self, seqs: Iterable[int]) -> int:
-        """Drop these sequences' tables (finished, or their client left); returns blocks freed."""
-        freed = 0
-        for s in seqs:
-            for block in self.tables.pop(s, ()):
-                freed += self.pool.release(block)
-        return freed
-
     def _index(self, batch: StepBatch) -> tuple[_StepIndex, torch.Tensor, torch.Tensor]:
-        """The step's index with positions mapped through the tables: (index, write (N,), read (B, K))."""
+        """The step's index with positions mapped through its tables: (index, write (N,), read (B, K))."""
+        if batch.tables is None:
+            raise ValueError("a paged step needs its rows' block tables (StepBatch.tables)")
         B = batch.ids.shape[0]
-        seqs = batch.slots.tolist()
-        if len(set(seqs)) != B:
-            raise ValueError(f"a sequence appears twice in one step: {seqs}")
-        rows = StepBatch(slots=torch.arange(B), past=batch.past, n_new=batch.n_new, ids=batch.ids)
+        have = (batch.tables.shape[1] * self.block_size) if batch.tables.numel() else 0
+        total = batch.past + batch.n_new  # (B,)
+        if int(total.max()) > have or int(batch.tables.max()) >= self.num_blocks or int(batch.tables.min()) < 0:
+            raise ValueError(
+                f"the step's tables ({tuple(batch.tables.shape)}, blocks {int(batch.tables.min())}..{int(batch.tables.max())}) "
+                f"do not hold {int(total.max())} positions in a pool of {self.num_blocks} blocks"
+            )
+        rows = StepBatch(
+            slots=torch.arange(B, device=batch.ids.device), past=batch.past, n_new=batch.n_new, ids=batch.ids
+        )
         ix = _StepIndex.of(rows)  # slots = row numbers
-        for s, total in zip(seqs, (batch.past + batch.n_new).tolist(), strict=True):
-            have = len(self.tables.get(s, ())) * self.block_size
-            if total > have:
-                raise ValueError(f"sequence {s} needs {total} positions; its table holds {have} (reserve first)")
-        width = max(len(self.tables[s]) for s in seqs)
-        table = torch.zeros(B, width, dtype=torch.long)  # (B, blocks); 0 past a row's end: masked keys
-        for b, s in enumerate(seqs):
-            table[b, : len(self.tables[s])] = torch.tensor(self.tables[s])
-        bs = self.block_size
+        table, bs = batch.tables, self.block_size
         write = table[ix.write_slot, ix.write_pos // bs] * bs + ix.write_pos % bs  # (N,)
         read = table[ix.read_slot, ix.read_pos // bs] * bs + ix.read_pos % bs  # (B, K)
-        dev = self.layers[0].k.device
-        return ix, write.to(dev), read.to(dev)
+        return ix, write, read
 
     # ---- steps -----------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, model: DecoderLM, batch: StepBatch) -> torch.Tensor:
-        """One step (batch.slots: sequence ids, already reserved) -> next-token logits (B, V)."""
+        """One step (batch.tables: each row's blocks) -> next-token logits (B, V)."""
         self.step = step = self._index(batch)
         T = batch.ids.shape[1]
         try:

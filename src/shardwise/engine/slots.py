@@ -45,10 +45,15 @@ class StepBatch:
     """(B,) new tokens of each row, 1..T."""
     ids: torch.Tensor
     """(B, T) the new tokens, left-padded with 0."""
+    tables: torch.Tensor | None = None
+    """(B, W) each row's KV blocks, for a paged cache (engine/paged.py; slots are then
+    sequence ids); None for the slot cache."""
 
     @staticmethod
-    def build(rows: Sequence[tuple[int, int, Sequence[int]]], device=None) -> StepBatch:
-        """rows: (slot, past length, new token ids) per row."""
+    def build(
+        rows: Sequence[tuple[int, int, Sequence[int]]], device=None, tables: torch.Tensor | None = None
+    ) -> StepBatch:
+        """rows: (slot, past length, new token ids) per row; tables: (B, W) blocks (paged)."""
         if not rows or any(len(r[2]) == 0 for r in rows):
             raise ValueError("a step needs at least one row, and every row at least one new token")
         B, T = len(rows), max(len(r[2]) for r in rows)
@@ -60,6 +65,7 @@ class StepBatch:
             past=torch.tensor([r[1] for r in rows], dtype=torch.long, device=device),
             n_new=torch.tensor([len(r[2]) for r in rows], dtype=torch.long, device=device),
             ids=ids.to(device),
+            tables=None if tables is None else tables.to(device),
         )
 
 

@@ -57,6 +57,8 @@ class Metrics:
         self.batch_size = 0
         self.step_seconds = Histogram(STEP_BUCKETS)
         self.heartbeats = 0
+        self.blocks_total = self.blocks_free = 0  # paged KV cache: this rank's pool (0: slots)
+        self.preemptions = 0
         self.stage_busy: list[float] = [0.0] * pp if pp > 1 else []  # seconds of compute of each stage (pp > 1)
         self.stage_idle: list[float] = [1.0] * pp if pp > 1 else []  # idle fraction of each stage over the last window
         self._window: tuple[float, list[float]] | None = None
@@ -119,6 +121,13 @@ class Metrics:
                 "# HELP shardwise_slots Sequence slots (--max-batch-size).",
                 "# TYPE shardwise_slots gauge",
                 f"shardwise_slots {self.slots}",
+                "# HELP shardwise_kv_blocks KV-cache blocks of the pool, by state (paged cache; 0 with slots).",
+                "# TYPE shardwise_kv_blocks gauge",
+                f'shardwise_kv_blocks{{state="used"}} {self.blocks_total - self.blocks_free}',
+                f'shardwise_kv_blocks{{state="free"}} {self.blocks_free}',
+                "# HELP shardwise_preemptions_total Sequences preempted for blocks (recomputed later).",
+                "# TYPE shardwise_preemptions_total counter",
+                f"shardwise_preemptions_total {self.preemptions}",
                 "# HELP shardwise_step_seconds Wall time of one engine step (all ranks).",
                 "# TYPE shardwise_step_seconds histogram",
                 *self.step_seconds.lines("shardwise_step_seconds"),

@@ -8,6 +8,14 @@ At every token boundary (between two steps) the scheduler
 3. builds the next StepBatch: a prefill step of the admitted prompts when there are
    any, else a decode step of every running sequence (its last sampled token).
 
+With a paged KV cache (`blocks`: engine/paged.BlockTables) a sequence holds blocks
+instead of a slot: it is admitted while the pool has the blocks of its prompt (and fewer
+than num_slots sequences run); before a decode step every row is given the block its next
+token needs, and when the pool has none left the newest running sequence is preempted: its
+blocks are freed and it goes back to the front of the queue with every token it has seen,
+to be prefilled again (recomputation; the tokens it already delivered are not resampled).
+Each step carries its rows' block tables to every rank.
+
 NOTE: prefill and decode rows are never mixed in one step: a step pads every row to
 its longest row, so one 500-token prompt would make each 1-token decode row cost 500.
 Running sequences wait one step while new ones are prefilled.
@@ -28,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardwise.engine.paged import BlockTables
 from shardwise.engine.sampling import SamplingParams, sample
 from shardwise.engine.slots import StepBatch
 from shardwise.serve.metrics import Metrics
@@ -75,18 +84,29 @@ class Sequence:
     last_step: int = -1
     """The scheduler's step count when this sequence last stepped (pp > 1: the longest waiting go first)."""
     generator: torch.Generator | None = None
+    seen: list[int] = field(default_factory=list)
+    """Tokens already in the cache, in order (paged: what a preempted sequence feeds again)."""
+    preempted: int = 0
     done: bool = False
     """It finished, or its client left: the slot is freed at the next boundary."""
 
 
 class Scheduler:
     def __init__(
-        self, *, num_slots: int, max_queue: int, metrics: Metrics, max_step_tokens: int = 2048, stale_s: float = 3.0
+        self,
+        *,
+        num_slots: int,
+        max_queue: int,
+        metrics: Metrics,
+        max_step_tokens: int = 2048,
+        stale_s: float = 3.0,
+        blocks: BlockTables | None = None,
     ) -> None:
         self.cond = threading.Condition()
         self.waiting: deque[Sequence] = deque()
-        self.running: dict[int, Sequence] = {}  # slot -> sequence
-        self.free = list(range(num_slots))
+        self.running: dict[int, Sequence] = {}  # slot (paged: sequence id) -> sequence, oldest first
+        self.free = list(range(num_slots))  # paged: tokens for the count of sequences that may run
+        self.blocks = blocks
         self.max_queue, self.max_step_tokens, self.stale_s = max_queue, max_step_tokens, stale_s
         self.metrics = metrics
         self.failed: str | None = None
@@ -140,32 +160,81 @@ class Scheduler:
             for slot, seq in list(self.running.items()):
                 if seq.done and seq.id not in busy:
                     del self.running[slot]
-                    self.free.append(slot)
+                    self._free_seat(seq)
             admitted: list[Sequence] = []
             longest = 0
             while self.waiting and self.free:
-                n = len(self.waiting[0].prompt)
+                n = len(self.waiting[0].feed)
                 if admitted and (len(admitted) + 1) * max(longest, n) > self.max_step_tokens:
                     break
+                if self.blocks is not None and self.blocks.missing({self.waiting[0].id: n}) > self.blocks.pool.num_free:
+                    break  # the oldest waits for blocks; nobody overtakes it
                 seq = self.waiting.popleft()
-                seq.slot = self.free.pop(0)
-                seq.generator = None if seq.sampling.greedy else seq.sampling.generator()
-                self.running[seq.slot] = seq
-                self.metrics.prompt_tokens += n
+                self._seat(seq, n)
+                if not seq.preempted:
+                    seq.generator = None if seq.sampling.greedy else seq.sampling.generator()
+                    self.metrics.prompt_tokens += n
                 admitted.append(seq)
                 longest = max(longest, n)
-            self.metrics.queue_depth, self.metrics.running = len(self.waiting), len(self.running)
             self._rows = admitted
             if not admitted:
                 live = [s for s in self.running.values() if not s.done]
                 ready = sorted((s for s in live if s.id not in busy), key=lambda s: s.last_step)
-                self._rows = ready[: -(-len(live) // groups)]  # ceil(live / groups)
+                self._rows = self._fit(ready[: -(-len(live) // groups)], busy)  # ceil(live / groups)
+            self.metrics.queue_depth, self.metrics.running = len(self.waiting), len(self.running)
+            if self.blocks is not None:
+                self.metrics.blocks_free = self.blocks.pool.num_free
             self.steps += 1
             for seq in self._rows:
                 seq.last_step = self.steps
         if not self._rows:
             return None
-        return StepBatch.build([(s.slot, s.cached, s.feed) for s in self._rows], device=device)
+        rows = [(s.slot, s.cached, s.feed) for s in self._rows]
+        tables = None if self.blocks is None else self.blocks.rows([s.id for s in self._rows])
+        return StepBatch.build(rows, device=device, tables=tables)
+
+    def _seat(self, seq: Sequence, n: int) -> None:
+        """Admit `seq` (its next n tokens fed): a slot, or (paged) blocks for them."""
+        if self.blocks is None:
+            seq.slot = self.free.pop(0)
+        else:
+            self.free.pop(0)
+            seq.slot = seq.id
+            self.blocks.reserve({seq.id: seq.cached + n})
+        self.running[seq.slot] = seq
+
+    def _free_seat(self, seq: Sequence) -> None:
+        self.free.append(seq.slot if self.blocks is None else 0)
+        if self.blocks is not None:
+            self.blocks.release([seq.id])
+
+    def _fit(self, rows: list[Sequence], busy: frozenset[int]) -> list[Sequence]:
+        """Paged: give every decode row the blocks of its next token, preempting the newest
+        running sequences (not in flight) while the pool is short; the rows that remain."""
+        if self.blocks is None:
+            return rows
+        while rows:
+            need = {s.id: s.cached + len(s.feed) for s in rows}
+            if self.blocks.missing(need) <= self.blocks.pool.num_free:
+                self.blocks.reserve(need)
+                return rows
+            victims = [s for s in reversed(self.running.values()) if s.id not in busy and not s.done]
+            if not victims:
+                return []  # every other holder is in flight (pp > 1): this step waits for them
+            if len(self.blocks.tables) <= 1:  # NOTE: the server sizes the pool for one longest sequence
+                raise RuntimeError(
+                    f"the KV pool ({self.blocks.pool.num_blocks} blocks of {self.blocks.block_size}) cannot hold "
+                    f"one sequence of {max(need.values())} tokens"
+                )
+            victim = victims[0]
+            del self.running[victim.slot]
+            self._free_seat(victim)
+            victim.feed = victim.seen + victim.feed  # everything it has seen, fed again
+            victim.seen, victim.cached, victim.preempted = [], 0, victim.preempted + 1
+            self.waiting.appendleft(victim)
+            self.metrics.preemptions += 1
+            rows = [s for s in rows if s is not victim]
+        return rows
 
     def rows(self) -> list[Sequence]:
         """The sequences of the step next_batch just built, in row order."""
@@ -182,6 +251,8 @@ class Scheduler:
                     row = logits[b : b + 1].float().cpu()  # (1, V): the generator lives on the CPU
                     tokens[b] = int(sample(row, seq.sampling, seq.generator)[0])
                 seq.cached += len(seq.feed)
+                if self.blocks is not None:
+                    seq.seen += seq.feed
                 seq.feed = [tokens[b]]
                 if seq.done:
                     continue

@@ -2,8 +2,11 @@
 
 Two broadcasts of int64 tensors per step, a fixed-size header then the payload:
 
-    header   (4,)           [kind, B, T, payload length]
-    payload  (3B + B*T,)    [slots (B) | past (B) | n_new (B) | ids (B*T), row-major]
+    header   (5,)                 [kind, B, T, payload length, W]
+    payload  (3B + B*T + B*W,)    [slots (B) | past (B) | n_new (B) | ids (B*T) | tables (B*W)]
+
+W is the width of the rows' block tables (paged KV cache; slots are then sequence ids), 0
+for the slot cache.
 
 A NOOP step (idle heartbeat) has no payload; every rank then joins a barrier, so a
 dead or stuck rank is noticed even when no request is running. STOP ends the workers'
@@ -22,7 +25,7 @@ from shardwise.engine.slots import StepBatch
 
 __all__ = ["Kind", "HEADER_LEN", "encode", "decode", "send_step", "recv_step"]
 
-HEADER_LEN = 4
+HEADER_LEN = 5
 
 
 class Kind(IntEnum):
@@ -32,20 +35,25 @@ class Kind(IntEnum):
 
 
 def encode(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step -> (header (4,), payload (3B + B*T,))."""
+    """A step -> (header (5,), payload (3B + B*T + B*W,))."""
     B, T = batch.ids.shape
-    payload = torch.cat([batch.slots, batch.past, batch.n_new, batch.ids.reshape(-1)])
-    header = torch.tensor([Kind.STEP, B, T, payload.numel()], dtype=torch.long, device=payload.device)
+    parts = [batch.slots, batch.past, batch.n_new, batch.ids.reshape(-1)]
+    W = 0
+    if batch.tables is not None:
+        W = batch.tables.shape[1]
+        parts.append(batch.tables.reshape(-1))
+    payload = torch.cat(parts)
+    header = torch.tensor([Kind.STEP, B, T, payload.numel(), W], dtype=torch.long, device=payload.device)
     return header, payload
 
 
 def decode(header: torch.Tensor, payload: torch.Tensor) -> StepBatch:
     """The inverse of encode."""
-    _, B, T, n = (int(x) for x in header.tolist())
-    if payload.numel() != n or n != 3 * B + B * T:
+    _, B, T, n, W = (int(x) for x in header.tolist())
+    if payload.numel() != n or n != 3 * B + B * T + B * W:
         raise ValueError(f"step payload of {payload.numel()} ints does not match its header {header.tolist()}")
-    slots, past, n_new, ids = payload.split([B, B, B, B * T])
-    return StepBatch(slots=slots, past=past, n_new=n_new, ids=ids.view(B, T))
+    slots, past, n_new, ids, tables = payload.split([B, B, B, B * T, B * W])
+    return StepBatch(slots=slots, past=past, n_new=n_new, ids=ids.view(B, T), tables=tables.view(B, W) if W else None)
 
 
 def send_step(comm: Communicator, kind: Kind, batch: StepBatch | None = None, device=None) -> None:
@@ -57,7 +65,7 @@ def send_step(comm: Communicator, kind: Kind, batch: StepBatch | None = None, de
         comm.broadcast(header, src=0)
         comm.broadcast(payload, src=0)
     else:
-        comm.broadcast(torch.tensor([kind, 0, 0, 0], dtype=torch.long, device=device), src=0)
+        comm.broadcast(torch.tensor([kind, 0, 0, 0, 0], dtype=torch.long, device=device), src=0)
 
 
 def recv_step(comm: Communicator, device=None) -> tuple[Kind, StepBatch | None]:

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.comm import Communicator, ParallelDims, tp_only
+from shardwise.engine.paged import BlockTables, PagedCaches, blocks_for
 from shardwise.engine.pipeline import StageForward
-from shardwise.engine.slots import SlotCaches, StepBatch
+from shardwise.engine.slots import StepBatch
 from shardwise.engine.text import load_tokenizer, stop_ids
 from shardwise.log import get_logger, setup_logging
 from shardwise.pipeline.stage import StageLayout
@@ -71,6 +72,13 @@ class ServeOptions:
     """Layers per stage (pp > 1), as the command resolved them."""
     expert_parallel: bool = False
     """Mixture-of-experts layers hold whole experts per tp rank (shardwise.layers.moe)."""
+    kv_blocks: int | None = None
+    """Blocks of the paged KV cache per rank (BLOCK_SIZE positions each); None: as many as
+    max_batch_size sequences of max_model_len tokens take."""
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_blocks if self.kv_blocks is not None else self.max_batch_size * blocks_for(self.max_model_len)
 
 
 class _Fault:
@@ -114,7 +122,7 @@ class _Engine:
         if stage is not None:
             self.stages = StageForward(self.model, mesh)
             self.stage_text = stage[0].describe().replace(", loss", "")
-        self.caches = SlotCaches(self.model, opts.max_batch_size, opts.max_model_len)
+        self.caches = PagedCaches(self.model, opts.num_kv_blocks)
         self.device = self.caches.layers[0].k.device
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
@@ -137,8 +145,13 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
         return
     metrics = Metrics(tp=tp.size, slots=opts.max_batch_size, pp=opts.pp)
     scheduler = Scheduler(
-        num_slots=opts.max_batch_size, max_queue=opts.max_queue, metrics=metrics, stale_s=opts.health_timeout
+        num_slots=opts.max_batch_size,
+        max_queue=opts.max_queue,
+        metrics=metrics,
+        stale_s=opts.health_timeout,
+        blocks=BlockTables(opts.num_kv_blocks, caches.block_size),
     )
+    metrics.blocks_total = metrics.blocks_free = opts.num_kv_blocks
     state = ServerState(
         scheduler=scheduler,
         metrics=metrics,
@@ -159,10 +172,11 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
     host, port = sock.getsockname()[:2]
     layout = f"tp={tp.size}" if opts.pp == 1 else f"tp={tp.size} x pp={opts.pp} ({engine.stage_text})"
     log.info(
-        "serving %s at http://%s:%d/v1 | %s (%s), %s | %d slots x %d tokens, KV cache %.1f MiB per rank | "
-        "max queue %d | chat template: %s",
+        "serving %s at http://%s:%d/v1 | %s (%s), %s | up to %d sequences of up to %d tokens | paged KV cache: "
+        "%d blocks of %d tokens (%d tokens), %.1f MiB per rank | max queue %d | chat template: %s",
         opts.model_name, host, port, layout, tp.backend, report.config.dtype, opts.max_batch_size,
-        opts.max_model_len, caches.nbytes / 2**20, opts.max_queue,
+        opts.max_model_len, caches.num_blocks, caches.block_size, caches.num_blocks * caches.block_size,
+        caches.nbytes / 2**20, opts.max_queue,
         "the checkpoint's" if state.chat.own else "fallback (role: content lines)",
     )  # fmt: skip
     try:
