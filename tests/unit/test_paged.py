@@ -28,9 +28,9 @@ def test_pool_counts_holders_and_frees_in_order():
     assert pool.num_free == 2
     with pytest.raises(ValueError, match="block 0 is already free"):
         pool.release(a)
-    with pytest.raises(ValueError, match="block 0 is free; only a held block can be shared"):
-        pool.retain(a)
-    pool.allocate(), pool.allocate()
+    assert pool.allocate() == 2  # the never-used block before the freed ones: oldest-freed first
+    pool.retain(a)  # a free block taken back (a cached prefix)
+    assert pool.refs[a] == 1 and pool.num_free == 0
     with pytest.raises(OutOfBlocks, match="all 3 blocks of 4 positions are in use"):
         pool.allocate()
     assert [blocks_for(n, 4) for n in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
@@ -102,39 +102,82 @@ def test_default_block_size_and_bytes(model):
     assert PagedCaches.bytes_per_block(model) == cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4
 
 
-def _serve(model, prompts, max_tokens, *, num_blocks, block_size, num_slots=4):
-    """Rank 0's engine loop in one process: the scheduler over a paged pool -> (tokens per
-    prompt, preemptions)."""
+def _serve(model, waves, max_tokens, *, num_blocks, block_size, num_slots=4, prefix_caching=True):
+    """Rank 0's engine loop in one process: the scheduler over a paged pool, each wave of
+    prompts submitted once the one before finished -> (tokens per prompt, metrics, tokens fed)."""
     from shardwise.engine.sampling import SamplingParams
     from shardwise.serve.metrics import Metrics
     from shardwise.serve.scheduler import Scheduler, Sequence
 
     metrics = Metrics(tp=1, slots=num_slots)
-    tables = BlockTables(num_blocks, block_size)
+    tables = BlockTables(num_blocks, block_size, prefix_caching=prefix_caching)
     caches = PagedCaches(model, num_blocks, block_size)
     sched = Scheduler(num_slots=num_slots, max_queue=16, metrics=metrics, blocks=tables)
-    outs = [[] for _ in prompts]
-    for p, out in zip(prompts, outs, strict=True):
-        sched.submit(Sequence(list(p), max_tokens, SamplingParams(), frozenset(), out.append))
-    for _ in range(500):
-        batch = sched.next_batch()
-        if batch is None:
-            break
-        sched.finish_step(caches.forward(model, batch))
-    assert tables.tables == {} or all(s.done for s in sched.running.values())
-    sched.next_batch()  # frees what finished last
-    assert tables.pool.num_free == num_blocks  # every block back in the pool
-    return [[o.token for o in out if o.token is not None] for out in outs], metrics.preemptions
+    tokens, fed = [], 0
+    for prompts in waves:
+        outs = [[] for _ in prompts]
+        for p, out in zip(prompts, outs, strict=True):
+            sched.submit(Sequence(list(p), max_tokens, SamplingParams(), frozenset(), out.append))
+        for _ in range(500):
+            batch = sched.next_batch()
+            if batch is None:
+                break
+            fed += int(batch.n_new.sum())
+            sched.finish_step(caches.forward(model, batch))
+        assert not sched.running and not sched.waiting
+        assert tables.pool.num_free == num_blocks  # every block back in the pool
+        tokens += [[o.token for o in out if o.token is not None] for out in outs]
+    return tokens, metrics, fed
+
+
+def _prompts(*lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def _reference(model, prompts, n):
+    from shardwise.engine import generate
+
+    return [generate(model, [p], comm=LocalCommunicator(), max_new_tokens=n).tokens[0] for p in prompts]
 
 
 def test_scheduler_over_blocks_preempts_and_tokens_do_not_change(model):
-    from shardwise.engine import generate
-
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (9, 14, 5, 11)]
-    want = [generate(model, [p], comm=LocalCommunicator(), max_new_tokens=12).tokens[0] for p in prompts]
-    roomy, pre = _serve(model, prompts, 12, num_blocks=64, block_size=4)
-    assert roomy == want and pre == 0
+    prompts = _prompts(9, 14, 5, 11)
+    want = _reference(model, prompts, 12)
+    roomy, m, _ = _serve(model, [prompts], 12, num_blocks=64, block_size=4)
+    assert roomy == want and m.preemptions == 0
     # 11 blocks of 4 positions hold 44 tokens; the four sequences grow to 17-26 each
-    tight, pre = _serve(model, prompts, 12, num_blocks=11, block_size=4)
-    assert tight == want and pre > 0
+    tight, m, _ = _serve(model, [prompts], 12, num_blocks=11, block_size=4)
+    assert tight == want and m.preemptions > 0 and m.prefix_hit_tokens > 0
+
+
+def test_prefix_caching_skips_the_shared_prefill_and_tokens_do_not_change(model):
+    (system,) = _prompts(21, seed=2)  # a shared "system prompt": 5 full blocks of 4, and one token
+    prompts = [system + tail for tail in _prompts(3, 6, 1, seed=3)]
+    want = _reference(model, prompts, 8)
+    waves = [prompts[:1], prompts[1:]]  # the first finishes (and caches its blocks) before the others come
+    got, m, fed = _serve(model, waves, 8, num_blocks=40, block_size=4)
+    off, m_off, fed_off = _serve(model, waves, 8, num_blocks=40, block_size=4, prefix_caching=False)
+    assert got == want == off
+    assert m.prefix_hit_tokens == 2 * 20 and m_off.prefix_hit_tokens == 0  # 5 blocks each for the 2nd wave
+    assert fed == fed_off - 2 * 20  # those tokens were not fed again
+    # a preempted sequence re-admitted finds its own blocks still cached
+    tight, m, _ = _serve(model, [prompts], 8, num_blocks=15, block_size=4)
+    assert tight == want and m.preemptions > 0 and m.prefix_hit_tokens > 0
+
+
+def test_prefix_keys_follow_everything_before_a_block():
+    tables = BlockTables(8, block_size=2)
+    tables.reserve({1: 6})
+    tables.cache_prefix(1, [5, 6, 7, 8, 9, 10])  # 3 full blocks keyed
+    assert tables.share_prefix(2, [5, 6, 7, 8, 0]) == 4  # the first two blocks
+    assert tables.tables[2] == tables.tables[1][:2] and tables.pool.refs[tables.tables[1][0]] == 2
+    assert tables.share_prefix(3, [7, 8, 9, 10, 0]) == 0  # same tokens, another prefix: no hit
+    assert tables.share_prefix(4, [5, 6]) == 0  # the last token is always computed
+    tables.release([1, 2])
+    assert tables.pool.num_free == 8
+    assert tables.share_prefix(5, [5, 6, 7, 8, 9, 10, 11]) == 6  # freed, still cached
+    tables.release([5])
+    tables.reserve({6: 16})  # every block handed out again: the cache is gone
+    tables.release([6])
+    assert tables.share_prefix(7, [5, 6, 7, 8, 9]) == 0

@@ -48,7 +48,9 @@ def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
 
 
 class BlockPool:
-    """Free blocks and reference counts; a block is free when no sequence holds it."""
+    """Free blocks and reference counts; a block is free when no sequence holds it. Free
+    blocks are handed out oldest-freed first, so a freed block that still caches a prefix
+    (BlockTables) lives as long as the pool allows."""
 
     def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -56,7 +58,7 @@ class BlockPool:
                 f"a pool needs at least one block of at least one position, got {num_blocks} x {block_size}"
             )
         self.num_blocks, self.block_size = num_blocks, block_size
-        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: ids ascend
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order: oldest first
         self.refs = [0] * num_blocks
 
     @property
@@ -66,14 +68,15 @@ class BlockPool:
     def allocate(self) -> int:
         if not self._free:
             raise OutOfBlocks(f"all {self.num_blocks} blocks of {self.block_size} positions are in use")
-        block = self._free.pop()
+        block = next(iter(self._free))
+        del self._free[block]
         self.refs[block] = 1
         return block
 
     def retain(self, block: int) -> None:
-        """One more sequence holds `block` (a shared prefix)."""
-        if self.refs[block] < 1:
-            raise ValueError(f"block {block} is free; only a held block can be shared")
+        """One more sequence holds `block` (a shared prefix); a free block is taken back."""
+        if self.refs[block] == 0:
+            del self._free[block]
         self.refs[block] += 1
 
     def release(self, block: int) -> bool:
@@ -82,22 +85,41 @@ class BlockPool:
             raise ValueError(f"block {block} is already free")
         self.refs[block] -= 1
         if self.refs[block] == 0:
-            self._free.append(block)
+            self._free[block] = None
             return True
         return False
 
 
 class BlockTables:
-    """The block table of every sequence, and the pool they take from (the scheduler's side)."""
+    """The block table of every sequence, the pool they take from, and the prefix cache
+    (the scheduler's side).
 
-    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+    Prefix caching: a full block of a sequence is keyed by its tokens and the key of the
+    block before it (so by everything before it, exactly: no hash collisions), once the
+    sequence has cached it. A new sequence whose prompt starts with keyed blocks shares
+    them (reference counts) instead of computing them. A keyed block stays keyed after its
+    last holder leaves, until the pool hands it out again."""
+
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, *, prefix_caching: bool = True) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.tables: dict[int, list[int]] = {}
+        self.prefix_caching = prefix_caching
+        self._key_block: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent key id, tokens) -> block
+        self._block_key: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # block -> (key id, parent, tokens)
+        self._keyed: dict[int, tuple[int, int]] = {}  # sequence -> (blocks keyed, last key id)
+        self._ids = 0
 
     def missing(self, lengths: dict[int, int]) -> int:
         """Blocks the pool must still give for each sequence to hold `lengths[seq]` positions."""
         return sum(max(0, blocks_for(n, self.block_size) - len(self.tables.get(s, ()))) for s, n in lengths.items())
+
+    def _allocate(self) -> int:
+        block = self.pool.allocate()
+        old = self._block_key.pop(block, None)
+        if old is not None:  # handed out again: its prefix is no longer cached
+            del self._key_block[(old[1], old[2])]
+        return block
 
     def reserve(self, lengths: dict[int, int]) -> None:
         """Give each sequence blocks for `lengths[seq]` positions; all of them or none
@@ -109,15 +131,57 @@ class BlockTables:
             )
         for s, n in lengths.items():
             table = self.tables.setdefault(s, [])
-            table += [self.pool.allocate() for _ in range(blocks_for(n, self.block_size) - len(table))]
+            table += [self._allocate() for _ in range(blocks_for(n, self.block_size) - len(table))]
 
     def release(self, seqs: Iterable[int]) -> int:
         """Drop these sequences' tables (finished, preempted, or their client left); returns blocks freed."""
         freed = 0
         for s in seqs:
+            self._keyed.pop(s, None)
             for block in self.tables.pop(s, ()):
                 freed += self.pool.release(block)
         return freed
+
+    # ---- prefix caching --------------------------------------------------------------------
+    def share_prefix(self, seq: int, tokens: list[int]) -> int:
+        """A new sequence about to feed `tokens`: take the cached blocks its tokens start with
+        (all but its last token: a step needs one token to compute). Returns the positions
+        taken (a multiple of block_size), 0 when caching is off or nothing matches."""
+        if not self.prefix_caching or self.tables.get(seq):
+            return 0
+        bs, parent, hit = self.block_size, -1, []
+        for i in range((len(tokens) - 1) // bs):
+            block = self._key_block.get((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            if block is None:
+                break
+            hit.append(block)
+            parent = self._block_key[block][0]
+        for block in hit:
+            self.pool.retain(block)
+        if hit:
+            self.tables[seq] = hit
+            self._keyed[seq] = (len(hit), parent)
+        return len(hit) * bs
+
+    def cache_prefix(self, seq: int, tokens: list[int]) -> None:
+        """`tokens` are in `seq`'s cache (in order): key its full blocks not keyed yet."""
+        if not self.prefix_caching:
+            return
+        bs, table = self.block_size, self.tables.get(seq, [])
+        done, parent = self._keyed.get(seq, (0, -1))
+        for i in range(done, min(len(tokens) // bs, len(table))):
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            block = self._key_block.get(key)
+            if block is None and table[i] not in self._block_key:
+                self._ids += 1
+                block = table[i]
+                self._key_block[key] = block
+                self._block_key[block] = (self._ids, *key)
+            if block is None:  # NOTE: cannot happen (a fresh block has no key); stop keying this sequence
+                self._keyed[seq] = (1 << 62, -1)
+                return
+            parent, done = self._block_key[block][0], i + 1
+        self._keyed[seq] = (done, parent)
 
     def rows(self, seqs: list[int], device=None) -> torch.Tensor:
         """(B, W) block ids of these sequences' tables, W the longest; 0 past a table's end."""

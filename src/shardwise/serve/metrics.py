@@ -59,6 +59,7 @@ class Metrics:
         self.heartbeats = 0
         self.blocks_total = self.blocks_free = 0  # paged KV cache: this rank's pool (0: slots)
         self.preemptions = 0
+        self.prefix_hit_tokens = 0
         self.stage_busy: list[float] = [0.0] * pp if pp > 1 else []  # seconds of compute of each stage (pp > 1)
         self.stage_idle: list[float] = [1.0] * pp if pp > 1 else []  # idle fraction of each stage over the last window
         self._window: tuple[float, list[float]] | None = None
@@ -128,6 +129,9 @@ class Metrics:
                 "# HELP shardwise_preemptions_total Sequences preempted for blocks (recomputed later).",
                 "# TYPE shardwise_preemptions_total counter",
                 f"shardwise_preemptions_total {self.preemptions}",
+                "# HELP shardwise_prefix_cache_hit_tokens_total Prompt tokens found in cached blocks (not prefilled).",
+                "# TYPE shardwise_prefix_cache_hit_tokens_total counter",
+                f"shardwise_prefix_cache_hit_tokens_total {self.prefix_hit_tokens}",
                 "# HELP shardwise_step_seconds Wall time of one engine step (all ranks).",
                 "# TYPE shardwise_step_seconds histogram",
                 *self.step_seconds.lines("shardwise_step_seconds"),

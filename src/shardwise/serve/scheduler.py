@@ -8,8 +8,9 @@ At every token boundary (between two steps) the scheduler
 3. builds the next StepBatch: a prefill step of the admitted prompts when there are
    any, else a decode step of every running sequence (its last sampled token).
 
-With a paged KV cache (`blocks`: engine/paged.BlockTables) a sequence holds blocks
-instead of a slot: it is admitted while the pool has the blocks of its prompt (and fewer
+With a paged KV cache (`blocks`: engine/paged.BlockTables) a sequence holds blocks;
+a prompt that starts with blocks already cached (prefix caching) shares them and feeds
+only the rest. A sequence is admitted while the pool has the blocks of its prompt (and fewer
 than num_slots sequences run); before a decode step every row is given the block its next
 token needs, and when the pool has none left the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue with every token it has seen,
@@ -200,7 +201,11 @@ class Scheduler:
         else:
             self.free.pop(0)
             seq.slot = seq.id
-            self.blocks.reserve({seq.id: seq.cached + n})
+            hit = self.blocks.share_prefix(seq.id, seq.feed) if seq.cached == 0 else 0
+            if hit:  # those positions are cached already: feed only the rest
+                seq.seen, seq.feed, seq.cached = seq.feed[:hit], seq.feed[hit:], hit
+                self.metrics.prefix_hit_tokens += hit
+            self.blocks.reserve({seq.id: seq.cached + len(seq.feed)})
         self.running[seq.slot] = seq
 
     def _free_seat(self, seq: Sequence) -> None:
@@ -253,6 +258,7 @@ class Scheduler:
                 seq.cached += len(seq.feed)
                 if self.blocks is not None:
                     seq.seen += seq.feed
+                    self.blocks.cache_prefix(seq.id, seq.seen)
                 seq.feed = [tokens[b]]
                 if seq.done:
                     continue
