@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.cli.common import add_model_args, add_pp_arg, add_run_args, fail, job, resolve_model
+from shardwise.cli.memcheck import add_force_arg, check_inference
 from shardwise.comm import Communicator, tp_only
 from shardwise.engine.text import load_tokenizer
 from shardwise.models.pooling import mean_pool
@@ -32,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text", action="append", required=True, help="text to embed (repeat for a batch)")
     p.add_argument("--normalize", action="store_true", help="scale each embedding to unit L2 norm")
     add_run_args(p)
+    add_force_arg(p)
 
 
 def _batch(tokenizer, texts: list[str], pad_id: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -95,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
         "mask": mask,
         "normalize": args.normalize,
     }
+    check_inference(
+        cfg, tp=args.tp, pp_layers=None, dtype=args.dtype, quantize=args.quantize, expert_parallel=False,
+        batch=len(ids), prompt_len=max(lengths), kv_tokens=0, backend=args.backend, force=args.force,
+    )  # fmt: skip
     r = job(
         _embed_rank,
         args.tp,

@@ -25,6 +25,7 @@ from shardwise.cli.common import (
     resolve_model,
     resolve_stages,
 )
+from shardwise.cli.memcheck import add_force_arg, check_inference
 from shardwise.comm import Communicator, ParallelDims, tp_only
 from shardwise.engine import PromptError, SamplingParams, StageForward, generate, validate_prompts
 from shardwise.engine.pipeline import gather_snapshots
@@ -56,6 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-tp1", action="store_true", help="also run at tp=1 and report whether the tokens match")
     p.add_argument("--debug-fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     add_run_args(p)
+    add_force_arg(p)
 
 
 def _prompts(args, model_dir: Path) -> list[list[int]]:
@@ -183,6 +185,12 @@ def run(args: argparse.Namespace) -> int:
         "pp_layers": layout.layers if layout is not None else None,
         "expert_parallel": args.expert_parallel,
     }
+    longest = max(map(len, prompts))
+    check_inference(
+        cfg, tp=args.tp, pp_layers=opts["pp_layers"], dtype=args.dtype, quantize=args.quantize,
+        expert_parallel=args.expert_parallel, batch=len(prompts), prompt_len=longest,
+        kv_tokens=longest + args.max_new_tokens, backend=args.backend, force=args.force,
+    )  # fmt: skip
     if not args.json:
         if model_dir == DEFAULT_MODEL:
             print("model: the default model shipped with shardwise, trained on Jane Austen's novels (see its README)\n")

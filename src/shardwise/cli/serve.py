@@ -25,6 +25,7 @@ from shardwise.cli.common import (
     resolve_model,
     resolve_stages,
 )
+from shardwise.cli.memcheck import add_force_arg, check_inference
 from shardwise.comm import DEFAULT_TIMEOUT_S
 from shardwise.engine.text import DEFAULT_MODEL, load_tokenizer
 
@@ -77,6 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--health-timeout", type=float, default=3.0, help="/health is 503 when no step completed for this long (s)"
     )
     add_host_args(p)
+    add_force_arg(p)
     p.add_argument("--debug-fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     p.add_argument("--debug-fail-after", type=int, default=0, help=argparse.SUPPRESS)
 
@@ -132,6 +134,12 @@ def run(args: argparse.Namespace) -> int:
     problems = _check(args, model_dir, cfg)
     if problems:
         return fail(problems[0])
+    max_model_len = args.max_model_len or cfg.max_positions
+    check_inference(  # the weights and the KV-cache slots it preallocates (engine/slots.py)
+        cfg, tp=args.tp, pp_layers=layout.layers if layout is not None else None, dtype=args.dtype,
+        quantize=args.quantize, expert_parallel=args.expert_parallel, batch=args.max_batch_size,
+        prompt_len=max_model_len, kv_tokens=max_model_len, backend=args.backend, force=args.force, serving=True,
+    )  # fmt: skip
     default = model_dir == DEFAULT_MODEL
     opts = ServeOptions(
         model=str(model_dir),
@@ -141,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         max_batch_size=args.max_batch_size,
-        max_model_len=args.max_model_len or cfg.max_positions,
+        max_model_len=max_model_len,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         health_timeout=args.health_timeout,

@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 
 from shardwise.cli.common import add_host_args, fail, job
+from shardwise.cli.memcheck import add_force_arg, check_training
 from shardwise.comm import Communicator
 
 __all__ = [
@@ -98,6 +99,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # accepted only to be refused with the reason (quantized weights are for inference)
     p.add_argument("--quantize", default=None, help=argparse.SUPPRESS)
     add_host_args(p)
+    add_force_arg(p)
 
 
 def _train_rank(world: Communicator, cfg, p2p_check: bool = False) -> dict:
@@ -412,6 +414,7 @@ def run(args: argparse.Namespace) -> int:
         model_cfg, tokens, backend = prepare(cfg)
     except (ConfigError, DataError, ShardError, CheckpointError, OSError, ValueError, QuantizeError) as e:
         return fail(str(e))
+    check_training(cfg, model_cfg, force=args.force)
     if not args.json:
         print(startup_line(cfg, model_cfg, tokens, backend), flush=True)
     fn = _train_rank_p2p_check if args.p2p_check else _train_rank

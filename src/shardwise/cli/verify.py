@@ -34,6 +34,7 @@ from shardwise.cli.common import (
     resolve_model,
     resolve_stages,
 )
+from shardwise.cli.memcheck import add_force_arg, check_inference
 from shardwise.comm import Communicator, LocalCommunicator, ParallelDims, tp_only
 from shardwise.engine.pipeline import StageForward
 from shardwise.pipeline.stage import StageLayout
@@ -61,6 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--tolerance", type=float, default=None, help="max relative error (default 1e-4 fp32, 2e-2 bf16/fp16)"
     )
     add_run_args(p)
+    add_force_arg(p)
 
 
 def _inputs(vocab: int, encoder: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,6 +288,12 @@ def run(args: argparse.Namespace) -> int:
         "expert_parallel": args.expert_parallel,
     }
     opts["pp_layers"] = layout.layers if args.pp != 1 else None
+    if cfg is not None:  # the automatic plan's models have no formulas: not checked
+        check_inference(
+            cfg, tp=args.tp, pp_layers=opts["pp_layers"], dtype=args.dtype, quantize=args.quantize,
+            expert_parallel=args.expert_parallel, batch=len(LENGTHS), prompt_len=max(LENGTHS), kv_tokens=0,
+            backend=args.backend, force=args.force, full_copy_on_rank0=True,
+        )  # fmt: skip
     r = job(
         _verify_rank,
         args.tp * args.pp,

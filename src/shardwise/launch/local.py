@@ -28,8 +28,9 @@ from typing import Any
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, LocalCommunicator
 from shardwise.launch import board as boards
 from shardwise.launch.failfast import Outcomes, error_report, job_deadline, ok_report, recv_report, send_report
+from shardwise.memory import NEED_ENV, fmt_bytes, host_memory, oom_kills
 
-__all__ = ["launch_local", "free_port"]
+__all__ = ["launch_local", "free_port", "death"]
 
 
 PRELOAD: list[str] = []
@@ -109,6 +110,7 @@ def launch_local(
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "shardwise.launch.local", *_extra_preload()])
     port = free_port()
+    ooms = oom_kills()  # before: a SIGKILLed rank is the OOM killer's if the count grew
     board_dir = boards.new_dir()
     procs, lifelines = [], []
     pending: dict[Connection, int] = {}
@@ -132,7 +134,7 @@ def launch_local(
         deadline = job_deadline(timeout_s, job_timeout_s)
         outcomes = Outcomes(world_size, [p.pid for p in procs])
         return outcomes.collect(
-            lambda seconds: _poll(procs, pending, outcomes, seconds),
+            lambda seconds: _poll(procs, pending, outcomes, seconds, ooms),
             running=lambda: bool(pending) or any(p.is_alive() for p in procs),
             deadline=deadline,
             diagnose=lambda: boards.diagnose_dir(board_dir, world_size),
@@ -145,7 +147,34 @@ def launch_local(
         boards.remove_dir(board_dir)
 
 
-def _poll(procs, pending: dict[Connection, int], outcomes: Outcomes, seconds: float) -> None:
+def death(exitcode: int, world_size: int, ooms_before: int | None, ooms_after: int | None) -> str:
+    """How a rank died, in words: its exit code or signal; for SIGKILL whether the kernel's
+    out-of-memory killer did it (the cgroup's oom_kill count grew), with the memory the
+    command's pre-check estimated (NEED_ENV) and what the host allows; "possibly out of
+    memory" where the count cannot be read."""
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    how = f"killed by signal {signal.Signals(-exitcode).name}"
+    if exitcode != -signal.SIGKILL:
+        return how
+    if ooms_before is None or ooms_after is None:
+        return how + " (possibly out of memory: the cgroup's OOM count is not readable)"
+    if ooms_after <= ooms_before:
+        return how
+    words = f"killed by the out-of-memory killer (cgroup oom_kill {ooms_before} -> {ooms_after})"
+    need = os.environ.get(NEED_ENV)
+    try:
+        host = host_memory()
+    except ValueError:  # an unreadable SHARDWISE_MEMORY_LIMIT: the count alone says enough
+        host = None
+    if need or host:
+        said = [f"it needed about {fmt_bytes(int(need))}"] if need else []
+        said += [f"the host allowed {fmt_bytes(host.available)} ({host.source}) for {world_size} ranks"] if host else []
+        words += "; " + ", ".join(said)
+    return words
+
+
+def _poll(procs, pending: dict[Connection, int], outcomes: Outcomes, seconds: float, ooms: int | None) -> None:
     """Wait up to `seconds` for reports and exits; record them in `outcomes`."""
     for obj in wait([*pending, *(p.sentinel for p in procs if p.is_alive())], timeout=seconds):
         if obj in pending:
@@ -158,9 +187,7 @@ def _poll(procs, pending: dict[Connection, int], outcomes: Outcomes, seconds: fl
         if p.exitcode not in (None, 0) and not outcomes.settled(rank):
             if any(c for c, r in pending.items() if r == rank and c.poll()):
                 continue  # its error report is still in the pipe
-            how = (
-                f"killed by signal {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
-            )
+            how = death(p.exitcode, len(procs), ooms, oom_kills() if p.exitcode == -signal.SIGKILL else None)
             outcomes.died(rank, f"process {p.pid} {how}", aborted=p.exitcode == -signal.SIGABRT)
             for c in [c for c, r in pending.items() if r == rank]:
                 del pending[c]
