@@ -42,6 +42,7 @@ NEED_ENV = "SHARDWISE_MEMORY_NEED"
 for the launcher to name when a rank is killed by the out-of-memory killer."""
 _UNLIMITED = 2**60  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
 _CGROUP = Path("/sys/fs/cgroup")
+_V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes")
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20}
 _UNITS |= {"g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}
 
@@ -93,13 +94,25 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _cgroup_files(root: Path, v2: tuple[str, ...], v1: tuple[str, ...]) -> tuple[str, list[str]] | None:
-    """("cgroup v2" or "cgroup v1", the files' text), the first version whose files all read."""
-    for name, files in (("cgroup v2", [root / f for f in v2]), ("cgroup v1", [root / "memory" / f for f in v1])):
-        texts = [_read(f) for f in files]
-        if all(t is not None for t in texts):
-            return name, texts
-    return None
+def _cgroup_dirs(root: Path, self_cgroup: Path) -> list[tuple[str, Path]]:
+    """("cgroup v2" or "cgroup v1", directory) of this process's memory cgroup and each of its
+    ancestors up to the mount's root, innermost first, v2 (root) before v1 (root/memory). The
+    path comes from /proc/self/cgroup; where it is not under the mount (a cgroup namespace
+    mounts the process's own cgroup as the root), the root."""
+    lines = (_read(self_cgroup) or "").splitlines()
+    out = []
+    for version, base, wanted in (("cgroup v2", root, {""}), ("cgroup v1", root / "memory", {"memory"})):
+        path = next(
+            (f[2] for f in (x.split(":", 2) for x in lines) if len(f) == 3 and wanted & {*f[1].split(",")}), "/"
+        )
+        d = base / path.lstrip("/")
+        d = d if d.is_dir() else base
+        while True:
+            out.append((version, d))
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+    return out
 
 
 @dataclass(frozen=True)
@@ -111,19 +124,24 @@ class HostMemory:
     """E.g. "MemAvailable", "cgroup v2 limit (memory.max - memory.current)", "SHARDWISE_MEMORY_LIMIT"."""
 
 
-def host_memory(root: Path = _CGROUP, meminfo: Path = Path("/proc/meminfo")) -> HostMemory | None:
-    """What the host allows: SHARDWISE_MEMORY_LIMIT if set, else the smaller of the memory
-    cgroup's room and MemAvailable; None when neither can be read."""
+def host_memory(
+    root: Path = _CGROUP, meminfo: Path = Path("/proc/meminfo"), self_cgroup: Path = Path("/proc/self/cgroup")
+) -> HostMemory | None:
+    """What the host allows: SHARDWISE_MEMORY_LIMIT if set, else the smallest of the room under
+    each memory cgroup limit above this process (its own cgroup's and its ancestors') and
+    MemAvailable; None when none can be read."""
     override = os.environ.get(LIMIT_ENV)
     if override:
         return HostMemory(parse_size(override), LIMIT_ENV)
     found = []
-    group = _cgroup_files(root, ("memory.max", "memory.current"), ("memory.limit_in_bytes", "memory.usage_in_bytes"))
-    if group is not None:
-        room = cgroup_room(*group[1])
+    for version, d in _cgroup_dirs(root, self_cgroup):
+        v2 = version == "cgroup v2"
+        limit, usage = (d / f for f in (("memory.max", "memory.current") if v2 else _V1_FILES))
+        texts = _read(limit), _read(usage)
+        room = cgroup_room(*texts) if None not in texts else None
         if room is not None:
-            files = "memory.max - memory.current" if group[0] == "cgroup v2" else "limit_in_bytes - usage_in_bytes"
-            found.append(HostMemory(room, f"{group[0]} limit ({files})"))
+            files = "memory.max - memory.current" if v2 else "limit_in_bytes - usage_in_bytes"
+            found.append(HostMemory(room, f"{version} limit ({files})"))
     text = _read(meminfo)
     avail = parse_meminfo(text) if text is not None else None
     if avail is not None:
@@ -131,10 +149,14 @@ def host_memory(root: Path = _CGROUP, meminfo: Path = Path("/proc/meminfo")) -> 
     return min(found, key=lambda h: h.available) if found else None
 
 
-def oom_kills(root: Path = _CGROUP) -> int | None:
-    """Processes of this cgroup the kernel's OOM killer has ended so far (None if unreadable)."""
-    group = _cgroup_files(root, ("memory.events",), ("memory.oom_control",))
-    return parse_oom_kill(group[1][0]) if group is not None else None
+def oom_kills(root: Path = _CGROUP, self_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Processes of this process's memory cgroup (and, on v2, its descendants) that the kernel's
+    OOM killer has ended so far; None if unreadable."""
+    for version, d in _cgroup_dirs(root, self_cgroup):
+        text = _read(d / ("memory.events" if version == "cgroup v2" else "memory.oom_control"))
+        if text is not None:
+            return parse_oom_kill(text)
+    return None
 
 
 def rss_anon_bytes() -> int:

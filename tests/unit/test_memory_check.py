@@ -77,6 +77,27 @@ def test_host_memory_takes_the_smaller_of_cgroup_and_meminfo(tmp_path, monkeypat
     assert oom_kills(events) == 1 and oom_kills(tmp_path / "none") is None
 
 
+def test_cgroup_of_this_process_and_its_ancestors(tmp_path, monkeypatch):
+    """The limit may sit on an ancestor of the process's cgroup (/proc/self/cgroup names it)."""
+    monkeypatch.delenv(LIMIT_ENV, raising=False)
+    meminfo = _files(tmp_path, {"meminfo": "MemAvailable:   67108864 kB\n"}) / "meminfo"  # 64 GiB
+    v2 = _files(tmp_path / "v2", {
+        "job.slice/memory.max": f"{8 * 2**30}\n", "job.slice/memory.current": f"{2**30}\n",
+        "job.slice/run/memory.max": "max\n", "job.slice/run/memory.current": "5\n",
+        "job.slice/run/memory.events": "oom 2\noom_kill 2\n",
+    })  # fmt: skip
+    own = _files(tmp_path, {"self_v2": "0::/job.slice/run\n"}) / "self_v2"
+    assert host_memory(v2, meminfo, own) == HostMemory(7 * 2**30, "cgroup v2 limit (memory.max - memory.current)")
+    assert oom_kills(v2, own) == 2
+    v1 = _files(tmp_path / "v1", {
+        "memory/docker/abc/memory.limit_in_bytes": f"{2**30}\n", "memory/docker/abc/memory.usage_in_bytes": "0\n",
+        "memory/docker/abc/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 4\n",
+    })  # fmt: skip
+    own = _files(tmp_path, {"self_v1": "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n"}) / "self_v1"
+    assert host_memory(v1, meminfo, own).available == 2**30
+    assert oom_kills(v1, own) == 4
+
+
 # ---- the pre-check ---------------------------------------------------------------------------
 @pytest.fixture
 def allowed(monkeypatch):
