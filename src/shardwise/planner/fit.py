@@ -40,9 +40,11 @@ __all__ = [
 ]
 
 RUNTIME_BYTES = 256 * 2**20
-"""What a rank costs before it holds anything: Python, torch and its communicator. Measured
-on this project's CPU host: an idle gloo rank forked from the forkserver holds about 145 MiB
-of anonymous memory (RssAnon; 56 MiB proportional share, Pss), before the model code's imports."""
+"""What a rank costs before it holds anything: Python, torch, its communicator and the model
+code's imports. Measured on this project's 2-core CPU host: a gloo rank forked from the
+forkserver, after importing shardwise.hf, shardwise.engine and the server, holds 157 MiB of
+anonymous memory (RssAnon; 98-118 MiB proportional share, Pss); 256 MiB leaves room for the
+allocator's and the communicator's buffers."""
 
 WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 
