@@ -16,7 +16,7 @@ from shardwise.cli import generate as generate_cli
 from shardwise.cli import memcheck
 from shardwise.cli import train as train_cli
 from shardwise.cli.main import main
-from shardwise.launch import local
+from shardwise.launch import failfast, local
 from shardwise.launch.failfast import Outcomes
 from shardwise.memory import (
     LIMIT_ENV,
@@ -207,7 +207,7 @@ def test_train_suggests_the_distributed_optimizer(allowed, capsys):
 # ---- a rank the OOM killer ended -------------------------------------------------------------
 def test_death_names_the_oom_killer(monkeypatch):
     monkeypatch.setattr(
-        local, "host_memory", lambda: HostMemory(8 * 2**30, "cgroup v2 limit (memory.max - memory.current)")
+        failfast, "host_memory", lambda: HostMemory(8 * 2**30, "cgroup v2 limit (memory.max - memory.current)")
     )
     monkeypatch.setenv(NEED_ENV, str(int(11.3 * 2**30)))
     said = local.death(-signal.SIGKILL, 2, 0, 1)
@@ -233,7 +233,7 @@ class _DeadRank:
 def test_launcher_reports_an_oom_kill(monkeypatch):
     """_poll sees a SIGKILLed rank while the cgroup's oom_kill count went 0 -> 1."""
     monkeypatch.setattr(local, "oom_kills", lambda: 1)
-    monkeypatch.setattr(local, "host_memory", lambda: None)
+    monkeypatch.setattr(failfast, "host_memory", lambda: None)
     monkeypatch.delenv(NEED_ENV, raising=False)
     outcomes = Outcomes(2, [4242, 4243])
     local._poll([_DeadRank()], {}, outcomes, 0.0, 0)

@@ -19,6 +19,7 @@ way out); this module owns the decisions, so they are made one way for every bac
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import time
 import traceback
@@ -29,6 +30,7 @@ from typing import Any
 
 from shardwise.comm.communicator import CollectiveError
 from shardwise.comm.hang import Hang
+from shardwise.memory import NEED_ENV, fmt_bytes, host_memory
 
 __all__ = [
     "GRACE_S",
@@ -42,6 +44,7 @@ __all__ = [
     "error_report",
     "job_deadline",
     "ok_report",
+    "out_of_memory",
     "recv_report",
     "root_cause",
     "send_report",
@@ -137,6 +140,24 @@ def job_deadline(timeout_s: float, job_timeout_s: float | None) -> float:
     never), by default 4x the collective timeout + 60 s."""
     limit = job_timeout_s if job_timeout_s is not None else 4 * timeout_s + 60
     return math.inf if math.isinf(limit) else time.monotonic() + limit
+
+
+def out_of_memory(world_size: int, ooms_before: int | None, ooms_after: int | None) -> str | None:
+    """Words for a rank the kernel's out-of-memory killer ended, when the cgroup's oom_kill count
+    grew while the job ran (shardwise.memory.oom_kills, read by the launcher before and after),
+    with the bytes the command's pre-check estimated (NEED_ENV) and what the host allows now;
+    None when it did not grow or could not be read."""
+    if ooms_before is None or ooms_after is None or ooms_after <= ooms_before:
+        return None
+    words = f"killed by the out-of-memory killer (cgroup oom_kill {ooms_before} -> {ooms_after})"
+    need = os.environ.get(NEED_ENV)
+    try:
+        host = host_memory()
+    except ValueError:  # an unreadable SHARDWISE_MEMORY_LIMIT: the count alone says enough
+        host = None
+    said = [f"it needed about {fmt_bytes(int(need))}"] if need else []
+    said += [f"the host allowed {fmt_bytes(host.available)} ({host.source}) for {world_size} ranks"] if host else []
+    return words + ("; " + ", ".join(said) if said else "")
 
 
 # ---- a rank's report ------------------------------------------------------------------------

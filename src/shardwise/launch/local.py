@@ -27,8 +27,16 @@ from typing import Any
 
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, LocalCommunicator
 from shardwise.launch import board as boards
-from shardwise.launch.failfast import Outcomes, error_report, job_deadline, ok_report, recv_report, send_report
-from shardwise.memory import NEED_ENV, fmt_bytes, host_memory, oom_kills
+from shardwise.launch.failfast import (
+    Outcomes,
+    error_report,
+    job_deadline,
+    ok_report,
+    out_of_memory,
+    recv_report,
+    send_report,
+)
+from shardwise.memory import oom_kills
 
 __all__ = ["launch_local", "free_port", "death"]
 
@@ -149,9 +157,8 @@ def launch_local(
 
 def death(exitcode: int, world_size: int, ooms_before: int | None, ooms_after: int | None) -> str:
     """How a rank died, in words: its exit code or signal; for SIGKILL whether the kernel's
-    out-of-memory killer did it (the cgroup's oom_kill count grew), with the memory the
-    command's pre-check estimated (NEED_ENV) and what the host allows; "possibly out of
-    memory" where the count cannot be read."""
+    out-of-memory killer did it (failfast.out_of_memory), "possibly out of memory" where the
+    cgroup's count cannot be read."""
     if exitcode >= 0:
         return f"exit code {exitcode}"
     how = f"killed by signal {signal.Signals(-exitcode).name}"
@@ -159,19 +166,7 @@ def death(exitcode: int, world_size: int, ooms_before: int | None, ooms_after: i
         return how
     if ooms_before is None or ooms_after is None:
         return how + " (possibly out of memory: the cgroup's OOM count is not readable)"
-    if ooms_after <= ooms_before:
-        return how
-    words = f"killed by the out-of-memory killer (cgroup oom_kill {ooms_before} -> {ooms_after})"
-    need = os.environ.get(NEED_ENV)
-    try:
-        host = host_memory()
-    except ValueError:  # an unreadable SHARDWISE_MEMORY_LIMIT: the count alone says enough
-        host = None
-    if need or host:
-        said = [f"it needed about {fmt_bytes(int(need))}"] if need else []
-        said += [f"the host allowed {fmt_bytes(host.available)} ({host.source}) for {world_size} ranks"] if host else []
-        words += "; " + ", ".join(said)
-    return words
+    return out_of_memory(world_size, ooms_before, ooms_after) or how
 
 
 def _poll(procs, pending: dict[Connection, int], outcomes: Outcomes, seconds: float, ooms: int | None) -> None:

@@ -32,7 +32,16 @@ from typing import Any
 
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S
 from shardwise.launch import board as boards
-from shardwise.launch.failfast import Failure, JobTimeoutError, Outcomes, RankFailedError, job_deadline, recv_report
+from shardwise.launch.failfast import (
+    Failure,
+    JobTimeoutError,
+    Outcomes,
+    RankFailedError,
+    job_deadline,
+    out_of_memory,
+    recv_report,
+)
+from shardwise.memory import oom_kills
 
 __all__ = ["launch_mpi", "find_mpiexec"]
 
@@ -121,6 +130,7 @@ def _collect(
 ) -> list[Any]:
     outcomes = Outcomes(world_size, [proc.pid, *(pid for pid, _ in ranks.values())])
     pending = dict(conns)
+    ooms = oom_kills()  # a rank gone silent while the cgroup's OOM count grew: the OOM killer's
 
     def poll(seconds: float) -> None:
         for conn in wait(list(pending), timeout=seconds):
@@ -131,8 +141,9 @@ def _collect(
                 # NOTE: once one rank exits with an error, mpiexec kills the others; those
                 # silent deaths are consequences, not the cause.
                 after_report = any(f.detail for f in outcomes.failures)
-                how = f"process {ranks[rank][0]} exited without reporting (killed?)"
-                outcomes.died(rank, how, secondary=after_report)
+                oom = out_of_memory(world_size, ooms, oom_kills())
+                how = f"process {ranks[rank][0]} " + (oom or "exited without reporting (killed?)")
+                outcomes.died(rank, how, secondary=after_report and oom is None)
 
     return outcomes.collect(
         poll,
