@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from shardwise.cli.common import (
+    CliError,
     add_expert_parallel_arg,
     add_host_args,
     add_pp_arg,
@@ -60,6 +61,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s (default 64)")
+    p.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        metavar="SIZE",
+        help="bytes of paged KV cache per rank (e.g. 2GiB, 512MiB), in blocks of 16 tokens shared by every "
+        "sequence; a --max-model-len the pool cannot hold is refused (default: --max-batch-size x "
+        "--max-model-len tokens)",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not share the KV blocks of identical prompt prefixes between requests",
+    )
     p.add_argument(
         "--served-model-name",
         default=None,
@@ -117,6 +132,44 @@ def _check(args: argparse.Namespace, model_dir: Path, cfg) -> list[str]:
     return problems
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def kv_blocks(args: argparse.Namespace, cfg, layers: list[int] | None, max_model_len: int) -> int:
+    """Blocks of the paged KV pool per rank: --kv-cache-memory over the busiest rank's bytes per
+    block, or --max-batch-size sequences of max_model_len tokens. Refuses (CliError) a budget
+    that cannot hold one sequence of max_model_len tokens, naming the longest that fits."""
+    from shardwise.engine.paged import BLOCK_SIZE, blocks_for
+    from shardwise.memory import parse_size
+    from shardwise.planner.footprint import kv_bytes_per_token
+
+    if args.kv_cache_memory is None:
+        return args.max_batch_size * blocks_for(max_model_len)
+    try:
+        budget = parse_size(args.kv_cache_memory)
+    except ValueError as e:
+        raise CliError(fail(f"--kv-cache-memory: {e}")) from None
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype or cfg.dtype]
+    per_block = BLOCK_SIZE * kv_bytes_per_token(cfg, args.tp, width, max(layers) if layers else cfg.num_layers)
+    blocks, need = budget // per_block, blocks_for(max_model_len)
+    if blocks < need:
+        longest = blocks * BLOCK_SIZE
+        fits = (
+            f"the longest sequence that fits is {longest} tokens (--max-model-len {longest})"
+            if longest
+            else "not one block fits"
+        )
+        raise CliError(
+            fail(
+                f"--max-model-len {max_model_len} needs {need} KV blocks of {BLOCK_SIZE} tokens "
+                f"({_size(need * per_block)} per rank at tp={args.tp}); --kv-cache-memory {args.kv_cache_memory} "
+                f"holds {blocks} ({_size(per_block)} each): {fits}"
+            )
+        )
+    return blocks
+
+
 def _stop(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -135,10 +188,14 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         return fail(problems[0])
     max_model_len = args.max_model_len or cfg.max_positions
-    check_inference(  # the weights and the KV-cache slots it preallocates (engine/slots.py)
+    blocks = kv_blocks(args, cfg, layout.layers if layout is not None else None, max_model_len)
+    kv_seqs, kv_tokens = (  # what the pool holds, for the memory check
+        (args.max_batch_size, max_model_len) if args.kv_cache_memory is None else (1, blocks * 16)
+    )
+    check_inference(  # the weights and the paged KV pool it allocates at start (engine/paged.py)
         cfg, tp=args.tp, pp_layers=layout.layers if layout is not None else None, dtype=args.dtype,
-        quantize=args.quantize, expert_parallel=args.expert_parallel, batch=args.max_batch_size,
-        prompt_len=max_model_len, kv_tokens=max_model_len, backend=args.backend, force=args.force, serving=True,
+        quantize=args.quantize, expert_parallel=args.expert_parallel, batch=kv_seqs,
+        prompt_len=max_model_len, kv_tokens=kv_tokens, backend=args.backend, force=args.force, serving=True,
     )  # fmt: skip
     default = model_dir == DEFAULT_MODEL
     opts = ServeOptions(
@@ -159,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
         num_layers=cfg.num_layers,
         pp_layers=layout.layers if layout is not None else None,
         expert_parallel=args.expert_parallel,
+        kv_blocks=blocks,
+        prefix_caching=args.prefix_caching,
     )
     if default:
         print(

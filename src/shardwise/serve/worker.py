@@ -76,6 +76,9 @@ class ServeOptions:
     """Blocks of the paged KV cache per rank (BLOCK_SIZE positions each); None: as many as
     max_batch_size sequences of max_model_len tokens take."""
 
+    prefix_caching: bool = True
+    """Share the KV blocks of identical prompt prefixes (engine/paged.BlockTables)."""
+
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_blocks if self.kv_blocks is not None else self.max_batch_size * blocks_for(self.max_model_len)
@@ -149,7 +152,7 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
         max_queue=opts.max_queue,
         metrics=metrics,
         stale_s=opts.health_timeout,
-        blocks=BlockTables(opts.num_kv_blocks, caches.block_size),
+        blocks=BlockTables(opts.num_kv_blocks, caches.block_size, prefix_caching=opts.prefix_caching),
     )
     metrics.blocks_total = metrics.blocks_free = opts.num_kv_blocks
     state = ServerState(
@@ -173,10 +176,10 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
     layout = f"tp={tp.size}" if opts.pp == 1 else f"tp={tp.size} x pp={opts.pp} ({engine.stage_text})"
     log.info(
         "serving %s at http://%s:%d/v1 | %s (%s), %s | up to %d sequences of up to %d tokens | paged KV cache: "
-        "%d blocks of %d tokens (%d tokens), %.1f MiB per rank | max queue %d | chat template: %s",
+        "%d blocks of %d tokens (%d tokens), %.1f MiB per rank, prefix caching %s | max queue %d | chat template: %s",
         opts.model_name, host, port, layout, tp.backend, report.config.dtype, opts.max_batch_size,
         opts.max_model_len, caches.num_blocks, caches.block_size, caches.num_blocks * caches.block_size,
-        caches.nbytes / 2**20, opts.max_queue,
+        caches.nbytes / 2**20, "on" if opts.prefix_caching else "off", opts.max_queue,
         "the checkpoint's" if state.chat.own else "fallback (role: content lines)",
     )  # fmt: skip
     try:
