@@ -171,6 +171,7 @@ def _reference(tokens, tmp_path) -> dict:
     return resumes_case(LocalCommunicator(), [_run(tokens, tmp_path / "ref", {}, False, 4)])[0]
 
 
+@pytest.mark.full  # 10 s here: make test keeps the equivalence cases
 def test_distributed_checkpoint_resumes_at_dp3_and_without_it(rank_pool, tokens, tmp_path):
     """Saved at step 2 with the distributed optimizer at dp=4, resumed to step 4 at dp=3 with
     it (uneven slices) and on one process without it: each equals an uninterrupted
