@@ -73,7 +73,7 @@ def _cli(*layout: str) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.gate
+@pytest.mark.full  # make test runs eval-ppl's engine against transformers and the command's refusals
 def test_tp2_equals_tp1(tp1):
     r = _cli("--tp", "2")
     assert (r["tp"], r["pp"], r["text_tokens"], r["context"], r["stride"]) == (2, 1, N, CONTEXT, STRIDE)

@@ -103,6 +103,7 @@ def test_nothing_fits_says_by_how_much_and_what_would():
     assert any(a.startswith("micro-batch 1: tp=") for a in t.alternatives), t.alternatives
 
 
+@pytest.mark.full  # 10 s here; make test keeps the planner's other search tests
 def test_training_plan_uses_every_device_and_explains():
     wl = TrainingWorkload(global_batch=256, micro_batch=2, seq_len=2048, recompute=True)
     p = plan("llama-3-70b", cluster_preset("dgx-h100", nodes=4), wl)
