@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 import torch
 
-from shardwise.engine.slots import StepBatch, _StepIndex
+from shardwise.engine.slots import LayerCaches, StepBatch, _StepIndex
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.modules import KVCache
 
@@ -218,7 +218,7 @@ class PagedKVCache:
         return k_flat[read].transpose(1, 2), v_flat[read].transpose(1, 2)  # (B, nkv, K, hd)
 
 
-class PagedCaches:
+class PagedCaches(LayerCaches):
     """Every layer's pool on this rank, and the step forward through the step's block tables."""
 
     def __init__(self, model: DecoderLM, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
@@ -228,22 +228,12 @@ class PagedCaches:
             )
         self.num_blocks, self.block_size = num_blocks, block_size
         self.step: tuple[_StepIndex, torch.Tensor, torch.Tensor] | None = None
-        self.layers: list[PagedKVCache] = []
-        self.by_layer: dict[int, PagedKVCache] = {}  # global layer index -> pool (a stage holds some layers)
-        modules = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
-        for i, layer in zip(model.layer_indices(), modules, strict=True):
-            _, kv_heads = KVCache.local_heads(layer.attn)
-            w = layer.attn.qkv.weight
-            cache = PagedKVCache(
-                self, num_blocks, block_size, kv_heads, model.cfg.head_dim, dtype=w.dtype, device=w.device
-            )
-            self.layers.append(cache)
-            self.by_layer[i] = cache
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of pool this rank holds."""
-        return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers)
+        self._build(
+            model,
+            lambda kv, hd, dtype, device: PagedKVCache(
+                self, num_blocks, block_size, kv, hd, dtype=dtype, device=device
+            ),
+        )
 
     @staticmethod
     def bytes_per_block(model: DecoderLM, block_size: int = BLOCK_SIZE) -> int:
@@ -276,35 +266,6 @@ class PagedCaches:
         read = table[ix.read_slot, ix.read_pos // bs] * bs + ix.read_pos % bs  # (B, K)
         return ix, write, read
 
-    # ---- steps -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def forward(self, model: DecoderLM, batch: StepBatch) -> torch.Tensor:
-        """One step (batch.tables: each row's blocks) -> next-token logits (B, V)."""
-        self.step = step = self._index(batch)
-        T = batch.ids.shape[1]
-        try:
-            logits = model(
-                batch.ids,
-                attention_mask=step[0].key_mask,
-                positions=step[0].positions,
-                caches=self.layers,  # type: ignore[arg-type]  (duck-typed KVCache)
-                start=step[0].K - T,
-                last_only=True,
-            )  # (B, 1, V)
-        finally:
-            self.step = None
-        return logits[:, -1]
-
-    @torch.no_grad()
-    def stage_step(
-        self, model: DecoderLM, batch: StepBatch, hidden: torch.Tensor | None, *, last: bool
-    ) -> torch.Tensor:
-        """One step through this stage's layers, as SlotCaches.stage_step."""
-        self.step = step = self._index(batch)
-        ix, T = step[0], batch.ids.shape[1]
-        try:
-            x, rope, attn = model.prelude(batch.ids, ix.key_mask, ix.positions, True, ix.K - T, hidden=hidden)
-            x = model.run_layers(x, rope, attn, self.by_layer, ix.K - T)  # type: ignore[arg-type]
-        finally:
-            self.step = None
-        return model.head(x, last_only=True)[:, -1] if last else x
+    def _begin(self, batch: StepBatch) -> _StepIndex:
+        self.step = self._index(batch)
+        return self.step[0]

@@ -30,7 +30,7 @@ import torch
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.modules import KVCache
 
-__all__ = ["StepBatch", "SlotKVCache", "SlotCaches"]
+__all__ = ["StepBatch", "SlotKVCache", "LayerCaches", "SlotCaches"]
 
 
 @dataclass(frozen=True)
@@ -131,21 +131,22 @@ class SlotKVCache:
         return keys.transpose(1, 2), values.transpose(1, 2)  # (B, nkv, K, hd)
 
 
-class SlotCaches:
-    """The slot caches of every layer of one model (this rank's KV heads), and the step forward."""
+class LayerCaches:
+    """What the slot cache and the paged cache (engine/paged.py) share: one cache object per
+    attention layer the model holds, and a step through the unchanged forward. A subclass
+    says how a step's positions map to its storage (`_begin`: sets `self.step`)."""
 
-    def __init__(self, model: DecoderLM, num_slots: int, max_len: int) -> None:
-        if num_slots < 1 or max_len < 1:
-            raise ValueError(f"num_slots and max_len must be >= 1, got {num_slots} and {max_len}")
-        self.num_slots, self.max_len = num_slots, max_len
-        self.step: _StepIndex | None = None
-        self.layers: list[SlotKVCache] = []
-        self.by_layer: dict[int, SlotKVCache] = {}  # global layer index -> cache (a stage holds some layers)
+    step = None
+
+    def _build(self, model: DecoderLM, make) -> None:
+        """make(kv_heads, head_dim, dtype, device) -> one layer's cache."""
+        self.layers: list = []
+        self.by_layer: dict = {}  # global layer index -> cache (a stage holds some layers)
         modules = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
         for i, layer in zip(model.layer_indices(), modules, strict=True):
             _, kv_heads = KVCache.local_heads(layer.attn)
             w = layer.attn.qkv.weight
-            cache = SlotKVCache(self, num_slots, max_len, kv_heads, model.cfg.head_dim, dtype=w.dtype, device=w.device)
+            cache = make(kv_heads, model.cfg.head_dim, w.dtype, w.device)
             self.layers.append(cache)
             self.by_layer[i] = cache
 
@@ -154,20 +155,13 @@ class SlotCaches:
         """Bytes of cache this rank holds."""
         return sum(c.k.numel() * c.k.element_size() * 2 for c in self.layers)
 
-    def check(self, batch: StepBatch) -> None:
-        """Refuse a batch that does not fit the slots (a scheduler bug, not user input)."""
-        if len(set(batch.slots.tolist())) != batch.slots.numel():
-            raise ValueError(f"a slot appears twice in one step: {batch.slots.tolist()}")
-        if int(batch.slots.min()) < 0 or int(batch.slots.max()) >= self.num_slots:
-            raise ValueError(f"slots {batch.slots.tolist()} outside [0, {self.num_slots})")
-        if int((batch.past + batch.n_new).max()) > self.max_len:
-            raise ValueError(f"a sequence would exceed the {self.max_len} cached positions of a slot")
+    def _begin(self, batch: StepBatch) -> _StepIndex:
+        raise NotImplementedError
 
     @torch.no_grad()
     def forward(self, model: DecoderLM, batch: StepBatch) -> torch.Tensor:
         """Run one step -> logits of each row's next token (B, V)."""
-        self.check(batch)
-        self.step = ix = _StepIndex.of(batch)
+        ix = self._begin(batch)
         T = batch.ids.shape[1]
         try:
             logits = model(
@@ -189,8 +183,7 @@ class SlotCaches:
         """One step through the layers this (stage's) model holds, with no communication:
         hidden (B, T, hidden) from the previous stage, or None on the first (it embeds ids)
         -> (B, T, hidden) for the next stage, or logits (B, V) when `last`."""
-        self.check(batch)
-        self.step = ix = _StepIndex.of(batch)
+        ix = self._begin(batch)
         T = batch.ids.shape[1]
         try:
             x, rope, attn = model.prelude(batch.ids, ix.key_mask, ix.positions, True, ix.K - T, hidden=hidden)
@@ -198,3 +191,31 @@ class SlotCaches:
         finally:
             self.step = None
         return model.head(x, last_only=True)[:, -1] if last else x
+
+
+class SlotCaches(LayerCaches):
+    """The slot caches of every layer of one model (this rank's KV heads), and the step forward."""
+
+    def __init__(self, model: DecoderLM, num_slots: int, max_len: int) -> None:
+        if num_slots < 1 or max_len < 1:
+            raise ValueError(f"num_slots and max_len must be >= 1, got {num_slots} and {max_len}")
+        self.num_slots, self.max_len = num_slots, max_len
+        self.step: _StepIndex | None = None
+        self._build(
+            model,
+            lambda kv, hd, dtype, device: SlotKVCache(self, num_slots, max_len, kv, hd, dtype=dtype, device=device),
+        )
+
+    def check(self, batch: StepBatch) -> None:
+        """Refuse a batch that does not fit the slots (a scheduler bug, not user input)."""
+        if len(set(batch.slots.tolist())) != batch.slots.numel():
+            raise ValueError(f"a slot appears twice in one step: {batch.slots.tolist()}")
+        if int(batch.slots.min()) < 0 or int(batch.slots.max()) >= self.num_slots:
+            raise ValueError(f"slots {batch.slots.tolist()} outside [0, {self.num_slots})")
+        if int((batch.past + batch.n_new).max()) > self.max_len:
+            raise ValueError(f"a sequence would exceed the {self.max_len} cached positions of a slot")
+
+    def _begin(self, batch: StepBatch) -> _StepIndex:
+        self.check(batch)
+        self.step = _StepIndex.of(batch)
+        return self.step
