@@ -2,7 +2,7 @@
 dense and mixture-of-experts (experts sliced and whole), tied and untied heads, the automatic
 plan: logits against the same model loaded unsharded with the same scheme (its converted
 twin) and against transformers in fp32; and the peak of float tensors a rank holds while it
-converts (one tensor at a time)."""
+converts (one block of rows at a time)."""
 
 from __future__ import annotations
 
@@ -111,33 +111,42 @@ def test_quantized_model_matches_its_unsharded_twin_and_transformers(rank_pool, 
 
 
 def _peak_case(world, path: str) -> dict:
-    """Load with int8, watching every float tensor handed to the converter: when each arrives,
-    every earlier one must already be freed (a rank holds one float tensor at a time)."""
+    """Load with int8 in blocks of at most 512 elements, watching every float block handed to
+    the converter: when each arrives, every earlier one must already be freed (a rank holds
+    one block of float rows at a time, never a whole tensor)."""
     import shardwise.hf.load as load_mod
+    import shardwise.hf.sources as sources
 
     seen: list[weakref.ref] = []
-    alive_at_convert = []
-    real = load_mod.convert_param
+    alive_at_convert, sizes, tensors = [], [], []
+    real, chunk = load_mod.convert_rows, sources.CHUNK_ELEMENTS
 
-    def watch(targets, t):
-        gc.collect()
-        alive_at_convert.append(sum(r() is not None for r in seen))
-        seen.append(weakref.ref(t))
-        real(targets, t)
+    def watched(chunks):
+        for t in chunks:
+            gc.collect()
+            alive_at_convert.append(sum(r() is not None for r in seen))
+            seen.append(weakref.ref(t))
+            sizes.append(t.numel())
+            yield t
 
-    load_mod.convert_param = watch
+    def watch(targets, chunks, shape, **kw):
+        tensors.append(shape[0] * shape[1])
+        real(targets, watched(chunks), shape, **kw)
+
+    load_mod.convert_rows, sources.CHUNK_ELEMENTS = watch, 512
     try:
         load_mod.load_pretrained(path, comm=tp_group(world), quantize="int8")
     finally:
-        load_mod.convert_param = real
-    return {"alive": alive_at_convert, "converted": len(seen)}
+        load_mod.convert_rows, sources.CHUNK_ELEMENTS = real, chunk
+    return {"alive": alive_at_convert, "converted": len(tensors), "largest": max(tensors), "block": max(sizes)}
 
 
-def test_each_rank_converts_one_float_tensor_at_a_time(rank_pool, reference):
+def test_each_rank_converts_one_block_of_float_rows_at_a_time(rank_pool, reference):
     path, _, _ = reference("llama3")
     for r in rank_pool.run(_peak_case, 2, args=(path,)):
-        assert r["converted"] > 5
-        assert max(r["alive"]) == 0, f"float tensors still alive when the next was converted: {r['alive']}"
+        assert r["converted"] > 5 and r["largest"] >= 4 * 512, r
+        assert r["block"] <= 512, f"a float block of {r['block']} elements, over the 512 asked"
+        assert max(r["alive"]) == 0, f"float blocks still alive when the next was converted: {r['alive']}"
 
 
 @pytest.mark.full

@@ -239,7 +239,9 @@ class GGUFCheckpoint:
 
     def _read_permuted(self, name: str, rows: slice | None, cols: slice | None, heads: int) -> torch.Tensor:
         """Rows in Hugging Face order of a q/k tensor stored permuted per head: within a head
-        of d rows, our row a * d/2 + j is stored at row 2 * j + a."""
+        of d rows, our row a * d/2 + j is stored at row 2 * j + a. The whole heads asked for
+        are one read of exactly their rows; a head asked for in part (a block of rows from
+        read_shard_rows) is read per half, which touches at most twice the rows asked."""
         total = self.tensors[name].shape[0]
         hd = total // heads
         ours = torch.arange(total)[rows or slice(None)]
@@ -247,8 +249,17 @@ class GGUFCheckpoint:
             return self._read(name, slice(0, 0), cols)
         within = ours % hd
         stored = ours - within + (within % (hd // 2)) * 2 + within // (hd // 2)
-        lo, hi = int(stored.min()), int(stored.max()) + 1  # whole heads: exactly the rows asked
-        return self._read(name, slice(lo, hi), cols)[stored - lo]
+        head = ours // hd
+        whole = torch.bincount(head, minlength=heads)[head] == hd
+        key = torch.where(whole, -1, ours // (hd // 2))  # runs: whole heads, or one half of a head
+        ends = [*(torch.nonzero(key[1:] != key[:-1]).flatten() + 1).tolist(), len(key)]
+        parts, start = [], 0
+        for end in ends:
+            sel = stored[start:end]
+            lo, hi = int(sel.min()), int(sel.max()) + 1
+            parts.append(self._read(name, slice(lo, hi), cols)[sel - lo])
+            start = end
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def close(self) -> None:
         self.file.close()

@@ -35,13 +35,13 @@ from shardwise.hf.auto import check_auto, load_auto
 from shardwise.hf.checkpoint import Checkpoint, CheckpointError, raw_config
 from shardwise.hf.families import Family, family_for, supported_model_types
 from shardwise.hf.fill import DTYPES, LoadReport, assign, bytes_read, dtype_name, refuse_unexpected
-from shardwise.hf.sources import read_shard, segments
+from shardwise.hf.sources import read_shard, read_shard_rows, segments
 from shardwise.layers import ShardError, model_shard_specs
 from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.meta import on_meta
 from shardwise.pipeline.stage import keep_stage
-from shardwise.quant.convert import conversion_targets, convert_param, release_freed, weight_bytes
+from shardwise.quant.convert import conversion_targets, convert_rows, release_freed, weight_bytes
 from shardwise.quant.schemes import check_quantize
 from shardwise.sharding import parallelize
 from shardwise.sharding.plans import check_tp
@@ -136,8 +136,9 @@ def load_pretrained(
     (shardwise.layers.moe) instead of every expert's slice.
 
     quantize: "fp16" or "int8" converts the projections, experts, LM head and embedding
-    table (shardwise.quant.convert) as each tensor is read, so a rank never holds more than
-    its converted share plus the tensor being converted. Inference only.
+    table (shardwise.quant.convert) as each tensor is read, a block of rows at a time
+    (read_shard_rows): a rank never holds more than its converted share plus one block of
+    float rows (plus, for fp16 on CPU, the fp32 matrix fbgemm packs from). Inference only.
 
     Architectures without shardwise model code go to the automatic plan (shardwise.hf.auto).
     """
@@ -188,13 +189,11 @@ def load_pretrained(
     n_read = 0
     bar = tqdm(specs.items(), desc=f"loading shards (tp={comm.size})", unit="tensor", disable=not progress, delay=0.5)
     for name, spec in bar:
-        t = read_shard(ckpt, plan[name], spec, target)
-        if name in convert:
-            convert_param(convert[name], t)  # converted now: the float copy is dropped here
-            del t
+        if name in convert:  # converted a block of rows at a time: no float copy of the whole
+            convert_rows(convert[name], read_shard_rows(ckpt, plan[name], spec, target), spec.local_shape, dtype=target)
             release_freed()
         else:
-            loaded[name] = t
+            loaded[name] = read_shard(ckpt, plan[name], spec, target)
         n_read += bytes_read(spec, ckpt.info(table[name][0].name).dtype)
     if gguf:  # whole blocks of the file's own types, not elements
         n_read = ckpt.bytes_read

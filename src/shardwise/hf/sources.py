@@ -10,6 +10,7 @@ onto the checkpoint tensors and reads only them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,10 @@ import torch
 from shardwise.hf.checkpoint import Checkpoint, CheckpointError
 from shardwise.layers import ShardSpec
 
-__all__ = ["Src", "Segment", "segments", "read_shard"]
+__all__ = ["Src", "Segment", "segments", "read_shard", "read_shard_rows", "CHUNK_ELEMENTS"]
+
+CHUNK_ELEMENTS = 1 << 20
+"""Elements per block of rows read_shard_rows yields by default (4 MiB of float32)."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,45 @@ def read_shard(ckpt: Checkpoint, segs: list[Segment], spec: ShardSpec, dtype: to
             shape = list(spec.global_shape)
             shape[spec.dim] = spec.pad
             parts.append(torch.zeros(shape, dtype=dtype))
-    if len(parts) == 1:  # a reader that returns fresh tensors (GGUF) needs no second copy
+    return _fresh(ckpt, parts, dtype, spec.dim or 0)
+
+
+def read_shard_rows(
+    ckpt: Checkpoint, segs: list[Segment], spec: ShardSpec, dtype: torch.dtype, *, max_elements: int | None = None
+) -> Iterator[torch.Tensor]:
+    """This rank's local 2-D tensor for `spec` (what read_shard returns) as blocks of its rows,
+    in order, each a fresh tensor of at most max(max_elements, one row) elements
+    (CHUNK_ELEMENTS by default): a converter that needs one row at a time (per-row int8
+    scales) never holds the whole."""
+    rows, cols = spec.local_shape
+    if len(spec.global_shape) != 2:
+        raise ValueError(f"read_shard_rows reads 2-D tensors, got global shape {spec.global_shape}")
+    if rows * cols == 0:  # nothing to read (a rank with no columns of a row-parallel matrix)
+        yield torch.zeros(rows, cols, dtype=dtype)
+        return
+    step = max(1, (max_elements or CHUNK_ELEMENTS) // cols)
+    if spec.dim == 0:  # whole rows: the pieces' rows in order, then the padding
+        runs = [(start, n) for start, n in spec.pieces if n]
+        col_ranges = [slice(0, cols)]
+    else:  # every row, cut to this rank's columns (dim None: all of them)
+        runs = [(0, spec.global_shape[0])]
+        col_ranges = [slice(s, s + n) for s, n in spec.pieces if n] if spec.dim == 1 else [slice(0, cols)]
+    for start, n in runs:
+        for r in range(start, start + n, step):
+            region = slice(r, min(r + step, start + n))
+            parts = [_read_rows(ckpt, segs, [region, c]) for c in col_ranges]
+            if spec.dim == 1 and spec.pad:
+                parts.append(torch.zeros(region.stop - region.start, spec.pad, dtype=dtype))
+            yield _fresh(ckpt, parts, dtype, 1)
+    if spec.dim == 0:
+        for r in range(0, spec.pad, step):
+            yield torch.zeros(min(step, spec.pad - r), cols, dtype=dtype)
+
+
+def _fresh(ckpt: Checkpoint, parts: list[torch.Tensor], dtype: torch.dtype, dim: int) -> torch.Tensor:
+    """parts joined along `dim` into memory the rank owns, copied exactly once: the reads are
+    views of the memory-mapped file, or fresh tensors from a reader that makes them (GGUF)."""
+    if len(parts) == 1:
         fresh = getattr(ckpt, "fresh_reads", False)
         return parts[0].to(dtype, copy=not fresh, memory_format=torch.contiguous_format)
-    return torch.cat([p.to(dtype) for p in parts], dim=spec.dim or 0)
+    return torch.cat([p.to(dtype) for p in parts], dim=dim)

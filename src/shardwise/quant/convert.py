@@ -14,12 +14,17 @@ tied vocabulary matrix is converted twice (int8: 2 bytes per weight where fp32 t
 fp16: 4, as fp32 tied).
 
     targets = conversion_targets(model, "int8")       # {param name: [Target]} on a meta model
-    convert_param(targets[name], tensor)              # as the loader reads each tensor
+    convert_rows(targets[name], chunks, shape)        # as the loader reads each tensor, in row blocks
+    convert_param(targets[name], tensor)              # or a whole tensor at once
     quantize_model(model, "int8")                     # or all at once, for a loaded model
+
+The loaders convert from blocks of rows (shardwise.quant.rows): an int8 weight is quantized
+into its int8 buffer as each block arrives, so no float copy of a whole tensor is ever held.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +35,7 @@ from shardwise.layers.fused import MergedColumnParallelLinear, QKVParallelLinear
 from shardwise.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardwise.layers.moe import SlicedLinear
 from shardwise.models.moe import Experts
+from shardwise.quant.rows import Rows
 from shardwise.quant.schemes import SCHEMES
 from shardwise.quant.weights import QuantizedExperts, QuantizedTable, QuantizedWeight
 
@@ -37,6 +43,7 @@ __all__ = [
     "Target",
     "conversion_targets",
     "convert_param",
+    "convert_rows",
     "release_freed",
     "quantize_model",
     "weight_bytes",
@@ -62,7 +69,12 @@ class Target:
     kind: str  # "linear" | "experts" | "table"
     scheme: str
 
-    def convert(self, t: torch.Tensor):
+    def rows(self, shape: tuple[int, int], dtype: torch.dtype, device: str | torch.device = "cpu") -> Rows:
+        """The empty Rows this target is built from (filled by the caller, then convert())."""
+        make = Rows.for_table if self.kind == "table" else Rows.for_weight
+        return make(shape, self.scheme, dtype=dtype, device=device)
+
+    def convert(self, t: torch.Tensor | Rows):
         if self.kind == "linear":
             return QuantizedWeight(t, self.scheme)
         if self.kind == "experts":
@@ -110,9 +122,32 @@ def convert_param(targets: list[Target], t: torch.Tensor) -> None:
     """Put `t` (this rank's loaded slice) converted into each of its targets. The caller
     drops `t` afterwards; release_freed() then hands its pages back."""
     for target in targets:
-        q = target.convert(t)
-        target.module._parameters.pop(target.attr, None)
-        setattr(target.module, target.attr, q)
+        _install(target, target.convert(t))
+
+
+def convert_rows(
+    targets: list[Target],
+    chunks: Iterable[torch.Tensor],
+    shape: tuple[int, int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> None:
+    """convert_param for a (rows, cols) tensor that arrives as `chunks`, blocks of its rows in
+    order (float, in the model's `dtype`): each block goes into every target's Rows (a tied
+    matrix: the head's and the table's) and can be freed before the next is read."""
+    rows = [target.rows(shape, dtype, device) for target in targets]
+    for chunk in chunks:
+        for r in rows:
+            r.add(chunk)
+        del chunk
+    for target, r in zip(targets, rows, strict=True):
+        _install(target, target.convert(r))
+
+
+def _install(target: Target, q) -> None:
+    target.module._parameters.pop(target.attr, None)
+    setattr(target.module, target.attr, q)
 
 
 _LIBC = None

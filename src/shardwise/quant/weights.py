@@ -37,57 +37,54 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QuantizedWeight", "QuantizedExperts", "QuantizedTable", "linear", "embedding", "expert_blocks", "int8_rows"]
+from shardwise.quant.rows import CPU_QMAX, Rows, int8_rows
 
-
-CPU_QMAX = 63
-"""Weight levels of fbgemm's int8 linear on CPU: [-63, 63] (see the module docstring)."""
-
-
-def row_scales(w: torch.Tensor, qmax: int = 127) -> torch.Tensor:
-    """fp32 (rows,): amax / qmax of each row of a (rows, cols) matrix; 1 for a row of zeros."""
-    amax = w.detach().abs().amax(dim=1).float() if w.shape[1] else w.new_zeros(w.shape[0], dtype=torch.float32)
-    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-
-
-def int8_rows(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 of a (rows, cols) float matrix: (q int8 (rows, cols) in
-    [-qmax, qmax], scale fp32 (rows,)), w ~= q * scale[:, None]. A row of zeros gets scale 1."""
-    scale = row_scales(w, qmax)
-    q = torch.round(w.detach().float() / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
-    return q, scale
+__all__ = [
+    "QuantizedWeight",
+    "QuantizedExperts",
+    "QuantizedTable",
+    "linear",
+    "embedding",
+    "expert_blocks",
+    "int8_rows",
+    "CPU_QMAX",
+]
 
 
 class QuantizedWeight:
-    """A (out, in) linear weight in `scheme` ("fp16" or "int8"), packed for its device's kernel."""
+    """A (out, in) linear weight in `scheme` ("fp16" or "int8"), packed for its device's kernel.
+
+    w: the float matrix, or its Rows (shardwise.quant.rows) filled a block of rows at a time
+    (Rows.for_weight), which is how the loaders convert without a float copy of the whole."""
 
     __slots__ = ("scheme", "shape", "dtype", "device", "nbytes", "_packed", "_w", "_scale")
 
-    def __init__(self, w: torch.Tensor, scheme: str) -> None:
-        if w.dim() != 2:
-            raise ValueError(f"a linear weight is 2-D (out, in), got shape {tuple(w.shape)}")
-        self.scheme, self.shape, self.dtype, self.device = scheme, w.shape, w.dtype, w.device
+    def __init__(self, w: torch.Tensor | Rows, scheme: str) -> None:
+        if isinstance(w, torch.Tensor):
+            if w.dim() != 2:
+                raise ValueError(f"a linear weight is 2-D (out, in), got shape {tuple(w.shape)}")
+            w = Rows.of(w, Rows.for_weight(w.shape, scheme, dtype=w.dtype, device=w.device))
+        rows = w.done()
+        self.scheme, self.shape, self.dtype, self.device = scheme, rows.shape, rows.dtype, rows.device
         self._packed = self._w = self._scale = None
-        out, inp = w.shape
-        on_cpu = w.device.type == "cpu"
+        out, inp = rows.shape
+        on_cpu = rows.device.type == "cpu"
         if scheme == "fp16":
             self.nbytes = 2 * out * inp
             if not on_cpu:
-                self._w = w.detach().to(torch.float16)
+                self._w = rows.data
             elif out and inp:
-                self._packed = torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None)
+                self._packed = torch.ops.quantized.linear_prepack_fp16(rows.data, None)  # from fp32 rows
         elif scheme == "int8":
             self.nbytes = out * inp + 4 * out
             if not on_cpu:
-                q, scale = int8_rows(w)
-                self._w, self._scale = q, scale.to(w.dtype)
+                self._w, self._scale = rows.data, rows.scale.to(rows.dtype)
             elif out and inp:
-                scale = row_scales(w, CPU_QMAX)  # |w / scale| <= 63: no clamping needed
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # quantized tensors are deprecated, still fbgemm's input
-                    qw = torch.quantize_per_channel(
-                        w.detach().float(), scale.double(), torch.zeros(out, dtype=torch.long), 0, torch.qint8
-                    )  # (out, in) int8: the only copy made besides the packed weight
+                    qw = torch._make_per_channel_quantized_tensor(
+                        rows.data, rows.scale.double(), torch.zeros(out, dtype=torch.long), 0
+                    )  # (out, in) qint8 over the int8 rows, as torch.quantize_per_channel made them
                 self._packed = torch.ops.quantized.linear_prepack(qw, None)
         else:
             raise ValueError(f"unknown quantization scheme {scheme!r}")
@@ -125,13 +122,18 @@ class QuantizedWeight:
 
 
 class QuantizedExperts:
-    """Stacked expert weights (E * rows, in), one QuantizedWeight per expert's block."""
+    """Stacked expert weights (E * rows, in), one QuantizedWeight per expert's block; w a
+    float tensor or its Rows (Rows.for_weight), as for QuantizedWeight."""
 
     __slots__ = ("scheme", "shape", "dtype", "device", "nbytes", "blocks")
 
-    def __init__(self, w: torch.Tensor, num_experts: int, scheme: str) -> None:
-        self.scheme, self.shape, self.dtype, self.device = scheme, w.shape, w.dtype, w.device
-        self.blocks = [QuantizedWeight(b, scheme) for b in w.view(num_experts, -1, w.shape[1]).unbind(0)]
+    def __init__(self, w: torch.Tensor | Rows, num_experts: int, scheme: str) -> None:
+        if isinstance(w, torch.Tensor):
+            w = Rows.of(w, Rows.for_weight(w.shape, scheme, dtype=w.dtype, device=w.device))
+        rows = w.done()
+        self.scheme, self.shape, self.dtype, self.device = scheme, rows.shape, rows.dtype, rows.device
+        per = rows.shape[0] // num_experts
+        self.blocks = [QuantizedWeight(rows.narrow(e * per, per), scheme) for e in range(num_experts)]
         self.nbytes = sum(b.nbytes for b in self.blocks)
 
     def __repr__(self) -> str:
@@ -141,21 +143,18 @@ class QuantizedExperts:
 
 
 class QuantizedTable:
-    """An embedding table (rows, dim): fp16 rows, or int8 rows with one fp32 scale per row."""
+    """An embedding table (rows, dim): fp16 rows, or int8 rows with one fp32 scale per row;
+    w a float tensor or its Rows (Rows.for_table)."""
 
     __slots__ = ("scheme", "shape", "dtype", "device", "nbytes", "_t", "_scale")
 
-    def __init__(self, w: torch.Tensor, scheme: str) -> None:
-        self.scheme, self.shape, self.dtype, self.device = scheme, w.shape, w.dtype, w.device
-        self._scale = None
-        if scheme == "fp16":
-            self._t = w.detach().to(torch.float16)
-            self.nbytes = 2 * w.numel()
-        elif scheme == "int8":
-            self._t, self._scale = int8_rows(w)
-            self.nbytes = w.numel() + 4 * w.shape[0]
-        else:
-            raise ValueError(f"unknown quantization scheme {scheme!r}")
+    def __init__(self, w: torch.Tensor | Rows, scheme: str) -> None:
+        if isinstance(w, torch.Tensor):
+            w = Rows.of(w, Rows.for_table(w.shape, scheme, dtype=w.dtype, device=w.device))
+        rows = w.done()
+        self.scheme, self.shape, self.dtype, self.device = scheme, rows.shape, rows.dtype, rows.device
+        self._t, self._scale = rows.data, rows.scale
+        self.nbytes = rows.data.numel() * rows.data.element_size() + (0 if rows.scale is None else 4 * rows.shape[0])
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, self._t).to(self.dtype)  # (..., dim)
