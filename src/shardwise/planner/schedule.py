@@ -7,42 +7,41 @@
     s.loads()                             # per rank: layers and activations held (footprint.StageLoad)
 
 What is valid is decided by the runtime's own checks (ScheduleConfig, StageLayout.build), so
-the planner offers only what `shardwise train` runs. Times come from shardwise.pipeline.simulate
-run on the schedule's own action lists, with every action timed as the busiest rank's
-(uniform costs: a pipeline runs at the pace of its slowest stage); sends are rendezvous, as
-gloo and MPI send activations of this size.
+the planner offers only what `shardwise train` runs, at every pp up to the layer count. Times
+are shardwise.pipeline.simulate's on the schedule's own action lists, with every action timed
+as the busiest rank's (uniform costs: a pipeline runs at the pace of its slowest stage);
+sends are rendezvous, as gloo and MPI send activations of this size. They come from
+planner/replay.py, which replays the same global sequence on integers (the simulator's
+numbers exactly, tests/unit/test_planner_replay.py; a 64-stage interleaved schedule in well
+under a second where building its action lists took seconds).
 
-NOTE: simulating m micro-batches takes O(p m) actions, and building the lists more; past
-p + 1 micro-batches (interleaved: 3p) the makespan, the transfers per rank and the
-activations held grow by the same amount per micro-batch (per group of p for interleaved),
-so the schedule is simulated at p and p + 1 (interleaved: 2p and 3p) and extrapolated
-linearly in m (tests/unit/test_planner_pipeline.py checks this against a direct
-simulation). Pipelines deeper than MAX_PP stages are not planned (the lists would take
-seconds to build).
+NOTE: past p + 1 micro-batches (interleaved: 3p) the makespan, the transfers per rank and
+the activations held grow by the same amount per micro-batch (per group of p for
+interleaved), so the schedule is replayed at p and p + 1 (interleaved: 2p and 3p) and
+extrapolated linearly in m (tests/unit/test_planner_pipeline.py checks this against a
+direct simulation).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from shardwise.pipeline import Costs, ScheduleConfig, ScheduleError, build_schedule, simulate
-from shardwise.pipeline.actions import Action
+from shardwise.pipeline import ScheduleConfig, ScheduleError
 from shardwise.pipeline.stage import StageError, StageLayout
 from shardwise.planner.footprint import StageLoad
+from shardwise.planner.replay import Replay
 
-__all__ = ["PipelineSchedule", "schedule_options", "MAX_PP", "INTERLEAVED_CHUNKS", "train_flags"]
-
-MAX_PP = 32
-"""The deepest pipeline the planner simulates."""
+__all__ = ["PipelineSchedule", "schedule_options", "INTERLEAVED_CHUNKS", "train_flags"]
 
 INTERLEAVED_CHUNKS = 2
 """Model chunks per rank (virtual_stages) the planner assumes for the interleaved schedule."""
 
-
-@lru_cache(maxsize=256)
-def _lists(name: str, pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
-    return tuple(tuple(a) for a in build_schedule(name, pp, m, v))
+DIRECT_PP = 8
+"""GPipe and 1F1B deeper than this are not replayed: at any m their makespan is linear in p
+from p = 3 on (tests/unit/test_planner_replay.py checks it against the simulator up to
+p = 24), so it is replayed at p = 3 and 4 and extrapolated; their transfers and activations
+held have closed forms (_closed_profile)."""
 
 
 def _simulated_sizes(name: str, pp: int, m: int) -> tuple[int, int] | None:
@@ -85,8 +84,6 @@ class PipelineSchedule:
         the numbers named) for what `shardwise train` refuses."""
         v = virtual_stages if virtual_stages is not None else (INTERLEAVED_CHUNKS if name == "interleaved" else 1)
         ScheduleConfig(name, pp, microbatches, v)
-        if pp > MAX_PP:
-            raise ScheduleError(f"pp={pp}: the planner simulates pipelines of at most {MAX_PP} stages")
         split = StageLayout.build(num_layers, pp, v)
         return cls(name, pp, microbatches, v, split.layers)
 
@@ -108,13 +105,9 @@ class PipelineSchedule:
     def describe(self) -> str:
         return self.stage_layout.describe()
 
-    def lists(self, m: int | None = None) -> tuple[tuple[Action, ...], ...]:
-        return _lists(self.name, self.pp, self.microbatches if m is None else m, self.virtual_stages)
-
-    def _sim(self, m: int, costs: Costs):
-        return simulate(
-            [list(x) for x in self.lists(m)], microbatches=m, virtual_stages=self.virtual_stages, costs=costs
-        )
+    def replay(self, m: int | None = None) -> Replay:
+        """The schedule at m micro-batches (default its own), replayed (planner/replay.py)."""
+        return Replay.build(self.name, self.pp, self.microbatches if m is None else m, self.virtual_stages)
 
     def _extrapolate(self, f) -> float | tuple[float, ...]:
         """f(m') for the schedule's m: directly, or linear in m from two simulated sizes."""
@@ -145,24 +138,36 @@ class PipelineSchedule:
         timed as one chunk of the busiest rank: forward_s and backward_s are a whole rank's
         (all its chunks) for one micro-batch; transfer_s one send/receive pair."""
         v = self.virtual_stages
-        costs = Costs(forward=forward_s / v, backward=backward_s / v, transfer=transfer_s)
-        return self._extrapolate(lambda m: self._sim(m, costs).makespan)
+        if self.name != "interleaved" and self.pp > DIRECT_PP:  # linear in p from p = 3 (DIRECT_PP)
+            a, b = (replace(self, pp=p).makespan(forward_s, backward_s, transfer_s) for p in (3, 4))
+            return a + (self.pp - 3) * (b - a)
+        return self._extrapolate(lambda m: self.replay(m).makespan(forward_s / v, backward_s / v, transfer_s))
 
     def bubble(self, forward_s: float, backward_s: float) -> float:
         """The schedule's idle fraction with free transfers (simulate's `bubble`)."""
         return 1 - self.microbatches * (forward_s + backward_s) / self.makespan(forward_s, backward_s, 0.0)
 
 
+def _closed_profile(name: str, p: int, m: int) -> Profile:
+    """GPipe and 1F1B (one chunk per rank): every micro-batch's activation goes down and its
+    gradient up each of the p - 1 links, so an end rank sends or receives 2m times and a
+    middle rank 4m; 1F1B's rank r holds min(p - r, m) micro-batches (its warm-up
+    min(p - r - 1, m) plus one), GPipe's all m; the last stage's logits likewise."""
+    transfers = tuple(float(2 * m if r in (0, p - 1) else 4 * m) for r in range(p))
+    held = tuple(float(min(p - r, m) if name == "1f1b" else m) for r in range(p))
+    return Profile(transfers, held, held[-1], float(2 * m * (p - 1)))
+
+
 @lru_cache(maxsize=256)
 def _profile(name: str, pp: int, m: int, v: int) -> Profile:
+    if name != "interleaved":
+        return _closed_profile(name, pp, m)
     s = PipelineSchedule(name, pp, m, v, (1,) * (pp * v))
 
     def counts(mm: int) -> tuple[float, ...]:
-        lists = s.lists(mm)
-        sim = simulate([list(x) for x in lists], microbatches=mm, virtual_stages=v)
-        transfers = tuple(float(sum(a.is_transfer for a in r)) for r in lists)
-        sends = float(sum(a.is_send for r in lists for a in r if a.is_transfer))
-        return (*transfers, *map(float, sim.peak_in_flight), float(sim.peak_in_flight_per_stage[-1]), sends)
+        r = s.replay(mm)
+        in_flight = (*map(float, r.transfers), *map(float, r.peak_in_flight))
+        return (*in_flight, float(r.peak_in_flight_per_stage[-1]), float(r.messages))
 
     x = s._extrapolate(counts)
     return Profile(tuple(x[:pp]), tuple(x[pp : 2 * pp]), x[2 * pp], x[2 * pp + 1])
