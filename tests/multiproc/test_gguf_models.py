@@ -53,10 +53,11 @@ def files(tmp_path_factory):
 
 
 def _logits_and_tokens(world, cases: list[tuple[str, str, int]]) -> dict:
+    """{key: logits, greedy tokens, bytes read} for each (key, GGUF file, vocab) case."""
     from shardwise.hf import load_pretrained
 
     out = {}
-    for qtype, path, vocab in cases:
+    for key, path, vocab in cases:
         model, report = load_pretrained(path, comm=tp_group(world))
         ids, mask = prompts(vocab)
 
@@ -66,7 +67,7 @@ def _logits_and_tokens(world, cases: list[tuple[str, str, int]]) -> dict:
         with torch.no_grad():
             logits = fwd(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
             tokens = greedy(fwd, ids, mask, steps=STEPS)
-        out[qtype] = {"logits": logits, "tokens": tokens, "read": report.bytes_read}
+        out[key] = {"logits": logits, "tokens": tokens, "read": report.bytes_read}
     return out
 
 
@@ -159,3 +160,76 @@ def test_k_quants_are_random_blocks(files):
     real = prompts(LLAMA_K["vocab_size"])[1].bool()
     for qtype in K_QUANTS:
         assert _err(files(qtype)[2], files("F32")[2], real) > 0.1
+
+
+# Families transformers' GGUF loader cannot read (transformers 5.x with this gguf package):
+# gemma (no GGUF support), qwen3 and gpt2 (shapes it maps wrong), phi3 (its padding id),
+# mistral (its general.name makes transformers ask gguf for a "mistral" arch it lacks).
+# Their reference is transformers on the safetensors checkpoint the file was written from:
+# F32 files hold its weights exactly; F16 files its matrices rounded to fp16, which the
+# reference model gets too.
+SOURCE_FAMILIES = {"mistral": {"sliding_window": None}, "qwen3": {}, "gemma": {}, "phi3": {}, "gpt2": {}}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """sources(family, qtype) -> (GGUF file, vocab, transformers' logits on the source
+    checkpoint, its greedy tokens), made on first use."""
+    root = tmp_path_factory.mktemp("gguf_src")
+    cache: dict[tuple[str, str], tuple[str, int, torch.Tensor, torch.Tensor]] = {}
+
+    def get(family: str, qtype: str):
+        if (family, qtype) not in cache:
+            hf = save_tiny(family, root, overrides=SOURCE_FAMILIES[family])
+            path = write_gguf(hf, root / f"{family}.{qtype}.gguf", qtype)
+            model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+            if qtype == "F16":  # the file's matrices are fp16-rounded; norms and biases stay F32
+                with torch.no_grad():
+                    for p in model.parameters():
+                        if p.dim() == 2:
+                            p.copy_(p.half().float())
+            vocab = model.config.vocab_size
+            ids, mask = prompts(vocab)
+
+            def fwd(i, m, pos):
+                return model(input_ids=i, attention_mask=m, position_ids=pos).logits
+
+            with torch.no_grad():
+                logits = fwd(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+                tokens = greedy(fwd, ids, mask, steps=STEPS)
+            cache[(family, qtype)] = (str(path), vocab, logits, tokens)
+        return cache[(family, qtype)]
+
+    return get
+
+
+def _source_params():
+    everything = [(f, q) for f in SOURCE_FAMILIES for q in ("F32", "F16")]
+    return [
+        pytest.param(3, [("gemma", "F32")], id="tp3-gemma-gate"),  # uneven: 4 q heads 2/1/1, 1 KV head shared
+        pytest.param(1, everything, id="tp1", marks=pytest.mark.full),
+        pytest.param(2, everything, id="tp2", marks=pytest.mark.full),
+        pytest.param(3, everything, id="tp3", marks=pytest.mark.full),  # mistral, qwen3, gemma uneven
+        pytest.param(4, [(f, q) for f in ("phi3", "gpt2") for q in ("F32", "F16")], id="tp4", marks=pytest.mark.full),
+    ]
+
+
+@pytest.mark.parametrize("tp,cases", _source_params())
+def test_families_transformers_cannot_read_match_their_source_checkpoint(rank_pool, sources, tp, cases):
+    """GGUF files of the families transformers' GGUF loader cannot read, sharded at tp 1-4
+    (uneven heads and MLP splits at 3 and 4), against transformers on the source checkpoint."""
+    jobs = [(f"{f}-{q}", sources(f, q)[0], sources(f, q)[1]) for f, q in cases]
+    results = rank_pool.run(_logits_and_tokens, tp, args=(jobs,))
+    failures = []
+    for family, qtype in cases:
+        key, (_, vocab, ref, ref_tokens) = f"{family}-{qtype}", sources(family, qtype)
+        real = prompts(vocab)[1].bool()
+        for rank, r in enumerate(results):
+            err = _err(r[key]["logits"], ref, real)
+            if err > TOL:
+                failures.append(f"{key} tp={tp} rank {rank}: logits differ from the source checkpoint by {err:.2e}")
+            if not torch.equal(r[key]["tokens"], ref_tokens):
+                failures.append(
+                    f"{key} tp={tp} rank {rank}: tokens {r[key]['tokens'].tolist()} != {ref_tokens.tolist()}"
+                )
+    assert not failures, "\n".join(failures)

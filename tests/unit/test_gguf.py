@@ -159,3 +159,61 @@ def test_unsupported_type_is_refused_by_the_reader(tmp_path):
     path = _file(tmp_path, {"w": ("Q3_K", _data("Q3_K", 256))})
     with pytest.raises(GGUFError, match="quantization type Q3_K"):
         GGUFFile(path)
+
+
+def _quantized_state(model) -> dict:
+    """Every converted weight's int8 values and scales (unpacked from fbgemm), and tables'."""
+    from shardwise.quant import QuantizedTable, QuantizedWeight
+
+    out = {}
+    for name, module in model.named_modules():
+        for attr, v in vars(module).items():
+            if isinstance(v, QuantizedWeight):
+                qw, _ = torch.ops.quantized.linear_unpack(v._packed)
+                out[f"{name}.{attr}"] = (qw.int_repr(), qw.q_per_channel_scales())
+            elif isinstance(v, QuantizedTable):
+                out[f"{name}.{attr}:table"] = (v._t, v._scale)
+    return out
+
+
+@pytest.mark.parametrize("source", ["gguf", "safetensors"])
+def test_int8_load_converts_blocks_of_rows_equal_to_whole_tensors(tmp_path, monkeypatch, source):
+    """--quantize int8 converts each tensor a block of rows at a time as it is read: no float
+    tensor bigger than the block (twice it for a permuted q/k head read in part) is made,
+    and the weights equal converting each whole float tensor, bit for bit (a tied head and
+    table included)."""
+    import shardwise.gguf.reader as reader
+    import shardwise.hf.sources as sources
+    from shardwise.comm import LocalCommunicator
+    from shardwise.hf import load_pretrained
+    from shardwise.quant.convert import quantize_model
+
+    hf = save_tiny("llama2", tmp_path, overrides={"vocab_size": 256, "tie_word_embeddings": True})
+    path = write_gguf(hf, tmp_path / "tied.gguf", "Q8_0") if source == "gguf" else hf
+    whole = quantize_model(load_pretrained(path, comm=LocalCommunicator())[0], "int8")
+
+    block, made, fed = 256, [], []
+    real_dequantize = reader.dequantize_blocks
+    monkeypatch.setattr(sources, "CHUNK_ELEMENTS", block)
+    monkeypatch.setattr(
+        reader, "dequantize_blocks", lambda raw, fmt: made.append(real_dequantize(raw, fmt)) or made[-1]
+    )
+    import shardwise.quant.rows as rows_mod
+
+    real_rows_add = rows_mod.Rows.add
+    monkeypatch.setattr(rows_mod.Rows, "add", lambda self, w: fed.append(w.numel()) or real_rows_add(self, w))
+    chunked, _ = load_pretrained(path, comm=LocalCommunicator(), quantize="int8")
+
+    assert max(fed) <= block and len(fed) > 100, f"blocks fed to the converter: up to {max(fed)} elements"
+    if source == "gguf":
+        assert max(t.numel() for t in made) <= 2 * block, f"a dequantized block of {max(t.numel() for t in made)}"
+    want, got = _quantized_state(whole), _quantized_state(chunked)
+    assert want.keys() == got.keys() and any(k.endswith(":table") for k in got)
+    for name, (q, scale) in want.items():
+        assert torch.equal(got[name][0], q) and torch.equal(got[name][1], scale), name
+    ids, mask = prompts(256)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        assert torch.equal(
+            chunked(ids, attention_mask=mask, positions=pos), whole(ids, attention_mask=mask, positions=pos)
+        )
