@@ -317,8 +317,8 @@ def validate_memory(cal: Calibration | None, args, load0: float) -> tuple[str, i
         for stage in range(pp):
             measured = [r["peak_bytes"] for r in ranks if r["pp_rank"] == stage]
             mem = training_memory(
-                cfg, tp, pp, micro_batches=m, micro_batch=b, seq=seq, width=4, weight_bytes=4, grad_bytes=4,
-                optimizer="adam", master_bytes=0, recompute=recompute, flash=True, budget=float("inf"),
+                cfg, tp, pp, micro_batches=m, micro_batch=b, seq=seq, width=4, weight_bytes=4,
+                optimizer="adam", recompute=recompute, flash=True, budget=float("inf"),
                 sequence_parallel=sp, stage=stage,
             )  # fmt: skip
             worst = max(measured)

@@ -67,7 +67,9 @@ def merged_state(results: list[dict]) -> dict[str, torch.Tensor]:
 
 def memory_case(world, cfg: TrainConfig) -> dict:
     """One step, then the next step's backward: the training state this rank holds at that
-    point (weights, whole gradients, optimizer state; held_bytes) against bytes_per_param."""
+    point (weights, whole gradients, optimizer state; held_bytes), and again after the dp
+    reduction (the reduced fp32 slice instead of the whole gradients); the larger of the two
+    against bytes_per_param."""
     from shardwise.train.distopt import bytes_per_param, held_bytes
     from shardwise.train.step import _micro_steps, _pipeline_micro_steps
 
@@ -75,12 +77,18 @@ def memory_case(world, cfg: TrainConfig) -> dict:
     train_step(tr)
     micro = tr.sampler.micro_batches(tr.step)
     (_pipeline_micro_steps if tr.pipeline is not None else _micro_steps)(tr, micro)
-    held = held_bytes(tr.model, tr.optimizer)
+    backward = held_bytes(tr.model, tr.optimizer)
+    if tr.sync is not None:
+        tr.sync.finish()  # the dp reduction (plain AdamW: an all-reduce in place)
+    reduced = held_bytes(tr.model, tr.optimizer)
     n = sum(p.numel() for p in tr.model.parameters())
     formula = bytes_per_param(cfg.run.dtype, cfg.optim.distributed, tr.mesh.dp.size)
     return {
-        "held": held,
+        "held": max(backward, reduced, key=lambda h: sum(h.values())),
+        "phases": {"backward": backward, "reduced": reduced},
         "params": n,
         "formula": formula,
         "dtypes": sorted({str(p.dtype) for p in tr.model.parameters()}),
+        # fp32 weights stepped in place: every parameter a view of one flat buffer
+        "weights_are_views": len({p.untyped_storage().data_ptr() for p in tr.model.parameters()}) == 1,
     }

@@ -9,8 +9,8 @@ import pytest
 from shardwise.comm import LocalCommunicator
 from shardwise.planner.footprint import training_memory
 from shardwise.planner.presets import resolve_model
-from shardwise.train import ConfigError, TrainConfig, setup, train_step
-from shardwise.train.distopt import bytes_per_param, held_bytes
+from shardwise.train import ConfigError, TrainConfig
+from shardwise.train.distopt import bytes_per_param
 from train_helpers import tiny_config, write_tiny_tokens
 
 
@@ -18,10 +18,13 @@ from train_helpers import tiny_config, write_tiny_tokens
     ("dtype", "distributed", "dp", "total"),
     [
         ("fp32", False, 4, 16),
-        ("fp32", True, 1, 24),
-        ("fp32", True, 4, 12),
-        ("bf16", False, 4, 20),
-        ("bf16", True, 4, 8),
+        ("fp32", True, 1, 16),  # the weights are the master: 8 + 8 / dp
+        ("fp32", True, 2, 12),
+        ("fp32", True, 4, 10),
+        ("bf16", False, 4, 18),  # 2 + fp32 reduced grads 4 + master 4 + moments 8
+        ("bf16", True, 1, 18),
+        ("bf16", True, 2, 10),  # 2 + max(2, 4 / 2) + 12 / 2
+        ("bf16", True, 4, 7),  # 4 + 12 / dp
     ],
 )
 def test_bytes_per_param_formula(dtype, distributed, dp, total):
@@ -30,9 +33,10 @@ def test_bytes_per_param_formula(dtype, distributed, dp, total):
 
 @pytest.mark.parametrize(("precision", "dtype"), [("fp32", "fp32"), ("bf16-mixed", "bf16")])
 @pytest.mark.parametrize("dp", [1, 2, 4])
-def test_planner_uses_the_runtime_formula(precision, dtype, dp):
+@pytest.mark.parametrize("distributed", [False, True])
+def test_planner_uses_the_runtime_formula(precision, dtype, dp, distributed):
     """The planner's weights + grads + optimizer state per rank at tp = pp = 1 is the runtime's
-    formula times the parameters (activations aside)."""
+    formula times the parameters (activations aside), with and without the distributed optimizer."""
     from shardwise.planner.footprint import stage_params
     from shardwise.planner.specs import PRECISIONS
 
@@ -40,25 +44,38 @@ def test_planner_uses_the_runtime_formula(precision, dtype, dp):
     p = PRECISIONS[precision]
     mem = training_memory(
         cfg, 1, 1, micro_batches=1, micro_batch=1, seq=16, width=p.weight_bytes, weight_bytes=p.weight_bytes,
-        grad_bytes=p.grad_bytes, optimizer="adam", master_bytes=p.master_bytes, recompute="none", flash=True,
-        budget=1e12, dp=dp, distributed_optimizer=True,
+        optimizer="adam", recompute="none", flash=True, budget=1e12, dp=dp, distributed_optimizer=distributed,
     )  # fmt: skip
     n = stage_params(cfg, 1)
-    assert mem.weights + mem.grads + mem.optimizer == pytest.approx(bytes_per_param(dtype, True, dp)["total"] * n)
+    want = bytes_per_param(dtype, distributed, dp)
+    assert (mem.weights, mem.grads, mem.optimizer) == pytest.approx(
+        (want["weights"] * n, want["grads"] * n, want["optimizer"] * n)
+    )
 
 
-@pytest.mark.full  # the gate's tests/multiproc/test_train_distopt.py checks the same at tp=2 x dp=2
+def test_planner_splits_expert_state_over_edp():
+    """Mixtral-shaped experts dealt over ep = 2 of dp = 4 ranks: the dense state split over 4,
+    the experts' over the 2 ranks holding the same experts."""
+    from shardwise.planner.footprint import expert_params, stage_params, state_bytes
+
+    cfg = resolve_model("mixtral-8x7b")[1]
+    n, e = stage_params(cfg, 1, ep_dp=2), expert_params(cfg, 1, ep_dp=2)
+    assert 0 < e < n
+    w, g, opt = state_bytes(cfg, 1, width=4, dp=4, ep_dp=2, distributed_optimizer=True)
+    assert (w, g, opt) == (4 * n, 4 * n, (n - e) * 8 / 4 + e * 8 / 2)
+
+
 def test_held_bytes_at_one_process_equal_the_formula(tmp_path):
+    """dp = 1, distributed: fp32 weights are their own master (views of one flat buffer,
+    nothing copied: 4 + 4 + 8 = 16); bf16 keeps an fp32 master (2 + 4 + 12 = 18)."""
+    from cases.distopt import memory_case
+
     tokens = write_tiny_tokens(tmp_path / "t.safetensors", chars=8000)
     for dtype in ("fp32", "bf16"):
         cfg = tiny_config(tokens, tmp_path, steps=1, optim={"distributed": True}, run={"dtype": dtype})
-        tr = setup(LocalCommunicator(), cfg)
-        train_step(tr)
-        n = sum(p.numel() for p in tr.model.parameters())
-        held = held_bytes(tr.model, tr.optimizer)  # after the step: no gradients held
-        assert (
-            held["weights"] + held["optimizer"] == (bytes_per_param(dtype, True, 1)["total"] - held["weights"] / n) * n
-        )
+        r = memory_case(LocalCommunicator(), cfg)
+        assert sum(r["held"].values()) == r["formula"]["total"] * r["params"], (dtype, r)
+        assert r["weights_are_views"] == (dtype == "fp32"), dtype
 
 
 @pytest.mark.parametrize(

@@ -145,23 +145,27 @@ def test_generate_refused_with_the_options_that_fit(allowed, monkeypatch, capsys
         main(["generate", "--tp", "2", "--max-new-tokens", "4", "--json"])
 
 
-def test_serve_refused_with_smaller_limits_that_fit(allowed, monkeypatch, capsys):
+def test_serve_sizes_its_pool_to_fit_or_is_refused_with_a_budget_that_fits(allowed, monkeypatch, capsys):
     monkeypatch.setattr("shardwise.cli.serve.job", lambda *a, **kw: (_ for _ in ()).throw(Started()))
     allowed(600 * MIB)
-    # 256 slots x 512 tokens: 256 MiB of KV cache per rank at tp 2, beside 5 MiB of weights
-    assert _run(["serve", "--port", "0", "--max-batch-size", "256"]) == 2
+    # the default budget (0.9 of a rank's room) shrinks the pool below 256 x 512 tokens: it starts
+    with pytest.raises(Started):
+        main(["serve", "--port", "0", "--max-batch-size", "256"])
+    # a pool of a given size (256 MiB per rank at tp 2, beside 5 MiB of weights) does not fit
+    assert _run(["serve", "--port", "0", "--kv-cache-memory", "256MiB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "kv cache 256.0 MiB" in err and "for 2 ranks" in err
-    assert "would fit: --max-model-len " in err and "--max-batch-size " in err
-    # the suggestion is the largest that fits: one more token would not
-    n = int(err.split("--max-model-len ")[1].split()[0])
+    assert "would fit: --kv-cache-memory " in err and "--max-model-len" not in err
+    # the suggestion fits, and a pool 2 MiB larger would not
+    size = int(err.split("--kv-cache-memory ")[1].split("MiB")[0])
     cfg = generate_cli.resolve_model(None, 2)[1]
-    kw = dict(tp=2, pp_layers=None, dtype=None, quantize=None, expert_parallel=False, batch=256, prefill_batch=1)
+    kw = dict(tp=2, pp_layers=None, dtype=None, quantize=None, expert_parallel=False, batch=1, prefill_batch=1)
+    per_token = inference_need(cfg, prompt_len=512, kv_tokens=1, **kw).parts["kv cache"]
     allow = Allowance(600 * MIB, "mocked", 2)
-    assert fits(inference_need(cfg, prompt_len=n, kv_tokens=n, **kw), allow)
-    assert not fits(inference_need(cfg, prompt_len=n + 1, kv_tokens=n + 1, **kw), allow)
+    assert fits(inference_need(cfg, prompt_len=512, kv_tokens=int(size * MIB // per_token), **kw), allow)
+    assert not fits(inference_need(cfg, prompt_len=512, kv_tokens=int((size + 2) * MIB // per_token), **kw), allow)
     with pytest.raises(Started):
-        main(["serve", "--port", "0", "--max-batch-size", "256", "--skip-memory-check"])
+        main(["serve", "--port", "0", "--kv-cache-memory", "256MiB", "--skip-memory-check"])
 
 
 def test_train_refused_with_layouts_that_fit(allowed, monkeypatch, capsys):
@@ -196,7 +200,7 @@ def test_train_suggests_the_distributed_optimizer(allowed, capsys):
     plain = training_need(model_cfg, tp=1, pp=1, dp=4, micro_batches=1, micro_batch=4, seq=128)
     dist = training_need(model_cfg, tp=1, pp=1, dp=4, micro_batches=1, micro_batch=4, seq=128,
                                   distributed=True)  # fmt: skip
-    assert plain.parts["optimizer state"] == 2 * dist.parts["optimizer state"]  # 8 bytes a parameter vs 16 / 4
+    assert plain.parts["optimizer state"] == 4 * dist.parts["optimizer state"]  # 8 bytes a parameter vs 8 / 4
     allowed(int(4 * (dist.busiest + plain.busiest) / 2 + 4 * RUNTIME_BYTES))  # between the two
     with pytest.raises(CliError) as e:
         memcheck.check_training(cfg, model_cfg, force=False)

@@ -23,8 +23,8 @@ from shardwise.planner.cost import (
 from shardwise.planner.footprint import (
     kv_bytes_per_token,
     layer_params,
-    optimizer_bytes_per_param,
     stage_params,
+    state_bytes,
     training_activation_bytes_per_layer,
 )
 from shardwise.planner.predict import Layout, mean_burst_s, predict_inference, predict_training
@@ -73,9 +73,12 @@ def test_flops_match_megatron_closed_form():
 
 def test_optimizer_state_and_bubble_by_hand():
     mixed, fp32 = PRECISIONS["bf16-mixed"], PRECISIONS["fp32"]
-    assert mixed.weight_bytes + mixed.grad_bytes + optimizer_bytes_per_param("adam", mixed.master_bytes) == 16
-    assert fp32.weight_bytes + fp32.grad_bytes + optimizer_bytes_per_param("adam", fp32.master_bytes) == 16
-    assert mixed.weight_bytes + mixed.grad_bytes + optimizer_bytes_per_param("sgd", mixed.master_bytes) == 12
+    n = stage_params(BENCH, 1)
+    per = lambda p, **kw: sum(state_bytes(BENCH, 1, width=p.weight_bytes, **kw)) / n  # noqa: E731
+    # as shardwise trains: bf16 weights 2 + fp32 reduced grads 4 + fp32 master 4 + Adam 8
+    assert (per(mixed), per(fp32), per(mixed, optimizer="sgd")) == (18, 16, 14)
+    assert per(fp32, dp=4, distributed_optimizer=True) == 8 + 8 / 4  # fp32 weights are the master
+    assert per(mixed, dp=4, distributed_optimizer=True) == 4 + 12 / 4
     assert pipeline_bubble_fraction(4, 8) == pytest.approx(3 / 11)
     assert pipeline_bubble_fraction(1, 8) == 0
 

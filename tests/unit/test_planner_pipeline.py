@@ -124,8 +124,8 @@ def test_activations_held_per_stage(p, m):
         loads = PipelineSchedule.build(name, 8, p, m).loads()
         assert [ld.in_flight for ld in loads] == [pipeline_in_flight(name, p, s, m) for s in range(p)]
         assert [ld.head_in_flight for ld in loads] == [0] * (p - 1) + [pipeline_in_flight(name, p, p - 1, m)]
-    kw = dict(micro_batches=m, micro_batch=2, seq=128, width=4, weight_bytes=4, grad_bytes=4, optimizer="adam",
-              master_bytes=0, recompute=False, flash=True, budget=64 * 2**30)  # fmt: skip
+    kw = dict(micro_batches=m, micro_batch=2, seq=128, width=4, weight_bytes=4, optimizer="adam",
+              recompute=False, flash=True, budget=64 * 2**30)  # fmt: skip
     per_layer = training_activation_bytes_per_layer(BENCH, 1, 2, 128, 4, recompute=False, flash=True)
     logits = 3 * 4.0 * 128 * 2 * 32000  # the loss's fp32 logits, shifted logits, exponentials (this rank's vocabulary)
     layer = layer_params(BENCH, 1)[0]

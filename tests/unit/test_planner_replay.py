@@ -38,7 +38,9 @@ def _check_replay(max_p: int, seed: int) -> int:
         lists, r = build_schedule(name, p, m, v), Replay.build(name, p, m, v)
         what = f"{name} p={p} m={m} v={v}"
         for _ in range(3):  # forward < backward, forward > backward, transfers free, cheap or dearer than compute
-            c = Costs(rng.uniform(0.1, 3), rng.uniform(0.1, 3), rng.choice([0.0, rng.uniform(0, 0.3), rng.uniform(1, 3)]))
+            c = Costs(
+                rng.uniform(0.1, 3), rng.uniform(0.1, 3), rng.choice([0.0, rng.uniform(0, 0.3), rng.uniform(1, 3)])
+            )
             sim = simulate(lists, microbatches=m, virtual_stages=v, costs=c)
             assert r.makespan(c.forward, c.backward, c.transfer) == pytest.approx(sim.makespan, rel=1e-12), (what, c)
             n += 1
@@ -78,7 +80,11 @@ def test_deep_gpipe_and_1f1b_extrapolate_in_p_exactly(name, cases):
         assert p > DIRECT_PP
         sched = PipelineSchedule.build(name, 64, p, m)
         lists = build_schedule(name, p, m)
-        for f, b, x in ((1.0, 2.0, 0.1), (2.0, 1.0, 0.0), (rng.uniform(0.1, 3), rng.uniform(0.1, 3), rng.uniform(0, 3))):
+        for f, b, x in (
+            (1.0, 2.0, 0.1),
+            (2.0, 1.0, 0.0),
+            (rng.uniform(0.1, 3), rng.uniform(0.1, 3), rng.uniform(0, 3)),
+        ):
             want = simulate(lists, costs=Costs(f, b, x)).makespan
             assert sched.makespan(f, b, x) == pytest.approx(want, rel=1e-12), (name, p, m, f, b, x)
         sim = simulate(lists)

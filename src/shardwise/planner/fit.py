@@ -6,7 +6,7 @@ sharded model by tests/unit/test_planner_formulas.py and test_planner_quantize.p
 per rank with tp, pp (its layer split), --quantize and the dtype, the busiest rank of an
 uneven split; the KV cache a server preallocates (slots x max-model-len) or a generation
 needs; a prefill's transient activations; training's weights, gradients, optimizer state
-(shardwise.train.distopt.bytes_per_param's formulas) and activations. Nothing is read but
+(shardwise.train.distopt.bytes_per_param's formula) and activations. Nothing is read but
 the config.
 
 On CPU the ranks of one host share its memory: the job fits when every rank's bytes, plus
@@ -140,17 +140,15 @@ def training_need(
     dtype: str = "fp32", distributed: bool = False, recompute: str = "none", sequence_parallel: bool = False,
 ) -> Need:  # fmt: skip
     """Bytes per rank of training (the busiest pipeline stage, 1F1B's in-flight micro-batches):
-    weights and gradients (2 bytes each in bf16, 4 in fp32), the optimizer's state
-    (distopt.bytes_per_param: AdamW's moments, and under a master copy the fp32 master and
-    reduced gradient, split over dp by the distributed optimizer) and activations."""
-    from shardwise.train.distopt import bytes_per_param
-
-    per = bytes_per_param(dtype, distributed, dp)
-    w = int(per["weights"])
+    weights, gradients and the optimizer's state as footprint.training_memory counts them
+    (footprint.state_bytes: shardwise.train.distopt.bytes_per_param, the one formula; bf16
+    weights keep an fp32 master; the distributed optimizer splits the state over dp, the
+    experts' over dp / ep) and activations."""
+    w = 2 if dtype == "bf16" else 4
     mem = training_memory(
         cfg, tp, pp, micro_batches=micro_batches, micro_batch=micro_batch, seq=seq, width=w, weight_bytes=w,
-        grad_bytes=w, optimizer="adam", master_bytes=int(per["optimizer"]) - 8, recompute=recompute, flash=True,
-        budget=0, sequence_parallel=sequence_parallel and tp > 1, ep_dp=ep, dp=dp, distributed_optimizer=distributed,
+        optimizer="adam", recompute=recompute, flash=True, budget=0, sequence_parallel=sequence_parallel and tp > 1,
+        ep_dp=ep, dp=dp, distributed_optimizer=distributed,
     )  # fmt: skip
     parts = {"weights": mem.weights, "gradients": mem.grads, "optimizer state": mem.optimizer}
     parts["activations"] = mem.activations

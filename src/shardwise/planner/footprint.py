@@ -39,7 +39,6 @@ from shardwise.models.config import ModelConfig
 from shardwise.planner.activations import layer_activation_bytes, recompute_mode
 
 __all__ = [
-    "distributed_optimizer_bytes",
     "Footprint",
     "StageLoad",
     "Projections",
@@ -58,7 +57,7 @@ __all__ = [
     "streamed_params",
     "kv_cache_bytes",
     "kv_bytes_per_token",
-    "optimizer_bytes_per_param",
+    "state_bytes",
     "training_activation_bytes_per_layer",
     "inference_memory",
     "training_memory",
@@ -342,19 +341,26 @@ def moe_token_width(cfg: ModelConfig) -> int:
     return max(moe, cfg.intermediate_size) if moe_layer_count(cfg) < cfg.num_layers else moe
 
 
-def optimizer_bytes_per_param(optimizer: str, master_bytes: int) -> int:
-    """Optimizer state per parameter: fp32 master copy (mixed precision) + Adam's m and v
-    (2 x 4 bytes) or SGD's momentum (4 bytes). Mixed-precision Adam: 2 + 2 + 12 = 16 bytes
-    per parameter with weights and gradients (ZeRO, Rajbhandari et al. 2020, section 3.1)."""
-    return master_bytes + (8 if optimizer == "adam" else 4)
+def state_bytes(
+    cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0, *, layers: int | None = None, width: int,
+    optimizer: str = "adam", dp: int = 1, ep_dp: int = 1, distributed_optimizer: bool = False,
+) -> tuple[float, float, float]:  # fmt: skip
+    """(weights, gradients, optimizer state) bytes one rank of stage `stage` holds at its peak,
+    as the runtime holds them: shardwise.train.distopt.bytes_per_param (the one formula; the
+    training log and the memory pre-check use it too) with the weights `width` bytes wide
+    (2: bf16 weights and an fp32 master; 4: fp32), Adam's two fp32 moments (SGD's momentum:
+    one). Under the distributed optimizer the dense parameters' state is split over dp, the
+    routed experts' over their expert-data-parallel ranks (dp / ep_dp: the ranks holding the
+    same experts)."""
+    from shardwise.train.distopt import bytes_per_param
 
-
-def distributed_optimizer_bytes(dp: int) -> float:
-    """Optimizer state per parameter per rank under shardwise's distributed optimizer: the fp32
-    master (4), Adam's moments (8) and the dp-reduced fp32 gradient (4), split over dp. With
-    the weights and their (whole, during backward) gradients: fp32 8 + 16 / dp, bf16 4 + 16 / dp
-    (shardwise.train.distopt.bytes_per_param, which the training log and bench_distopt.py check)."""
-    return 16 / dp
+    n = stage_params(cfg, tp, pp, stage, layers=layers, ep_dp=ep_dp)
+    experts = expert_params(cfg, tp, layers if layers is not None else cfg.num_layers // pp, ep_dp=ep_dp)
+    dtype, moments = ("bf16" if width == 2 else "fp32"), (8 if optimizer == "adam" else 4)
+    dense = bytes_per_param(dtype, distributed_optimizer, dp, moments=moments)
+    routed = bytes_per_param(dtype, distributed_optimizer, max(dp // ep_dp, 1), moments=moments)
+    parts = [(n - experts) * dense[k] + experts * routed[k] for k in ("weights", "grads", "optimizer")]
+    return parts[0], parts[1], parts[2]
 
 
 def training_activation_bytes_per_layer(
@@ -423,7 +429,7 @@ def one_f_one_b_loads(cfg: ModelConfig, pp: int, micro_batches: int) -> list[Sta
 
 def training_memory(
     cfg: ModelConfig, tp: int, pp: int, *, micro_batches: int, micro_batch: int, seq: int, width: int,
-    weight_bytes: int, grad_bytes: int, optimizer: str, master_bytes: int, recompute: str | bool, flash: bool,
+    weight_bytes: int, optimizer: str, recompute: str | bool, flash: bool,
     budget: float, sequence_parallel: bool = False, loads: list[StageLoad] | None = None, stage: int | None = None,
     ep_dp: int = 1, dp: int = 1, distributed_optimizer: bool = False,
 ) -> Footprint:  # fmt: skip
@@ -438,8 +444,9 @@ def training_memory(
     holds again what recomputation dropped: one layer's worth (full) or its attention
     core's (selective). benchmarks/validate_planner.py checks the total against measured
     peaks of real training runs. ep_dp: a mixture of experts' experts dealt over ep_dp
-    data-parallel ranks (expert_share). distributed_optimizer: the optimizer state split over
-    dp (distributed_optimizer_bytes; experts' over all of dp too, an approximation when ep > 1)."""
+    data-parallel ranks (expert_share). Weights, gradients and optimizer state: state_bytes
+    (weight_bytes 2: bf16 weights with an fp32 master; distributed_optimizer: split over dp,
+    the experts' over dp / ep_dp)."""
     kw = dict(width=width, flash=flash, sequence_parallel=sequence_parallel)
     per_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, recompute=recompute, **kw)
     full_layer = training_activation_bytes_per_layer(cfg, tp, micro_batch, seq, recompute="none", **kw)
@@ -450,10 +457,7 @@ def training_memory(
         if stage is not None and ld.stage != stage:
             continue
         act = per_layer * ld.chunk_layers * ld.in_flight + extra + logits * ld.head_in_flight
-        n = stage_params(cfg, tp, pp, ld.stage, layers=ld.layers, ep_dp=ep_dp)
-        if distributed_optimizer:
-            opt = n * distributed_optimizer_bytes(dp)
-        else:
-            opt = n * optimizer_bytes_per_param(optimizer, master_bytes)
-        out.append(Footprint(n * weight_bytes, 0.0, act, n * grad_bytes, opt, budget))
+        w, g, opt = state_bytes(cfg, tp, pp, ld.stage, layers=ld.layers, width=weight_bytes, optimizer=optimizer,
+                                dp=dp, ep_dp=ep_dp, distributed_optimizer=distributed_optimizer)  # fmt: skip
+        out.append(Footprint(w, 0.0, act, g, opt, budget))
     return max(out, key=lambda m: m.total)

@@ -32,13 +32,12 @@ from shardwise.planner.cost import (
     training_flops_per_token,
 )
 from shardwise.planner.footprint import (
-    distributed_optimizer_bytes,
     expert_params,
     kv_bytes_per_token,
     moe_layer_count,
-    optimizer_bytes_per_param,
     projections,
     stage_params,
+    state_bytes,
     streamed_params,
     touched_experts,
 )
@@ -408,11 +407,11 @@ def predict_training(
         grads = Collective("all_reduce", "dp", 1, replicated * prec.grad_bytes)
         per_step.append(_timed(grads, cluster, dp, tp * dp, f.compute_s + b.compute_s))
     per_step = merge(per_step)
-    if wl.distributed_optimizer:  # the optimizer reads and writes its 1/dp share only
-        state = prec.weight_bytes + prec.grad_bytes + distributed_optimizer_bytes(dp)
-    else:
-        state = prec.weight_bytes + prec.grad_bytes + optimizer_bytes_per_param(wl.optimizer, prec.master_bytes)
-    optimizer_s = 2 * n_params * state / dev.optimizer_bytes_per_s(tp * pp * dp > 1)  # read and write every byte once
+    # the update reads and writes the weights, gradients and optimizer state once (its 1/dp share
+    # of the state under the distributed optimizer): footprint.state_bytes, as the runtime holds them
+    state = sum(state_bytes(cfg, tp, pp, stage, layers=layers, width=prec.weight_bytes, optimizer=wl.optimizer,
+                            dp=dp, ep_dp=layout.ep_dp, distributed_optimizer=wl.distributed_optimizer))  # fmt: skip
+    optimizer_s = 2 * state / dev.optimizer_bytes_per_s(tp * pp * dp > 1)  # read and write every byte once
     comm_s = sum(c.seconds for c in per_step)
     compute_s = m * (f.compute_s + b.compute_s) + optimizer_s
     own = m * (f.comm_s + b.comm_s) + sum(c.seconds for c in per_step if c.group == "pp")

@@ -229,7 +229,7 @@ def _training_candidate(
     for sched in options:
         mem = training_memory(
             cfg, lay.tp, lay.pp, micro_batches=m, micro_batch=wl.micro_batch, seq=wl.seq_len, width=p.weight_bytes,
-            weight_bytes=p.weight_bytes, grad_bytes=p.grad_bytes, optimizer=wl.optimizer, master_bytes=p.master_bytes,
+            weight_bytes=p.weight_bytes, optimizer=wl.optimizer,
             recompute=wl.recompute, flash=wl.flash_attention, budget=budget,
             sequence_parallel=wl.sequence_parallel and lay.tp > 1,
             loads=sched.loads() if sched is not None else None, ep_dp=lay.ep_dp,

@@ -382,9 +382,9 @@ class TrainingWorkload:
     """Pipeline schedule for layouts with pp > 1: "gpipe", "1f1b" or "interleaved"; None = the
     fastest that fits, per layout."""
     distributed_optimizer: bool = False
-    """shardwise's distributed optimizer (`train --distributed-optimizer`): the fp32 master,
-    Adam's moments and the reduced fp32 gradient (16 bytes per parameter) split over dp;
-    gradients reduce-scattered, weights all-gathered (footprint.distributed_optimizer_bytes)."""
+    """shardwise's distributed optimizer (`train --distributed-optimizer`): Adam's moments (and
+    with bf16 weights the fp32 master) split over dp, the experts' over their expert-data-parallel
+    ranks; gradients reduce-scattered, weights all-gathered (footprint.state_bytes)."""
 
     kind = "training"
 

@@ -9,19 +9,24 @@ padding to a multiple of dp, so a checkpoint never depends on dp):
     bucket      [ qkv.w | o.w | gate_up.w | down.w ]               L elements
     dp rank r   [ b0 + r * L / dp, ... )                           L / dp each (+1 for r < L % dp)
 
-A rank's slice is its pieces of every bucket, in bucket order. Each rank keeps, for its slice only, the fp32 master copy, AdamW's two moments and the
-reduced fp32 gradient: 16 bytes per element of its slice. A step:
+A rank's slice is its pieces of every bucket, in bucket order. Each rank keeps, for its
+slice only, AdamW's two moments, and the fp32 master: with fp32 weights the weights
+themselves (the parameters live in one flat buffer, each a view of it, and AdamW steps this
+rank's pieces of it in place: Megatron-core's 8 + 8/dp bytes per parameter); with bf16
+weights a separate fp32 copy of the slice. A step:
 
-1. backward (every micro-batch, any schedule) accumulates full gradients in p.grad;
+1. backward (every micro-batch, any schedule) accumulates whole gradients in p.grad;
 2. `finish`: bucket by bucket, the gradients are flattened (cast to `reduce_dtype`) and
-   reduce-scattered over dp into the slices, divided by dp; p.grad is then freed (ZeRO-2:
-   Megatron keeps the whole gradient buffer on every rank; here only the slice is kept
-   between the reduction and the next backward);
+   reduce-scattered over dp into a fresh fp32 slice, divided by dp; p.grad is then freed
+   (ZeRO-2: Megatron keeps the whole gradient buffer on every rank; here only the slice
+   exists between the reduction and the step, and nothing between the step and the next
+   backward);
 3. `clip_`: the global norm from the slices, each element once (tp-replicated rows by their
    owner, a tied embedding's copy not at all, experts over edp then ep), one sum per group;
 4. `step`: AdamW on the master slices (torch's own, elementwise, so every element moves
-   exactly as under the plain optimizer), then the updated slices are all-gathered bucket
-   by bucket back into the model's weights (cast to their dtype: bf16 weights get bf16).
+   exactly as under the plain optimizer), the reduced slice is dropped, then the updated
+   slices are all-gathered bucket by bucket back into the model's weights (fp32: straight
+   into the flat buffer; bf16 weights get bf16, half the bytes).
 
 Mixture-of-experts: the experts' parameters form a second space, split over the
 expert-data-parallel group (edp: the ranks holding the same experts) and divided by dp,
@@ -84,7 +89,12 @@ def _masked_sum_of_squares(x: torch.Tensor, mask: torch.Tensor, chunk: int = 1 <
 
 
 class _Space:
-    """One flat index space (dense, or experts) cut into buckets, each bucket split over `comm`."""
+    """One flat index space (dense, or experts) cut into buckets, each bucket split over `comm`.
+
+    The master copy: with `inplace` (fp32 weights, sharded) the parameters are moved into one
+    flat fp32 buffer (each parameter a view of it) and this rank's piece of every bucket IS
+    its master, stepped in place; otherwise a separate (slice,) fp32 tensor. The reduced
+    gradient slice exists only from `reduce` to the end of `step`."""
 
     def __init__(
         self,
@@ -95,11 +105,13 @@ class _Space:
         divide_by: int,
         bucket_numel: int,
         shard: bool,
+        inplace: bool = False,
     ) -> None:
         ordered = [x for x in named if x[0] in decay] + [x for x in named if x[0] not in decay]
         self.names = [n for n, _ in ordered]
         self.params = [p for _, p in ordered]
         self.comm, self.divide_by, self.shard = comm, divide_by, shard
+        self.inplace = inplace and shard and all(p.dtype == torch.float32 for p in self.params)
         self.offsets, total = {}, 0  # name -> (start, end) in the flat space
         for n, p in ordered:
             self.offsets[n] = (total, total + p.numel())
@@ -117,7 +129,7 @@ class _Space:
             spans.append((first, len(ordered)))
         # Each bucket [b0, b1) is dealt over the ranks: rank r holds [b0 + sum(sizes[:r]), + sizes[r]).
         self.buckets: list[tuple[int, int, int, int, list[tuple[int, int]], int]] = []  # + ranks' ranges, my offset
-        self.bucket_of, at, cut = {}, 0, 0
+        self.bucket_of, at = {}, 0
         for first, end in spans:
             b0, b1 = self.offsets[self.names[first]][0], self.offsets[self.names[end - 1]][1]
             sizes = split_sizes(b1 - b0, comm.size) if shard else [b1 - b0] * comm.size
@@ -127,22 +139,32 @@ class _Space:
             for n in self.names[first:end]:
                 self.bucket_of[n] = len(self.buckets) - 1
             at += sizes[comm.rank]
-            if self.names[first] in decay:
-                cut = at  # decayed buckets come first
+        self.slice_numel = at
         device = self.params[0].device if self.params else torch.device("cpu")  # the model's device, not "cpu"
-        self.master = torch.empty(at, dtype=torch.float32, device=device)  # (slice,) the fp32 master copy
-        self.grad = torch.zeros(at, dtype=torch.float32, device=device)  # (slice,) the dp-reduced gradient
+        self.flat: torch.Tensor | None = None  # (numel,) every parameter of the space, when inplace
+        self.master: torch.Tensor | None = None  # (slice,) the separate fp32 master copy, unless inplace
+        self.grad: torch.Tensor | None = None  # (slice,) the dp-reduced gradient, from reduce to step
         with torch.no_grad():
-            for name, p in ordered:
-                offset, piece = self.piece(name, p.detach().reshape(-1))
-                self.master[offset : offset + piece.numel()] = piece.float()
-        # AdamW's parameters: views of the slice of at most CHUNK elements (each of AdamW's passes
-        # then stays in cache), (start in the slice, master view, grad view, 0 = decayed / 1 = not).
-        self.chunks = [
-            (a, self.master[a : min(a + CHUNK, end)], self.grad[a : min(a + CHUNK, end)], group)
-            for group, (start, end) in enumerate(((0, cut), (cut, at)))
-            for a in range(start, end, CHUNK)
-        ]
+            if self.inplace:
+                self.flat = torch.empty(total, dtype=torch.float32, device=device)
+                for name, p in ordered:
+                    a, b = self.offsets[name]
+                    self.flat[a:b].copy_(p.detach().reshape(-1))
+                    p.data = self.flat[a:b].view_as(p)  # the weight is a view: stepping the slice steps it
+            else:
+                self.master = torch.empty(at, dtype=torch.float32, device=device)
+                for name, p in ordered:
+                    offset, piece = self.piece(name, p.detach().reshape(-1))
+                    self.master[offset : offset + piece.numel()] = piece.float()
+        # AdamW's parameters: views of this rank's piece of each bucket, at most CHUNK elements each
+        # (each of AdamW's passes then stays in cache): (start in the slice, master view,
+        # 0 = decayed / 1 = not).
+        self.chunks: list[tuple[int, torch.Tensor, int]] = []
+        for b, (first, _, _, _, _, at_b) in enumerate(self.buckets):
+            lo, hi = self._mine(b)
+            view = self.flat[lo:hi] if self.inplace else self.master[at_b : at_b + hi - lo]
+            group = 0 if self.names[first] in decay else 1
+            self.chunks += [(at_b + a, view[a : a + CHUNK], group) for a in range(0, hi - lo, CHUNK)]
 
     def _mine(self, b: int) -> tuple[int, int]:
         return self.buckets[b][4][self.comm.rank]
@@ -154,6 +176,8 @@ class _Space:
 
     def reduce(self, reduce_dtype: torch.dtype) -> None:
         """Sum every gradient over comm into this rank's slice, divided by divide_by; free p.grad."""
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.grad = torch.empty(self.slice_numel, dtype=torch.float32, device=device)
         for b, (first, end, _, _, ranges, at) in enumerate(self.buckets):
             chunk = self.params[first:end]
             flat = torch.cat(
@@ -167,12 +191,24 @@ class _Space:
                 part = self.comm.all_reduce(flat)
             lo, hi = self._mine(b)
             self.grad[at : at + hi - lo] = part.div_(self.divide_by)
+        for a, master, _ in self.chunks:
+            master.grad = self.grad[a : a + master.numel()]
+
+    def release(self) -> None:
+        """Drop the reduced gradient slice (after the step)."""
+        for _, master, _ in self.chunks:
+            master.grad = None
+        self.grad = None
 
     def gather(self) -> None:
         """The updated slices, all-gathered over comm into the model's weights."""
         with torch.no_grad():
-            for b, (first, end, b0, _, ranges, at) in enumerate(self.buckets):
+            for b, (first, end, b0, b1, ranges, at) in enumerate(self.buckets):
                 lo, hi = self._mine(b)
+                if self.inplace:  # the model's weights are views of flat: gather straight into it
+                    full = self.comm.all_gather(self.flat[lo:hi], dim=0, sizes=[e - s for s, e in ranges])
+                    self.flat[b0:b1].copy_(full)
+                    continue
                 mine = self.master[at : at + hi - lo].to(self.params[first].dtype)  # bf16 weights: half the bytes
                 full = self.comm.all_gather(mine, dim=0, sizes=[e - s for s, e in ranges]) if self.shard else mine
                 for name, p in zip(self.names[first:end], self.params[first:end], strict=True):
@@ -187,11 +223,16 @@ class _Space:
         a, e = _overlap(lo, hi, start, end)
         return self.buckets[b][5] + a - lo, flat[a - start : e - start]
 
-    def full(self, name: str, slice_values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """`name`'s whole (tp-local) tensor from every rank's slice of `slice_values` (collective)."""
-        numel = self.offsets[name][1] - self.offsets[name][0]
-        offset, piece = self.piece(name, torch.empty(numel, device="meta"))
-        mine = slice_values[offset : offset + piece.numel()]
+    def master_piece(self, name: str) -> tuple[int, torch.Tensor]:
+        """(offset in the slice, this rank's part of `name`'s fp32 master): a view."""
+        if self.inplace:
+            a, b = self.offsets[name]
+            return self.piece(name, self.flat[a:b])
+        offset, piece = self.piece(name, torch.empty(self.offsets[name][1] - self.offsets[name][0], device="meta"))
+        return offset, self.master[offset : offset + piece.numel()]
+
+    def full(self, name: str, mine: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """`name`'s whole (tp-local) tensor from every rank's part `mine` of it (collective)."""
         if not self.shard:
             return mine.clone().view(shape)
         return self.comm.all_gather(mine.contiguous(), dim=0, sizes=self.sizes(name)).view(shape)
@@ -217,13 +258,16 @@ class DistributedOptimizer(GradSync):
         bucket_mb: float = 25.0,
         shard: bool = True,
         reduce_dtype: torch.dtype = torch.float32,
+        weights_are_master: bool = False,
     ) -> None:
+        """weights_are_master: the model keeps fp32 weights (run.dtype = "fp32"): with shard,
+        each rank's slice of the parameters is stepped in place instead of a separate copy."""
         self.module, self.tp, self.pp, self.ep = model, tp, pp, ep
         self.reduce_dtype, self.shard, self.skip = reduce_dtype, shard, set(skip)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         decay = {n for n, p in named if p.dim() >= 2}  # as build_optimizer: matrices and embeddings
         bucket_numel = max(int(bucket_mb * 2**20) // 4, 1)
-        kw = {"bucket_numel": bucket_numel, "shard": shard, "divide_by": dp.size}
+        kw = {"bucket_numel": bucket_numel, "shard": shard, "divide_by": dp.size, "inplace": weights_are_master}
         self.spaces = [_Space([x for x in named if x[0] not in experts], decay, dp, **kw)]
         if experts:
             self.spaces.append(_Space([x for x in named if x[0] in experts], decay, edp, **kw))
@@ -232,24 +276,22 @@ class DistributedOptimizer(GradSync):
         self.adamw = torch.optim.AdamW(
             [
                 {
-                    "params": [c[1] for s in self.spaces for c in s.chunks if c[3] == 0],
+                    "params": [c[1] for s in self.spaces for c in s.chunks if c[2] == 0],
                     "weight_decay": cfg.weight_decay,
                 },
-                {"params": [c[1] for s in self.spaces for c in s.chunks if c[3] == 1], "weight_decay": 0.0},
+                {"params": [c[1] for s in self.spaces for c in s.chunks if c[2] == 1], "weight_decay": 0.0},
             ],
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
             eps=cfg.eps,
         )
-        for s in self.spaces:
-            for _, master, grad, _ in s.chunks:
-                master.grad = grad
         # Which elements of each slice the norm counts (1) or not (0): rows owned on this tp
         # rank, not a tied copy. (slice,) bool per space.
         params = dict(named)
         self.counted = []
         for s in self.spaces:
-            mask = torch.zeros(s.master.numel(), dtype=torch.bool, device=s.master.device)
+            device = s.params[0].device if s.params else torch.device("cpu")
+            mask = torch.zeros(s.slice_numel, dtype=torch.bool, device=device)
             for name in s.names:
                 if name in self.skip:
                     continue
@@ -308,6 +350,7 @@ class DistributedOptimizer(GradSync):
     def step(self) -> None:
         self.adamw.step()
         for s in self.spaces:
+            s.release()  # the reduced gradient slice lives from finish() to here
             s.gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -323,22 +366,24 @@ class DistributedOptimizer(GradSync):
         return out
 
     # ---- checkpoints ---------------------------------------------------------------------
-    def _slice_values(self, s: _Space, kind: str) -> torch.Tensor:
-        """(slice,) this rank's master ("param") or moment values of space s."""
+    def _my_part(self, s: _Space, name: str, kind: str) -> torch.Tensor:
+        """This rank's part of `name`'s fp32 master ("param") or moment (zeros before a step)."""
+        offset, piece = s.master_piece(name)
         if kind == "param":
-            return s.master
-        out = torch.zeros_like(s.master)
-        for a, master, _, _ in s.chunks:
+            return piece
+        out = torch.zeros_like(piece)
+        for base, master, _ in s.chunks:
+            a, b = _overlap(offset, offset + piece.numel(), base, base + master.numel())
             t = self.adamw.state.get(master, {}).get(kind)
-            if t is not None:
-                out[a : a + master.numel()] = t
+            if b > a and t is not None:
+                out[a - offset : b - offset] = t[a - base : b - base]
         return out
 
     def state_tensor(self, name: str, kind: str) -> torch.Tensor:
         """`name`'s whole tp-local fp32 master ("param") or moment, gathered from the dp slices
         (collective over the space's group: every rank calls it in the same order)."""
         s = self.space_of[name]
-        return s.full(name, self._slice_values(s, kind), self.shapes[name])
+        return s.full(name, self._my_part(s, name, kind), self.shapes[name])
 
     def local_piece(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The part of `name`'s tp-local tensor this rank's slice holds (a copy)."""
@@ -347,11 +392,11 @@ class DistributedOptimizer(GradSync):
     def load_piece(self, name: str, kind: str, piece: torch.Tensor, step: int) -> None:
         """Fill this rank's part of `name`'s master ("param") or moment from local_piece's output."""
         s = self.space_of[name]
-        offset = s.piece(name, torch.empty(self.shapes[name].numel(), device="meta"))[0]
+        offset, mine = s.master_piece(name)
         if kind == "param":
-            s.master[offset : offset + piece.numel()] = piece
+            mine.copy_(piece)  # fp32 weights stepped in place: the weight itself (already loaded)
             return
-        for base, master, _, _ in s.chunks:
+        for base, master, _ in s.chunks:
             a, b = _overlap(offset, offset + piece.numel(), base, base + master.numel())
             if b == a:
                 continue
@@ -360,38 +405,49 @@ class DistributedOptimizer(GradSync):
                 state["step"] = torch.tensor(float(step))
                 for k in MOMENTS:
                     state[k] = torch.zeros_like(master)
-            if b > a:
-                state[kind][a - base : b - base] = piece[a - offset : b - offset]
+            state[kind][a - base : b - base] = piece[a - offset : b - offset]
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for the optimizer: master, moments and the reduced gradient slice."""
-        slice_n = sum(s.master.numel() for s in self.spaces)
-        return {"master": 4 * slice_n, "moments": 8 * slice_n, "grad_slice": 4 * slice_n}
+        """Bytes of optimizer state this rank holds: the separate fp32 master (none when the fp32
+        weights are stepped in place) and the moments (the reduced gradient slice: held_bytes)."""
+        slice_n = sum(s.slice_numel for s in self.spaces)
+        master = sum(s.master.numel() for s in self.spaces if s.master is not None)
+        return {"master": 4 * master, "moments": 8 * slice_n}
 
 
-def bytes_per_param(dtype: str, distributed: bool, dp: int) -> dict[str, float]:
-    """Training state per parameter on one rank (the formula the planner uses too): weights,
-    their gradients (whole during backward), and the optimizer's state.
+def bytes_per_param(dtype: str, distributed: bool, dp: int, *, moments: int = 8) -> dict[str, float]:
+    """Training state per parameter on one rank at its peak: the one formula the training
+    log, the planner and the memory pre-check use. Parts: weights; gradients (whole p.grad in
+    the weights' dtype during backward, or after the dp reduction the fp32 reduced slice,
+    whichever is larger: the whole gradients are freed bucket by bucket as the slice fills);
+    the optimizer's state (AdamW's two fp32 moments, `moments` bytes; and the fp32 master
+    copy where the weights are bf16), split over dp by the distributed optimizer.
 
-    - plain fp32: 4 + 4 + 8 (AdamW's moments) = 16
-    - fp32 master copy (run.dtype = "bf16", or optim.distributed): master 4 + moments 8 + the
-      reduced fp32 gradient 4 = 16 bytes, divided by dp under optim.distributed:
-      fp32 8 + 16 / dp; bf16 2 + 2 + 16 / dp (20 at dp = 1 without the distributed optimizer).
+    - plain fp32: 4 + 4 + 8 = 16
+    - fp32, distributed: the fp32 weights are their own master (each rank steps its slice
+      in place): 4 + 4 + 8 / dp = 8 + 8 / dp (Megatron-core's figure)
+    - bf16 weights, fp32 master: 2 + max(2, 4 / s) + 12 / s with s = dp when distributed
+      (4 + 12 / dp from dp = 2 on), else s = 1: 2 + 4 + 12 = 18
     """
     w = 2 if dtype == "bf16" else 4
-    master = distributed or dtype == "bf16"
-    opt = 16 / (dp if distributed else 1) if master else 8
-    return {"weights": w, "grads": w, "optimizer": opt, "total": 2 * w + opt}
+    if dtype != "bf16" and not distributed:
+        return {"weights": w, "grads": w, "optimizer": moments, "total": 2 * w + moments}
+    share = dp if distributed else 1
+    opt = ((4 if dtype == "bf16" else 0) + moments) / share
+    grads = max(w, 4 / share)  # whole p.grad during backward, or the fp32 reduced slice after it
+    return {"weights": w, "grads": grads, "optimizer": opt, "total": w + grads + opt}
 
 
 def held_bytes(model: nn.Module, optimizer) -> dict[str, int]:
-    """Bytes of the training state this rank holds now, from its tensors: weights, p.grad
-    (whole between backward and the dp reduction), the optimizer's state (AdamW's moments;
-    under the master-copy optimizer also the fp32 master and the reduced gradient slice)."""
+    """Bytes of the training state this rank holds now, from its tensors: weights, gradients
+    (p.grad, whole between backward and the dp reduction; and the distributed optimizer's
+    fp32 reduced slice, from the reduction to the step), the optimizer's state (AdamW's
+    moments; a separate fp32 master copy where there is one)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     if isinstance(optimizer, DistributedOptimizer):
-        opt = sum(s.master.numel() * 4 + s.grad.numel() * 4 for s in optimizer.spaces)
+        grads += sum(s.grad.numel() * 4 for s in optimizer.spaces if s.grad is not None)
+        opt = sum(s.master.numel() * 4 for s in optimizer.spaces if s.master is not None)
         state = optimizer.adamw.state
     else:
         opt, state = 0, optimizer.state

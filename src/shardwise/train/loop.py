@@ -162,8 +162,10 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
             model, cfg.optim, specs, tp=tp, dp=dp, pp=mesh.pp, skip=copies, ep=ep, edp=edp,
             experts=experts.names if experts else frozenset(), bucket_mb=par.bucket_mb,
             shard=cfg.optim.distributed, reduce_dtype=DTYPES[cfg.optim.grad_reduce_dtype],
+            weights_are_master=cfg.run.dtype == "fp32",
         )  # fmt: skip
-        model.to(DTYPES[cfg.run.dtype])
+        if cfg.run.dtype != "fp32":
+            model.to(DTYPES[cfg.run.dtype])  # NOTE: fp32 weights are views of the optimizer's buffer
     else:
         optimizer = build_optimizer(model, cfg.optim)
     tr = Trainer(
@@ -271,7 +273,8 @@ def train(
     log.info(
         "training state per rank: %s weights + %s grads + %s optimizer = %s bytes/parameter, %.1f MiB (%s)",
         *(f"{per[k]:.4g}" for k in ("weights", "grads", "optimizer", "total")), per["total"] * n / 2**20,
-        f"distributed optimizer: fp32 master, moments and reduced grads split over dp={tr.mesh.dp.size}"
+        (f"distributed optimizer: moments{' and fp32 master' if run.dtype == 'bf16' else ''} split over "
+         f"dp={tr.mesh.dp.size}{'' if run.dtype == 'bf16' else ', fp32 weights stepped in place'}")
         if cfg.optim.distributed else "bf16 weights, fp32 master" if run.dtype == "bf16" else "plain AdamW",
     )  # fmt: skip
     if cfg.parallel.sequence_parallel or run.recompute != "none":
