@@ -208,12 +208,16 @@ def test_distributed_checkpoint_resumes_across_tp_and_pp_and_from_plain(rank_poo
 
 
 def _assert_formula(r: dict, what: str) -> None:
-    """The bytes held equal the formula's, to the elements uneven splits add (16 bytes per bucket)."""
+    """The bytes held equal the formula's, to the elements uneven splits add (16 bytes per bucket);
+    each part too."""
     total = sum(r["held"].values())
     want = r["formula"]["total"] * r["params"]
-    assert abs(total - want) <= 16 * (r["params"] // 10_000 + 2), (
+    slack = 16 * (r["params"] // 10_000 + 2)
+    assert abs(total - want) <= slack, (
         f"{what}: held {r['held']} = {total} bytes, formula {r['formula']} x {r['params']} = {want}"
     )
+    for k in ("weights", "grads", "optimizer"):
+        assert abs(r["held"][k] - r["formula"][k] * r["params"]) <= slack, (what, k, r["held"], r["formula"])
 
 
 def _memory_cases(world, cfgs):
@@ -222,7 +226,9 @@ def _memory_cases(world, cfgs):
 
 def test_bf16_weights_with_fp32_master_and_memory_formula(rank_pool, tokens, tmp_path):
     """tp=2 x dp=2: bf16 weights with the distributed optimizer, and fp32 with it: the model
-    holds bf16, and the state each rank holds (from its tensors) equals the formula."""
+    holds bf16, and the state each rank holds (from its tensors, at the end of backward and
+    after the dp reduction, the larger) equals the formula; fp32 weights are views of the
+    optimizer's flat buffer (no separate master)."""
     fp32 = _cfg(tokens, tmp_path, tp=2, dp=2, optim={"distributed": True})
     bf16 = fp32.replace(run={"dtype": "bf16"})
     out = rank_pool.run(_memory_cases, 4, args=([fp32, bf16],))
@@ -230,7 +236,9 @@ def test_bf16_weights_with_fp32_master_and_memory_formula(rank_pool, tokens, tmp
         _assert_formula(r[0], "fp32 distributed")
         _assert_formula(r[1], "bf16 distributed")
         assert r[1]["dtypes"] == ["torch.bfloat16"] and r[0]["dtypes"] == ["torch.float32"]
-    assert out[0][1]["formula"]["total"] == 2 + 2 + 16 / 2
+    assert out[0][1]["formula"]["total"] == 2 + 2 + 12 / 2  # bf16 weights, fp32 master and moments over dp
+    assert out[0][0]["formula"]["total"] == 8 + 8 / 2  # fp32: the weights are the master (Megatron's 8 + 8/dp)
+    assert all(r[0]["weights_are_views"] and not r[1]["weights_are_views"] for r in out)
 
 
 @pytest.mark.full
