@@ -97,16 +97,18 @@ def _read(path: Path) -> str | None:
 def _cgroup_dirs(root: Path, self_cgroup: Path) -> list[tuple[str, Path]]:
     """("cgroup v2" or "cgroup v1", directory) of this process's memory cgroup and each of its
     ancestors up to the mount's root, innermost first, v2 (root) before v1 (root/memory). The
-    path comes from /proc/self/cgroup; where it is not under the mount (a cgroup namespace
-    mounts the process's own cgroup as the root), the root."""
+    path comes from /proc/self/cgroup. A container may mount its own cgroup as the root (a
+    cgroup namespace, or a bind mount that leaves /proc/self/cgroup the host's full path): then
+    the longest tail of the path that is under the mount is this process's cgroup (a child
+    cgroup made inside the container included), else the root."""
     lines = (_read(self_cgroup) or "").splitlines()
     out = []
     for version, base, wanted in (("cgroup v2", root, {""}), ("cgroup v1", root / "memory", {"memory"})):
         path = next(
             (f[2] for f in (x.split(":", 2) for x in lines) if len(f) == 3 and wanted & {*f[1].split(",")}), "/"
         )
-        d = base / path.lstrip("/")
-        d = d if d.is_dir() else base
+        parts = [p for p in path.split("/") if p]
+        d = next((base.joinpath(*parts[i:]) for i in range(len(parts)) if base.joinpath(*parts[i:]).is_dir()), base)
         while True:
             out.append((version, d))
             if d == base or base not in d.parents:

@@ -89,11 +89,11 @@ def _largest(low: int, high: int, ok) -> int | None:
 def check_inference(
     cfg, *, tp: int, pp_layers: list[int] | None, dtype: str | None, quantize: str | None, expert_parallel: bool,
     batch: int, prompt_len: int, kv_tokens: int, backend: str, force: bool, serving: bool = False,
-    full_copy_on_rank0: bool = False,
+    full_copy_on_rank0: bool = False, kv_budget_bytes: bool = False,
 ) -> None:  # fmt: skip
-    """The pre-check of generate / verify / embed / serve (serving: batch and kv_tokens are
-    --max-batch-size and --max-model-len, the slots the server preallocates; activations are
-    one prefill of prompt_len; smaller limits are suggested)."""
+    """The pre-check of generate / verify / embed / serve (serving: the paged pool of kv_tokens
+    positions, as serve sized it, and one prefill of prompt_len at a time; kv_budget_bytes: the
+    pool's size was given in bytes, so a smaller --kv-cache-memory is suggested)."""
     from shardwise.sharding.plans.tp import model_tp_sizes
 
     base = dict(tp=tp, pp_layers=pp_layers, dtype=dtype, quantize=quantize, expert_parallel=expert_parallel,
@@ -114,21 +114,19 @@ def check_inference(
         for t in model_tp_sizes(cfg, expert_parallel=expert_parallel):
             if t != tp:  # larger: less per device; smaller: fewer ranks' runtime on one host
                 yield Option(f"--tp {t}", with_(tp=t))
-        if serving:
+        if serving and kv_budget_bytes:  # a pool of a given size: the largest that fits (a fraction adapts by itself)
             found = allowance(world, backend)
             if found is None:
                 return
             allow, local = found
             for q in [quantize, *formats]:
                 shown = f" --quantize {q}" if q and q != quantize else ""
-                n = _largest(1, kv_tokens - 1, lambda n, q=q: fits(with_(quantize=q, kv_tokens=n, prompt_len=min(prompt_len, n)), allow, local_ranks=local))  # fmt: skip
+                n = _largest(prompt_len, kv_tokens - 1, lambda n, q=q: fits(with_(quantize=q, kv_tokens=n), allow, local_ranks=local))  # fmt: skip
                 if n is not None:
-                    yield Option(
-                        f"--max-model-len {n}{shown}", with_(quantize=q, kv_tokens=n, prompt_len=min(prompt_len, n))
-                    )
-                b = _largest(1, batch - 1, lambda b, q=q: fits(with_(quantize=q, batch=b), allow, local_ranks=local))
-                if b is not None:
-                    yield Option(f"--max-batch-size {b}{shown}", with_(quantize=q, batch=b))
+                    opt = with_(quantize=q, kv_tokens=n)
+                    size = int(opt.parts.get("kv cache", 0)) // 2**20
+                    if size:
+                        yield Option(f"--kv-cache-memory {size}MiB{shown}", opt)
 
     _check(need, options(), world, backend, force)
 

@@ -13,6 +13,7 @@ import argparse
 import math
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.cli.common import (
@@ -28,7 +29,9 @@ from shardwise.cli.common import (
 )
 from shardwise.cli.memcheck import add_force_arg, check_inference
 from shardwise.comm import DEFAULT_TIMEOUT_S
+from shardwise.engine.paged import BLOCK_SIZE, blocks_for
 from shardwise.engine.text import DEFAULT_MODEL, load_tokenizer
+from shardwise.serve.budget import DEFAULT_FRACTION, BudgetTooSmall, KVBudget
 
 __all__ = ["add_parser", "run"]
 
@@ -56,18 +59,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_quantize_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
-    p.add_argument(
-        "--max-batch-size", type=int, default=16, help="sequences decoded together: KV-cache slots (default 16)"
-    )
+    p.add_argument("--max-batch-size", type=int, default=16, help="sequences decoded together (default 16)")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s (default 64)")
     p.add_argument(
         "--kv-cache-memory",
         default=None,
-        metavar="SIZE",
-        help="bytes of paged KV cache per rank (e.g. 2GiB, 512MiB), in blocks of 16 tokens shared by every "
-        "sequence; a --max-model-len the pool cannot hold is refused (default: --max-batch-size x "
-        "--max-model-len tokens)",
+        metavar="SIZE|FRACTION",
+        help="the paged KV cache of each rank, in blocks of 16 tokens shared by every sequence: a size "
+        "(2GiB, 512MiB), or a fraction (0-1] of the memory a rank may use (the host's or cgroup's room over its "
+        "ranks; a GPU's free memory) less its weights, capped at --max-batch-size x --max-model-len tokens "
+        f"(default {DEFAULT_FRACTION}); a --max-model-len the pool cannot hold is refused",
     )
     p.add_argument(
         "--no-prefix-caching",
@@ -132,42 +134,71 @@ def _check(args: argparse.Namespace, model_dir: Path, cfg) -> list[str]:
     return problems
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+@dataclass(frozen=True)
+class PoolSize:
+    """The paged KV pool as the ranks will size it (serve/budget.py), predicted from the config:
+    `blocks` per rank, decided by the stage that fits fewest (its bytes per block and the bytes
+    its ranks hold besides the pool, `other`); `activations`: one prefill's, kept free on each rank."""
+
+    budget: KVBudget
+    blocks: int
+    per_block: int
+    other: float
+    activations: float
+
+    def check(self, max_model_len: int, tp: int) -> None:
+        """CliError, one line naming the longest length that fits, when the pool cannot hold one sequence."""
+        try:
+            self.budget.check(self.blocks, self.per_block, self.other, max_model_len, tp)
+        except BudgetTooSmall as e:
+            raise CliError(fail(str(e))) from None
 
 
-def kv_blocks(args: argparse.Namespace, cfg, layers: list[int] | None, max_model_len: int) -> int:
-    """Blocks of the paged KV pool per rank: --kv-cache-memory over the busiest rank's bytes per
-    block, or --max-batch-size sequences of max_model_len tokens. Refuses (CliError) a budget
-    that cannot hold one sequence of max_model_len tokens, naming the longest that fits."""
-    from shardwise.engine.paged import BLOCK_SIZE, blocks_for
-    from shardwise.memory import parse_size
+def kv_blocks(args: argparse.Namespace, cfg, layers: list[int] | None, max_model_len: int) -> PoolSize:
+    """The paged pool's blocks per rank for these options (a budget that is neither a size nor a
+    fraction is refused, CliError)."""
+    from shardwise.cli.memcheck import allowance
+    from shardwise.planner.fit import RUNTIME_BYTES, inference_need
     from shardwise.planner.footprint import kv_bytes_per_token
 
-    if args.kv_cache_memory is None:
-        return args.max_batch_size * blocks_for(max_model_len)
+    stages = layers or [cfg.num_layers]
+    room, source = None, ""
+    if args.kv_cache_memory is None or _is_fraction(args.kv_cache_memory):
+        try:
+            found = allowance(args.tp * len(stages), args.backend)
+        except ValueError as e:  # SHARDWISE_MEMORY_LIMIT that is not a size
+            raise CliError(fail(str(e))) from None
+        if found is not None:
+            allow, local = found
+            room, source = (allow.bytes if allow.per_device else allow.bytes / local), allow.source
     try:
-        budget = parse_size(args.kv_cache_memory)
+        budget = KVBudget.parse(
+            args.kv_cache_memory,
+            room=room,
+            room_source=source,
+            cap_blocks=args.max_batch_size * blocks_for(max_model_len),
+        )
     except ValueError as e:
         raise CliError(fail(f"--kv-cache-memory: {e}")) from None
     width = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype or cfg.dtype]
-    per_block = BLOCK_SIZE * kv_bytes_per_token(cfg, args.tp, width, max(layers) if layers else cfg.num_layers)
-    blocks, need = budget // per_block, blocks_for(max_model_len)
-    if blocks < need:
-        longest = blocks * BLOCK_SIZE
-        fits = (
-            f"the longest sequence that fits is {longest} tokens (--max-model-len {longest})"
-            if longest
-            else "not one block fits"
-        )
-        raise CliError(
-            fail(
-                f"--max-model-len {max_model_len} needs {need} KV blocks of {BLOCK_SIZE} tokens "
-                f"({_size(need * per_block)} per rank at tp={args.tp}); --kv-cache-memory {args.kv_cache_memory} "
-                f"holds {blocks} ({_size(per_block)} each): {fits}"
-            )
-        )
-    return blocks
+    need = inference_need(  # weights and one prefill's activations, no KV: what a rank holds besides the pool
+        cfg, tp=args.tp, pp_layers=layers, dtype=args.dtype, quantize=args.quantize,
+        expert_parallel=args.expert_parallel, batch=1, prompt_len=max_model_len, kv_tokens=0, prefill_batch=1,
+    )  # fmt: skip
+    stage_sizes = []
+    for s, n in enumerate(stages):
+        per = BLOCK_SIZE * kv_bytes_per_token(cfg, args.tp, width, n)
+        other = need.by_rank[s * args.tp] + RUNTIME_BYTES
+        stage_sizes.append((budget.blocks(per, other), per, other))
+    blocks, per, other = min(stage_sizes)
+    return PoolSize(budget, blocks, per, other, need.parts.get("activations", 0.0))
+
+
+def _is_fraction(text: str) -> bool:
+    try:
+        return float(text) <= 1
+    except ValueError:
+        return False
 
 
 def _stop(signum, frame) -> None:
@@ -188,15 +219,15 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         return fail(problems[0])
     max_model_len = args.max_model_len or cfg.max_positions
-    blocks = kv_blocks(args, cfg, layout.layers if layout is not None else None, max_model_len)
-    kv_seqs, kv_tokens = (  # what the pool holds, for the memory check
-        (args.max_batch_size, max_model_len) if args.kv_cache_memory is None else (1, blocks * 16)
-    )
-    check_inference(  # the weights and the paged KV pool it allocates at start (engine/paged.py)
-        cfg, tp=args.tp, pp_layers=layout.layers if layout is not None else None, dtype=args.dtype,
-        quantize=args.quantize, expert_parallel=args.expert_parallel, batch=kv_seqs,
-        prompt_len=max_model_len, kv_tokens=kv_tokens, backend=args.backend, force=args.force, serving=True,
+    layers = layout.layers if layout is not None else None
+    pool = kv_blocks(args, cfg, layers, max_model_len)
+    check_inference(  # the weights and the paged KV pool (at least one sequence of max_model_len)
+        cfg, tp=args.tp, pp_layers=layers, dtype=args.dtype, quantize=args.quantize,
+        expert_parallel=args.expert_parallel, batch=1, prompt_len=max_model_len,
+        kv_tokens=max(pool.blocks, blocks_for(max_model_len)) * BLOCK_SIZE, backend=args.backend, force=args.force,
+        serving=True, kv_budget_bytes=pool.budget.bytes is not None,
     )  # fmt: skip
+    pool.check(max_model_len, args.tp)
     default = model_dir == DEFAULT_MODEL
     opts = ServeOptions(
         model=str(model_dir),
@@ -216,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
         num_layers=cfg.num_layers,
         pp_layers=layout.layers if layout is not None else None,
         expert_parallel=args.expert_parallel,
-        kv_blocks=blocks,
+        kv_budget=pool.budget,
+        activation_bytes=pool.activations,
         prefix_caching=args.prefix_caching,
     )
     if default:

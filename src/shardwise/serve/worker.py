@@ -31,8 +31,10 @@ from shardwise.engine.pipeline import StageForward
 from shardwise.engine.slots import StepBatch
 from shardwise.engine.text import load_tokenizer, stop_ids
 from shardwise.log import get_logger, setup_logging
+from shardwise.memory import fmt_bytes
 from shardwise.pipeline.stage import StageLayout
 from shardwise.serve.app import ServerState, build_app
+from shardwise.serve.budget import KVBudget, size_pool
 from shardwise.serve.http import bind, start_http
 from shardwise.serve.metrics import Metrics
 from shardwise.serve.pipelined import InFlight, PipelineTicks
@@ -72,16 +74,18 @@ class ServeOptions:
     """Layers per stage (pp > 1), as the command resolved them."""
     expert_parallel: bool = False
     """Mixture-of-experts layers hold whole experts per tp rank (shardwise.layers.moe)."""
-    kv_blocks: int | None = None
-    """Blocks of the paged KV cache per rank (BLOCK_SIZE positions each); None: as many as
+    kv_budget: KVBudget | None = None
+    """The paged KV pool's budget per rank (serve/budget.py); None: as many blocks as
     max_batch_size sequences of max_model_len tokens take."""
+    activation_bytes: float = 0.0
+    """One prefill's activations (the planner's estimate), kept out of a fractional budget."""
 
     prefix_caching: bool = True
     """Share the KV blocks of identical prompt prefixes (engine/paged.BlockTables)."""
 
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.kv_blocks if self.kv_blocks is not None else self.max_batch_size * blocks_for(self.max_model_len)
+    def budget(self) -> KVBudget:
+        cap = self.max_batch_size * blocks_for(self.max_model_len)
+        return self.kv_budget or KVBudget("max-batch-size x max-model-len", fraction=1.0, cap_blocks=cap)
 
 
 class _Fault:
@@ -125,7 +129,16 @@ class _Engine:
         if stage is not None:
             self.stages = StageForward(self.model, mesh)
             self.stage_text = stage[0].describe().replace(", loss", "")
-        self.caches = PagedCaches(self.model, opts.num_kv_blocks)
+        self.sizes, blocks = size_pool(  # now that the weights are loaded (serve/budget.py)
+            world,
+            self.model,
+            self.report.param_bytes,
+            opts.budget(),
+            opts.activation_bytes,
+            opts.max_model_len,
+            self.tp.size,
+        )
+        self.caches = PagedCaches(self.model, blocks)
         self.device = self.caches.layers[0].k.device
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
@@ -152,9 +165,9 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
         max_queue=opts.max_queue,
         metrics=metrics,
         stale_s=opts.health_timeout,
-        blocks=BlockTables(opts.num_kv_blocks, caches.block_size, prefix_caching=opts.prefix_caching),
+        blocks=BlockTables(caches.num_blocks, caches.block_size, prefix_caching=opts.prefix_caching),
     )
-    metrics.blocks_total = metrics.blocks_free = opts.num_kv_blocks
+    metrics.blocks_total = metrics.blocks_free = caches.num_blocks
     state = ServerState(
         scheduler=scheduler,
         metrics=metrics,
@@ -181,6 +194,15 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
         opts.max_model_len, caches.num_blocks, caches.block_size, caches.num_blocks * caches.block_size,
         caches.nbytes / 2**20, "on" if opts.prefix_caching else "off", opts.max_queue,
         "the checkpoint's" if state.chat.own else "fallback (role: content lines)",
+    )  # fmt: skip
+    log.info(
+        "memory per rank: %s | KV budget: %s: %d blocks = %d tokens, %d sequences of %d tokens at once",
+        "; ".join(
+            f"rank {r}: weights {fmt_bytes(w)}, KV pool {fmt_bytes(caches.num_blocks * per)}"
+            for r, (w, _, _, per) in enumerate(engine.sizes.tolist())
+        ),
+        opts.budget().summary(), caches.num_blocks, caches.num_blocks * caches.block_size,
+        caches.num_blocks // blocks_for(opts.max_model_len, caches.block_size), opts.max_model_len,
     )  # fmt: skip
     try:
         if ticks is not None:
