@@ -299,6 +299,7 @@ def test_full_queue_is_429_disconnect_frees_slot_and_killing_server_kills_ranks(
         long = {"prompt": [5, 6], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
         a = _raw_request(s.port, {**long, "stream": True})
         assert _until(lambda: s.metric("shardwise_running_sequences") == 1)  # a holds the only slot
+        assert s.metric('shardwise_kv_blocks{state="used"}') >= 1
         b = _raw_request(s.port, long)  # b waits in the queue
         assert _until(lambda: s.metric("shardwise_queue_depth") == 1)
         start = time.monotonic()
@@ -311,6 +312,7 @@ def test_full_queue_is_429_disconnect_frees_slot_and_killing_server_kills_ranks(
         b.close()  # b's client leaves too (non-streaming): the slot is free again
         assert _until(lambda: s.metric("shardwise_running_sequences") == 0)
         assert _until(lambda: s.metric('shardwise_requests_total{outcome="cancelled"}') == 2)
+        assert _until(lambda: s.metric('shardwise_kv_blocks{state="used"}') == 0)  # their blocks went back
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
         s.proc.send_signal(signal.SIGKILL)  # the server process dies: its ranks follow

@@ -109,3 +109,18 @@ def test_a_pool_too_small_or_too_large_is_refused_in_one_line(capsys, monkeypatc
     assert message in err[-1], err[-1]
     if "200MiB" in argv:
         assert "would fit: --kv-cache-memory 3" in err[-1] and "--max-model-len" not in err[-1]
+
+
+def test_on_cuda_the_fraction_is_of_each_devices_free_memory(loaded, monkeypatch):
+    """No GPU here: torch.cuda's answers are mocked; each rank has its own device, so the room is
+    the least free memory of the devices, not divided among the ranks."""
+    cfg, model, _ = loaded
+    free = {0: 3 * 2**30, 1: 2 * 2**30}
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda i: (free[i], 80 * 2**30))
+    monkeypatch.delenv(LIMIT_ENV, raising=False)
+    pool = kv_blocks(_args(tp=2, backend="nccl", kv_cache_memory="0.5", max_batch_size=4096), cfg, None, 512)
+    assert pool.budget.room == 2 * 2**30 and pool.budget.room_source == "torch.cuda.mem_get_info"
+    per_block = PagedCaches.bytes_per_block(model) // 2  # tp 2: half the KV heads
+    assert pool.per_block == per_block and pool.blocks == int((0.5 * 2**31 - pool.other) // per_block)
