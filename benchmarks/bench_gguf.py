@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +33,9 @@ import numpy as np
 
 from shardwise.comm import tp_only
 from shardwise.launch import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from gguf_files import add_spm_vocabulary, placeholder_vocabulary, write_metadata  # noqa: E402
 
 MiB = 2**20
 SHAPE = dict(hidden=2048, inter=8192, heads=32, kv=8, head_dim=64, vocab=128256)
@@ -47,24 +51,12 @@ def make_file(path: Path, layers: int) -> Path:
     h, i, nq, nkv, hd, v = (SHAPE[k] for k in ("hidden", "inter", "heads", "kv", "head_dim", "vocab"))
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("random-llama-1b")
-    w.add_context_length(8192)
-    w.add_embedding_length(h)
-    w.add_feed_forward_length(i)
-    w.add_block_count(layers)
-    w.add_head_count(nq)
-    w.add_head_count_kv(nkv)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(500000.0)
-    w.add_rope_dimension_count(hd)
+    cfg = dict(model_type="llama", hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+               num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd, max_position_embeddings=8192,
+               rms_norm_eps=1e-5, rope_theta=500000.0)  # fmt: skip
+    write_metadata(w, cfg)
     w.add_vocab_size(v)
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += [f"<t{n}>" for n in range(len(tokens), v)]
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * v)
-    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (v - 259))  # unknown, control, byte, normal
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    add_spm_vocabulary(w, placeholder_vocabulary(v))
     rng = np.random.default_rng(0)
     q8 = gguf.GGMLQuantizationType.Q8_0
     scale = np.frombuffer(np.float16(0.01 / 127).tobytes(), np.uint8)
@@ -188,6 +180,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--quantize", choices=["int8", "fp16"], default=None, help="shardwise only")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes of the load table")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-load", action="store_true", help="no load table")
     ap.add_argument("--decode", action="store_true", help="decode speed against llama.cpp")
@@ -206,7 +199,7 @@ def main() -> None:
 
 def load_table(path: Path, args) -> None:
     rows = []
-    for tp in (1, 2):
+    for tp in args.tp:
         r = launch(_shardwise_rank, tp, args=(str(path), args.dtype, args.quantize), timeout_s=1200)
         rows.append((f"shardwise tp={tp}", r))
     if not args.skip_transformers and args.quantize is None:

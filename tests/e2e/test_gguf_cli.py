@@ -1,7 +1,7 @@
 """`--model FILE.gguf` through the commands: the shipped model converted to GGUF generates
 at tp=2 the tokens its safetensors copy generates, with the tokenizer and stop id from the
 file's metadata; info, plan and verify read it; bad input is refused in one line before
-any rank starts."""
+any rank starts; `serve --model FILE.gguf` answers with generate's tokens."""
 
 from __future__ import annotations
 
@@ -32,8 +32,14 @@ def _generate(model, *extra: str) -> dict:
     return json.loads(out.stdout)
 
 
-def test_generate_at_tp2_equals_the_safetensors_model(austen):
-    ours = _generate(austen["F32"], "--tp", "2")
+@pytest.fixture(scope="module")
+def generated(austen):
+    """`generate --json` of the F32 file at tp=2."""
+    return _generate(austen["F32"], "--tp", "2")
+
+
+def test_generate_at_tp2_equals_the_safetensors_model(austen, generated):
+    ours = generated
     ref = _generate(DEFAULT_MODEL, "--tp", "2")
     assert ours["tokens"] == ref["tokens"] and ours["text"] == ref["text"]
     assert len(ours["peak_load_anon_bytes_per_rank"]) == 2
@@ -70,3 +76,19 @@ def test_bad_input_is_one_line_before_any_rank(tmp_path, austen):
         assert out.returncode != 0
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and want in lines[0], out.stderr
+
+
+def test_serve_gguf_at_tp2_completes_like_generate(tmp_path, austen, generated):
+    """`serve --model FILE.gguf --tp 2`: a greedy completion of the prompt is generate's text,
+    token for token, with the tokenizer from the file."""
+    from test_serve import Server
+
+    server = Server(tmp_path, "--model", str(austen["F32"]), "--tp", "2")
+    try:
+        client = server.client()
+        [card] = client.models.list().data
+        r = client.completions.create(model=card.id, prompt=PROMPT, max_tokens=12, temperature=0)
+    finally:
+        server.stop()
+    assert r.choices[0].text == generated["text"][0], (r.choices[0].text, generated["text"][0])
+    assert r.usage.completion_tokens == len(generated["tokens"][0])

@@ -217,3 +217,74 @@ def test_int8_load_converts_blocks_of_rows_equal_to_whole_tensors(tmp_path, monk
         assert torch.equal(
             chunked(ids, attention_mask=mask, positions=pos), whole(ids, attention_mask=mask, positions=pos)
         )
+
+
+SPM_TEXTS = [
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife.",
+    "However little known the feelings or views of such a man may be on his first entering a neighbourhood,",
+    "this truth is so well fixed in the minds of the surrounding families, that he is considered the "
+    "rightful property of some one or other of their daughters.",
+    "Tensor parallelism splits each layer's matrices across ranks; every rank reads its own blocks.",
+]
+SPM_SAMPLES = [
+    "It is a truth universally acknowledged",
+    "the rightful property of their daughters",
+    " a leading space",
+    "two  spaces and a trailing one ",
+    "a line\nbreak\tand a tab",
+    "caf\u00e9, na\u00efve, \u00fcber",  # characters outside the vocabulary: byte fallback
+    "emoji \U0001f642 and \u4e2d\u6587",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def spm_file(tmp_path_factory):
+    """A llama GGUF file with a SentencePiece-style vocabulary (tokenizer.ggml.model "llama")."""
+    from gguf_files import spm_vocabulary
+
+    root = tmp_path_factory.mktemp("spm")
+    vocab = spm_vocabulary(SPM_TEXTS, 400)
+    hf = save_tiny("llama2", root, overrides={"vocab_size": len(vocab)})
+    return write_gguf(hf, root / "spm.gguf", "F32", spm=vocab)
+
+
+def test_sentencepiece_vocabulary_tokenizes_like_transformers(spm_file):
+    """A "llama" (SentencePiece) GGUF vocabulary: the tokenizer generate and serve use encodes
+    (BOS first, spaces as \u2581, byte fallback) and decodes as transformers' GGUF tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    from shardwise.engine.text import load_tokenizer, stop_ids
+
+    assert GGUFFile(spm_file).get("tokenizer.ggml.model") == "llama"
+    ours = load_tokenizer(spm_file)
+    ref = transformers.AutoTokenizer.from_pretrained(str(spm_file.parent), gguf_file=spm_file.name)
+    used_bytes = False
+    for text in SPM_SAMPLES:
+        ids = ours.encode(text).ids
+        assert ids == ref.encode(text), f"{text!r}: {ids} != transformers {ref.encode(text)}"
+        assert ids[:1] == [1], f"{text!r}: no BOS"
+        used_bytes |= any(3 <= i < 259 for i in ids)
+        for part in (ids, ids[1:]):
+            assert ours.decode(part) == ref.decode(part, skip_special_tokens=True), f"{text!r}: {part}"
+        if not text.startswith(" "):  # transformers drops a leading space (llama.cpp keeps it)
+            assert ours.decode(ids) == text
+    assert used_bytes, "no sample fell back to byte tokens"
+    assert stop_ids(spm_file) == [2]
+
+
+def test_sentencepiece_vocabulary_tokenizes_like_llama_cpp(spm_file):
+    """The same ids as llama.cpp's own tokenizer of the file, where llama-cpp-python is
+    installed; but for text that starts with a space, which transformers' tokenizer (and so
+    shardwise's) encodes without it: " a" is [\u2581a] there, [\u2581, \u2581a] in llama.cpp."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from shardwise.engine.text import load_tokenizer
+
+    ours = load_tokenizer(spm_file)
+    llm = llama_cpp.Llama(model_path=str(spm_file), vocab_only=True, verbose=False)
+    for text in SPM_SAMPLES:
+        want = llm.tokenize(text.encode(), add_bos=True, special=False)
+        if text.startswith(" "):
+            assert ours.encode(text).ids == [1, *want[2:]], text  # the documented difference, nothing else
+        else:
+            assert ours.encode(text).ids == want, text
