@@ -1,23 +1,27 @@
-"""Training state per rank with and without the distributed optimizer, at dp = 1, 2, 4, fp32
-and bf16 weights, and the step time and dp traffic of each.
+"""The distributed optimizer against plain AdamW: step time and dp traffic at dp = 2 and 4,
+and the training state per rank at dp = 1, 2, 4 in fp32 and bf16.
 
-For every (dtype, dp, distributed) the ranks are launched (gloo, one thread each), set up a
-Llama-shaped model (hidden 256, 4 layers, vocab 8192: 7.1M parameters, every rank a whole
-copy: tp = pp = 1), take one step, then the next step's backward; at that point each rank
-counts the bytes of the tensors it holds (shardwise.train.distopt.held_bytes: weights,
-whole gradients, the optimizer's state) and compares them with the formula
-(bytes_per_param). Then `--steps` more steps are timed (median over the steps and the
-ranks; `--rounds 2` runs plain, distributed, distributed, plain and prints both medians),
-with the bytes the dp collectives moved per step from the communicator's accounting
-(small scalar all-reduces left out), and the peak RSS of the rank over the whole run
-(ru_maxrss, minus the RSS before setup; every configuration in its own processes).
+Speed (`--part speed`): one launched gloo job per dp (one thread per rank) sets up BOTH
+trainers in the same processes (a Llama-shaped model, hidden 256, 4 layers, vocab 8192:
+7.1M parameters, every rank a whole copy: tp = pp = 1; fp32) and runs them in interleaved
+rounds (plain, distributed, distributed, plain, ... `--steps` steps each), so a change in
+the machine's load hits both alike. Each step is timed by the rank's own CPU time
+(time.thread_time: the work this rank did, not the time it waited for the others or for
+another process's core) and by wall time; the figures are medians over steps and ranks.
+The bytes each collective moved per step come from the communicator's accounting
+(reduce-scatter + all-gather against the plain optimizer's all-reduce; scalar all-reduces
+of the loss and norm left out), with the wall time spent inside the dp collectives.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_distopt.py [--steps 6] [--dp 1,2,4] [--dtypes fp32,bf16]
-        [--bucket-mb 25]
+Memory (`--part memory`): every (dtype, dp, optimizer) in its own processes: one step, then
+the next step's backward; each rank counts the tensors it holds then and again after the dp
+reduction (shardwise.train.distopt.held_bytes; the larger is the peak) against the formula
+(bytes_per_param), and the peak RSS of the rank over the run (ru_maxrss above the RSS
+before setup).
 
-The plain optimizer runs the Communicator's bucketed all-reduce (the path MPI uses), so both
-columns move their gradients through the same code. bf16 matmuls are very slow on this
-AVX2 CPU (no native bf16): time bf16 with --steps 1, for its memory columns.
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_distopt.py [--part speed|memory|both]
+        [--steps 4] [--rounds 3] [--dp 2,4] [--bucket-mb 25]
+
+bf16 matmuls are very slow on this AVX2 CPU (no native bf16): the speed part runs fp32.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import json
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +44,7 @@ MODEL = {
     "num_kv_heads": 4,
     "max_positions": 128,
 }
+DP_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 def _rss_kib() -> int:
@@ -46,102 +52,148 @@ def _rss_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-def rank(world, cfg, steps: int) -> dict:
+def _config(tokens: Path, out: Path, *, dp: int, dtype: str, distributed: bool, bucket_mb: float):
+    from shardwise.train import TrainConfig
+
+    return TrainConfig.from_dict(
+        {
+            "model": MODEL,
+            "data": {"tokens": str(tokens), "seq_len": 64, "global_batch_size": 8, "micro_batch_size": 8 // dp},
+            "optim": {"distributed": distributed},
+            "parallel": {"dp": dp, "dp_sync": "bucketed", "bucket_mb": bucket_mb},
+            "run": {"steps": 1000, "dtype": dtype, "progress": False, "plot": False, "out_dir": str(out)},
+        }
+    )
+
+
+def speed_rank(world, cfgs: dict, rounds: int, steps: int) -> dict:
+    """Both trainers in this process, stepped in rounds: plain, distributed, distributed, plain, ..."""
     from shardwise.train import setup, train_step
-    from shardwise.train.distopt import bytes_per_param, held_bytes
-    from shardwise.train.step import _micro_steps
+
+    trainers = {name: setup(world, cfg) for name, cfg in cfgs.items()}
+    for tr in trainers.values():  # warm-up: AdamW's state, the allocator, gloo's buffers
+        train_step(tr)
+    names = list(trainers)
+    order = [n for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
+    out = {n: {"thread_ms": [], "wall_ms": [], "dp_bytes": dict.fromkeys(DP_OPS, 0), "dp_coll_ms": 0.0} for n in names}
+    for name in order:
+        tr, res = trainers[name], out[name]
+        before = world.stats.copy()
+        for _ in range(steps):
+            t, w = time.thread_time(), time.perf_counter()
+            train_step(tr)
+            res["thread_ms"].append(1e3 * (time.thread_time() - t))
+            res["wall_ms"].append(1e3 * (time.perf_counter() - w))
+        moved = world.stats - before
+        for op in DP_OPS:
+            res["dp_bytes"][op] += sum(
+                c.bytes for (o, g), c in moved.counts.items() if o == op and g == "dp" and c.bytes > 64 * c.calls
+            )
+        res["dp_coll_ms"] += 1e3 * sum(c.seconds for (o, g), c in moved.counts.items() if g == "dp")
+    for res in out.values():
+        n = len(res["thread_ms"])
+        res["dp_bytes"] = {k: v / n for k, v in res["dp_bytes"].items()}
+        res["dp_coll_ms"] /= n
+    return out
+
+
+def memory_rank(world, cfg) -> dict:
+    from cases.distopt import memory_case
 
     rss0 = _rss_kib()
-    tr = setup(world, cfg)
-    train_step(tr)
-    _micro_steps(tr, tr.sampler.micro_batches(tr.step))
-    held = held_bytes(tr.model, tr.optimizer)
-    tr.optimizer.zero_grad(set_to_none=True)
-    n = sum(p.numel() for p in tr.model.parameters())
-    times = []
-    world.stats.reset()
-    for _ in range(steps):
-        t = time.perf_counter()
-        train_step(tr)
-        times.append(time.perf_counter() - t)
-    dp_bytes = {op: world.stats.bytes(op, "dp") / steps for op in ("all_reduce", "reduce_scatter", "all_gather")}
-    return {
-        "held": held,
-        "params": n,
-        "formula": bytes_per_param(cfg.run.dtype, cfg.optim.distributed, tr.mesh.dp.size),
-        "ms": 1e3 * statistics.median(times),
-        "dp_bytes": dp_bytes,
-        "peak_rss_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
-    }
+    r = memory_case(world, cfg)
+    r["peak_rss_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    return r
+
+
+def _median(results: list[dict], name: str, key: str) -> float:
+    return statistics.median(x for r in results for x in r[name][key])
+
+
+def speed(args, tokens: Path, tmp: Path) -> list[dict]:
+    from shardwise.launch import launch
+
+    rows = []
+    print("| dp | optimizer | thread ms/step (median) | wall ms/step | in dp collectives ms | dp bytes/step |")
+    print("|---|---|---|---|---|---|")
+    for dp in map(int, args.dp.split(",")):
+        cfgs = {
+            f"{'distributed' if d else 'plain'}": _config(tokens, tmp, dp=dp, dtype="fp32", distributed=d,
+                                                          bucket_mb=args.bucket_mb)
+            for d in (False, True)
+        }  # fmt: skip
+        results = launch(speed_rank, dp, args=(cfgs, args.rounds, args.steps))
+        ratio = {}
+        for name in cfgs:
+            th, wall = _median(results, name, "thread_ms"), _median(results, name, "wall_ms")
+            coll = statistics.median(r[name]["dp_coll_ms"] for r in results)
+            moved = results[0][name]["dp_bytes"]
+            ops = " + ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in moved.items() if v)
+            ratio[name] = (th, wall)
+            rows.append({"dp": dp, "optimizer": name, "thread_ms": th, "wall_ms": wall, "dp_coll_ms": coll,
+                         "dp_bytes": moved})  # fmt: skip
+            print(
+                f"| {dp} | {name} | {th:.1f} | {wall:.1f} | {coll:.1f} | {ops} ({sum(moved.values()) / 2**20:.1f} MiB) |"
+            )
+        (pt, pw), (dt, dw) = ratio["plain"], ratio["distributed"]
+        print(f"| {dp} | distributed / plain | {dt / pt:.3f} | {dw / pw:.3f} | | |", flush=True)
+    return rows
+
+
+def memory(args, tokens: Path, tmp: Path) -> list[dict]:
+    from shardwise.comm import LocalCommunicator
+    from shardwise.launch import launch
+
+    rows = []
+    print("| dtype | dp | optimizer | weights | grads | optimizer state | total B/param (formula) | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        for dp in (1, 2, 4):
+            for distributed in (False, True):
+                cfg = _config(tokens, tmp, dp=dp, dtype=dtype, distributed=distributed, bucket_mb=args.bucket_mb)
+                res = launch(memory_rank, dp, args=(cfg,)) if dp > 1 else [memory_rank(LocalCommunicator(), cfg)]
+                r = res[0]
+                per = {k: v / r["params"] for k, v in r["held"].items()}
+                total = sum(per.values())
+                rss = max(x["peak_rss_mib"] for x in res)
+                rows.append({"dtype": dtype, "dp": dp, "distributed": distributed, "per_param": per, "total": total,
+                             "formula": r["formula"]["total"], "peak_rss_mib": rss})  # fmt: skip
+                print(
+                    f"| {dtype} | {dp} | {'distributed' if distributed else 'plain'} | {per['weights']:.2f} | "
+                    f"{per['grads']:.2f} | {per['optimizer']:.2f} | {total:.2f} ({r['formula']['total']:.4g}) | "
+                    f"{rss:.0f} |",
+                    flush=True,
+                )
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--dp", default="1,2,4")
-    ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--rounds", type=int, default=2, help="runs of each optimizer (2: plain, dist, dist, plain)")
+    ap.add_argument("--part", choices=("speed", "memory", "both"), default="both")
+    ap.add_argument("--steps", type=int, default=4, help="steps per round")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of each optimizer, alternating")
+    ap.add_argument("--dp", default="2,4", help="speed: the dp sizes")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="memory: the weights' dtypes")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="parallel.bucket_mb (both optimizers)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from shardwise.launch import launch
-    from shardwise.train import TrainConfig
     from train_helpers import write_tiny_tokens
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-distopt-"))
     tokens = write_tiny_tokens(tmp / "tokens.safetensors", chars=200_000)
-    rows = []
-    print(
-        "| dtype | dp | optimizer | weights | grads | optimizer state | total B/param (formula) | peak RSS MiB "
-        "| ms/step | dp bytes/step |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for dtype in args.dtypes.split(","):
-        for dp in map(int, args.dp.split(",")):
-            runs: dict[bool, list] = {False: [], True: []}
-            order = [False, True, True, False][: 2 * args.rounds] if args.rounds > 1 else [False, True]
-            for distributed in order:  # ABBA: a drift in the machine's load hits both alike
-                cfg = TrainConfig.from_dict(
-                    {
-                        "model": MODEL,
-                        "data": {
-                            "tokens": str(tokens),
-                            "seq_len": 64,
-                            "global_batch_size": 8,
-                            "micro_batch_size": 8 // dp,
-                        },
-                        "optim": {"distributed": distributed},
-                        "parallel": {"dp": dp, "dp_sync": "bucketed", "bucket_mb": args.bucket_mb},
-                        "run": {"steps": 100, "dtype": dtype, "progress": False, "plot": False, "out_dir": str(tmp)},
-                    }
-                )
-                runs[distributed].append(launch(rank, dp, args=(cfg, args.steps)))  # own processes: own peak RSS
-            for distributed in (False, True):
-                res = runs[distributed][0]
-                r = res[0]
-                n, h = r["params"], r["held"]
-                per = {k: v / n for k, v in h.items()}
-                total = sum(per.values())
-                moved = sum(r["dp_bytes"].values())
-                ops = " + ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in r["dp_bytes"].items() if v >= 2**16)
-                ms = [statistics.median(x["ms"] for x in job) for job in runs[distributed]]
-                row = {"dtype": dtype, "dp": dp, "distributed": distributed, "per_param": per, "total": total,
-                       "formula": r["formula"]["total"], "peak_rss_mib": max(x["peak_rss_mib"] for x in res),
-                       "ms": ms, "dp_bytes": r["dp_bytes"]}  # fmt: skip
-                rows.append(row)
-                print(
-                    f"| {dtype} | {dp} | {'distributed' if distributed else 'plain'} | {per['weights']:.2f} | "
-                    f"{per['grads']:.2f} | {per['optimizer']:.2f} | {total:.2f} ({r['formula']['total']:.4g}) | "
-                    f"{row['peak_rss_mib']:.0f} | {', '.join(f'{m:.0f}' for m in ms)} | {ops or '-'} "
-                    f"({moved / 2**20:.1f} MiB) |",
-                    flush=True,
-                )
+    with open("/proc/loadavg") as f:
+        print(f"load average before: {f.read().split()[0]}")
+    out = {}
+    if args.part in ("speed", "both"):
+        out["speed"] = speed(args, tokens, tmp)
+    if args.part in ("memory", "both"):
+        out["memory"] = memory(args, tokens, tmp)
+    with open("/proc/loadavg") as f:
+        print(f"load average after: {f.read().split()[0]}")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
