@@ -1,7 +1,7 @@
 """The distributed optimizer against plain AdamW: step time and dp traffic at dp = 2 and 4,
 and the training state per rank at dp = 1, 2, 4 in fp32 and bf16.
 
-Speed (`--part speed`): one launched gloo job per dp (one thread per rank) sets up BOTH
+Speed (`--part speed`): one launched job per dp (gloo, or `--backend mpi`) (one thread per rank) sets up BOTH
 trainers in the same processes (a Llama-shaped model, hidden 256, 4 layers, vocab 8192:
 7.1M parameters, every rank a whole copy: tp = pp = 1; fp32) and runs them in interleaved
 rounds (plain, distributed, distributed, plain, ... `--steps` steps each), so a change in
@@ -19,7 +19,7 @@ reduction (shardwise.train.distopt.held_bytes; the larger is the peak) against t
 before setup).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_distopt.py [--part speed|memory|both]
-        [--steps 4] [--rounds 3] [--dp 2,4] [--bucket-mb 25]
+        [--steps 4] [--rounds 4] [--dp 2,4] [--backend gloo|mpi] [--bucket-mb 25]
 
 bf16 matmuls are very slow on this AVX2 CPU (no native bf16): the speed part runs fp32.
 """
@@ -114,6 +114,7 @@ def speed(args, tokens: Path, tmp: Path) -> list[dict]:
     from shardwise.launch import launch
 
     rows = []
+    print(f"speed: {args.backend}, {args.rounds} rounds of {args.steps} steps per optimizer, alternating")
     print("| dp | optimizer | thread ms/step (median) | wall ms/step | in dp collectives ms | dp bytes/step |")
     print("|---|---|---|---|---|---|")
     for dp in map(int, args.dp.split(",")):
@@ -122,7 +123,7 @@ def speed(args, tokens: Path, tmp: Path) -> list[dict]:
                                                           bucket_mb=args.bucket_mb)
             for d in (False, True)
         }  # fmt: skip
-        results = launch(speed_rank, dp, args=(cfgs, args.rounds, args.steps))
+        results = launch(speed_rank, dp, args=(cfgs, args.rounds, args.steps), backend=args.backend)
         ratio = {}
         for name in cfgs:
             th, wall = _median(results, name, "thread_ms"), _median(results, name, "wall_ms")
@@ -175,6 +176,7 @@ def main() -> None:
     ap.add_argument("--dp", default="2,4", help="speed: the dp sizes")
     ap.add_argument("--dtypes", default="fp32,bf16", help="memory: the weights' dtypes")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="parallel.bucket_mb (both optimizers)")
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "mpi"), help="speed: the communicator")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
