@@ -30,6 +30,7 @@ from shardwise.comm import Communicator, ParallelDims, tp_only
 from shardwise.engine import PromptError, SamplingParams, StageForward, generate, validate_prompts
 from shardwise.engine.pipeline import gather_snapshots
 from shardwise.engine.text import DEFAULT_MODEL, StreamDecoder, load_tokenizer, stop_ids
+from shardwise.launch.env import resolve_backend
 from shardwise.log import get_logger, setup_logging
 from shardwise.memory import PeakAnonMemory
 from shardwise.pipeline.stage import StageLayout
@@ -191,12 +192,15 @@ def run(args: argparse.Namespace) -> int:
         expert_parallel=args.expert_parallel, batch=len(prompts), prompt_len=longest,
         kv_tokens=longest + args.max_new_tokens, backend=args.backend, force=args.force,
     )  # fmt: skip
+    # NOTE: `auto` resolved before the prompt is echoed, so that its note (gloo for lack of MPI)
+    # is not printed in the middle of the streamed text
+    backend = resolve_backend(args.backend, world_size=args.tp * args.pp)
     if not args.json:
         if model_dir == DEFAULT_MODEL:
             print("model: the default model shipped with shardwise, trained on Jane Austen's novels (see its README)\n")
         if len(prompts) == 1 and args.prompt_ids is None:  # rank 0 streams the continuation after it
             print(args.prompt[0] if args.prompt else DEFAULT_PROMPT, end="", flush=True)
-    run_opts = {"backend": args.backend, "timeout_s": args.timeout, "allow_cross_host_tp": args.allow_cross_host_tp}
+    run_opts = {"backend": backend, "timeout_s": args.timeout, "allow_cross_host_tp": args.allow_cross_host_tp}
     result = job(_generate_rank, args.tp * args.pp, opts, tp=args.tp, **run_opts)
     if result is None:  # a non-zero rank under an external launcher
         return 0

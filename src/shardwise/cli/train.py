@@ -261,14 +261,14 @@ def load_config(args: argparse.Namespace):
     return type(cfg).from_dict(raw)
 
 
-def train_backend(name: str) -> str:
+def train_backend(name: str, *, world_size: int = 1) -> str:
     """The backend to train with: `auto` as elsewhere (MPI when installed, else gloo), except
     that training runs on CPU tensors, so a CUDA machine's NCCL is not chosen."""
     from shardwise.launch.env import resolve_backend
 
     if name == "nccl":
         raise ValueError("parallel.backend='nccl': training runs on CPU tensors for now; use gloo or mpi")
-    resolved = resolve_backend(name)
+    resolved = resolve_backend(name, world_size=world_size)
     return "gloo" if resolved == "nccl" else resolved
 
 
@@ -310,7 +310,7 @@ def prepare(cfg) -> tuple:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_world(cfg)
-    backend = train_backend(cfg.parallel.backend)
+    backend = train_backend(cfg.parallel.backend, world_size=cfg.parallel.world_size)
     return model_cfg, token_file(cfg), backend
 
 

@@ -99,7 +99,7 @@ def run_job(
     (shardwise.launch.hosts), and a tp group that spans hosts is refused (LaunchError, on
     every rank, before fn runs) unless allow_cross_host_tp. Ranks we start share this host.
     """
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, world_size=world_size)
     ext = external_rank()
     if ext is None:
         return launch(fn, world_size, args=args, backend=backend, timeout_s=timeout_s, job_timeout_s=job_timeout_s)[0]
