@@ -112,3 +112,33 @@ def test_a_device_without_bf16_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla T4")
     with pytest.raises(ValueError, match=r"run.dtype='bf16': Tesla T4 \(cuda\) cannot compute in bfloat16"):
         check_dtype("bf16", "cuda")
+
+
+def test_an_incomplete_optimizer_state_is_named_before_any_rank_starts(tmp_path):
+    """A distributed-optimizer checkpoint whose moment misses rows (a lost slice): `train
+    --resume` refuses it in one line naming the tensor and the rows, from the manifest,
+    before any rank starts; a rank loading it anyway raises too (never zero-filled)."""
+    import json
+
+    from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from shardwise.cli.train import check_resume
+    from shardwise.train import model_config, setup, train_step
+
+    tokens = write_tiny_tokens(tmp_path / "t.safetensors", chars=8000)
+    cfg = tiny_config(tokens, tmp_path, steps=1, optim={"distributed": True})
+    tr = setup(LocalCommunicator(), cfg)
+    train_step(tr)
+    ckpt = save_checkpoint(tr, tmp_path / "ckpts")
+    resumed = cfg.replace(run={"resume": str(ckpt), "steps": 2})
+    check_resume(resumed, model_config(resumed))  # complete: accepted
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    entry = manifest["tensors"]["exp_avg/embed.weight"]
+    entry["chunks"][-1]["length"] -= 3  # the last rows' slice lost
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    rows = entry["global_shape"][entry["dim"]]
+    with pytest.raises(ConfigError) as e:
+        check_resume(resumed, model_config(resumed))
+    assert str(e.value).startswith("run.resume: ") and "\n" not in str(e.value)
+    assert f"exp_avg/embed.weight: chunks cover rows [0, {rows - 3}) but the tensor has {rows} rows" in str(e.value)
+    with pytest.raises(CheckpointError, match="exp_avg/embed.weight: chunks cover rows"):
+        load_checkpoint(setup(LocalCommunicator(), cfg), str(ckpt))

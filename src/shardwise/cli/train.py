@@ -310,8 +310,25 @@ def prepare(cfg) -> tuple:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_world(cfg)
+    check_resume(cfg, model_cfg)
     backend = train_backend(cfg.parallel.backend, world_size=cfg.parallel.world_size)
     return model_cfg, token_file(cfg), backend
+
+
+def check_resume(cfg, model_cfg) -> None:
+    """run.resume's checkpoint, from its manifest alone, before any rank starts: the same
+    architecture, every tensor the model needs (weights and both moments) present, and each
+    one's chunks covering its rows exactly once; ConfigError (one line) naming what is not."""
+    if cfg.run.resume is None:
+        return
+    from shardwise.checkpoint import CheckpointError, CheckpointReader, check_compatible
+    from shardwise.train import ConfigError, rank_specs
+
+    source = Path(cfg.run.out_dir) / "checkpoints" if cfg.run.resume == "latest" else Path(cfg.run.resume)
+    try:
+        check_compatible(CheckpointReader(source), model_cfg, list(rank_specs(model_cfg, 1, 0)))
+    except CheckpointError as e:
+        raise ConfigError(f"run.resume: {e}") from None
 
 
 def run_training(
