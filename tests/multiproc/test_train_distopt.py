@@ -224,6 +224,22 @@ def _memory_cases(world, cfgs):
     return [memory_case(world, cfg) for cfg in cfgs]
 
 
+def _assert_planner(r: dict, cfg, what: str) -> None:
+    """The planner's weights + gradients + optimizer state for this rank's layout (footprint.
+    state_bytes, what `plan --train` and the memory pre-check add up) within 10% of the bytes
+    the rank measured holding."""
+    from shardwise.planner.footprint import state_bytes
+    from shardwise.train import model_config
+
+    par = cfg.parallel
+    planned = sum(
+        state_bytes(model_config(cfg), par.tp, width=2 if cfg.run.dtype == "bf16" else 4, dp=par.dp,
+                    distributed_optimizer=cfg.optim.distributed)
+    )  # fmt: skip
+    held = sum(r["held"].values())
+    assert abs(planned / held - 1) <= 0.10, f"{what}: planner {planned:.0f} bytes, measured {held} ({r['held']})"
+
+
 def test_bf16_weights_with_fp32_master_and_memory_formula(rank_pool, tokens, tmp_path):
     """tp=2 x dp=2: bf16 weights with the distributed optimizer, and fp32 with it: the model
     holds bf16, and the state each rank holds (from its tensors, at the end of backward and
@@ -235,6 +251,8 @@ def test_bf16_weights_with_fp32_master_and_memory_formula(rank_pool, tokens, tmp
     for r in out:
         _assert_formula(r[0], "fp32 distributed")
         _assert_formula(r[1], "bf16 distributed")
+        _assert_planner(r[0], fp32, "fp32 distributed tp2 x dp2")
+        _assert_planner(r[1], bf16, "bf16 distributed tp2 x dp2")
         assert r[1]["dtypes"] == ["torch.bfloat16"] and r[0]["dtypes"] == ["torch.float32"]
     assert out[0][1]["formula"]["total"] == 2 + 2 + 12 / 2  # bf16 weights, fp32 master and moments over dp
     assert out[0][0]["formula"]["total"] == 8 + 8 / 2  # fp32: the weights are the master (Megatron's 8 + 8/dp)
@@ -254,6 +272,7 @@ def test_memory_formula_at_dp_1_2_4(rank_pool, tokens, tmp_path):
                 )
                 for r in results:
                     _assert_formula(r[0], f"dp={dp} {dtype} distributed={distributed}")
+                    _assert_planner(r[0], cfg, f"dp={dp} {dtype} distributed={distributed}")
 
 
 @pytest.mark.full
