@@ -65,6 +65,7 @@ def test_planner_splits_expert_state_over_edp():
     assert (w, g, opt) == (4 * n, 4 * n, (n - e) * 8 / 4 + e * 8 / 2)
 
 
+@pytest.mark.full  # the gate's tests/multiproc/test_train_distopt.py checks the same at tp=2 x dp=2
 def test_held_bytes_at_one_process_equal_the_formula(tmp_path):
     """dp = 1, distributed: fp32 weights are their own master (views of one flat buffer,
     nothing copied: 4 + 4 + 8 = 16); bf16 keeps an fp32 master (2 + 4 + 12 = 18)."""
