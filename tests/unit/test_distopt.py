@@ -87,6 +87,8 @@ def test_held_bytes_at_one_process_equal_the_formula(tmp_path):
             "optim.distributed reduce-scatters",
         ),
         ({"optim": {"grad_reduce_dtype": "fp8"}}, "optim.grad_reduce_dtype must be"),
+        # AdamW is the only optimizer: another one is an unknown field, named with the known ones
+        ({"optim": {"optimizer": "sgd", "distributed": True}}, "unknown field optim.optimizer; known fields"),
         ({"run": {"dtype": "fp16"}}, "run.dtype must be"),
     ],
 )
