@@ -88,7 +88,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument(
         "--distributed-optimizer",
         action="store_true",
-        help="shardwise's distributed optimizer: fp32 master, moments and reduced grads split over dp",
+        help="shardwise's distributed optimizer: Adam's moments (and a bf16 run's fp32 master) split over dp",
     )
     t.add_argument(
         "--schedule",

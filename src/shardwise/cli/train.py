@@ -81,7 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--distributed-optimizer",
         action="store_true",
-        help="set optim.distributed: fp32 master, AdamW moments and reduced grads split over dp (ZeRO-2)",
+        help="set optim.distributed: AdamW moments (and bf16 weights' fp32 master) split over dp, grads reduce-scattered (ZeRO-2)",
     )
     p.add_argument(
         "--dtype", choices=["fp32", "bf16"], default=None, help="override run.dtype: bf16 weights keep an fp32 master"

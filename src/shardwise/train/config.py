@@ -213,9 +213,10 @@ class OptimSection:
     """Clip the global gradient norm (across all shards, replicated parameters once) to this;
     None = no clipping (the norm is still computed and logged)."""
     distributed: bool = False
-    """The distributed optimizer (ZeRO-2): the fp32 master weights, AdamW's moments and the
-    reduced gradients of each (tp, pp, ep) position split over its dp ranks; gradients
-    reduce-scattered, updated weights all-gathered (see shardwise.train.distopt). Same results."""
+    """The distributed optimizer (ZeRO-2): AdamW's moments (and with bf16 weights the fp32
+    master) of each (tp, pp, ep) position split over its dp ranks, fp32 weights stepped in
+    place as their own master; gradients reduce-scattered, updated weights all-gathered (see
+    shardwise.train.distopt). Same results."""
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """The dtype gradients travel and are summed in over dp, under the distributed optimizer
     or with bf16 weights (run.dtype); the master copy and the moments stay fp32."""
