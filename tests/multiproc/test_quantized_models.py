@@ -112,33 +112,37 @@ def test_quantized_model_matches_its_unsharded_twin_and_transformers(rank_pool, 
 
 def _peak_case(world, path: str) -> dict:
     """Load with int8 in blocks of at most 512 elements, watching every float block handed to
-    the converter: when each arrives, every earlier one must already be freed (a rank holds
-    one block of float rows at a time, never a whole tensor)."""
+    the converter: whenever the checkpoint is read, every earlier block must already be freed
+    (a rank holds one block of float rows at a time, never a whole tensor)."""
     import shardwise.hf.load as load_mod
     import shardwise.hf.sources as sources
 
     seen: list[weakref.ref] = []
-    alive_at_convert, sizes, tensors = [], [], []
-    real, chunk = load_mod.convert_rows, sources.CHUNK_ELEMENTS
+    alive_at_read, sizes, tensors = [], [], []
+    real, real_read, chunk = load_mod.convert_rows, sources._read_rows, sources.CHUNK_ELEMENTS
 
     def watched(chunks):
         for t in chunks:
-            gc.collect()
-            alive_at_convert.append(sum(r() is not None for r in seen))
             seen.append(weakref.ref(t))
             sizes.append(t.numel())
             yield t
+            del t
 
     def watch(targets, chunks, shape, **kw):
         tensors.append(shape[0] * shape[1])
         real(targets, watched(chunks), shape, **kw)
 
-    load_mod.convert_rows, sources.CHUNK_ELEMENTS = watch, 512
+    def read(*args):
+        gc.collect()
+        alive_at_read.append(sum(r() is not None for r in seen))
+        return real_read(*args)
+
+    load_mod.convert_rows, sources._read_rows, sources.CHUNK_ELEMENTS = watch, read, 512
     try:
         load_mod.load_pretrained(path, comm=tp_group(world), quantize="int8")
     finally:
-        load_mod.convert_rows, sources.CHUNK_ELEMENTS = real, chunk
-    return {"alive": alive_at_convert, "converted": len(tensors), "largest": max(tensors), "block": max(sizes)}
+        load_mod.convert_rows, sources._read_rows, sources.CHUNK_ELEMENTS = real, real_read, chunk
+    return {"alive": alive_at_read, "converted": len(tensors), "largest": max(tensors), "block": max(sizes)}
 
 
 def test_each_rank_converts_one_block_of_float_rows_at_a_time(rank_pool, reference):
@@ -146,7 +150,7 @@ def test_each_rank_converts_one_block_of_float_rows_at_a_time(rank_pool, referen
     for r in rank_pool.run(_peak_case, 2, args=(path,)):
         assert r["converted"] > 5 and r["largest"] >= 4 * 512, r
         assert r["block"] <= 512, f"a float block of {r['block']} elements, over the 512 asked"
-        assert max(r["alive"]) == 0, f"float blocks still alive when the next was converted: {r['alive']}"
+        assert max(r["alive"]) == 0, f"float blocks still alive when the next was read: {r['alive']}"
 
 
 @pytest.mark.full

@@ -145,16 +145,25 @@ def read_shard_rows(
     else:  # every row, cut to this rank's columns (dim None: all of them)
         runs = [(0, spec.global_shape[0])]
         col_ranges = [slice(s, s + n) for s, n in spec.pieces if n] if spec.dim == 1 else [slice(0, cols)]
+    pad = spec.pad if spec.dim == 1 else 0
     for start, n in runs:
         for r in range(start, start + n, step):
-            region = slice(r, min(r + step, start + n))
-            parts = [_read_rows(ckpt, segs, [region, c]) for c in col_ranges]
-            if spec.dim == 1 and spec.pad:
-                parts.append(torch.zeros(region.stop - region.start, spec.pad, dtype=dtype))
-            yield _fresh(ckpt, parts, dtype, 1)
+            # NOTE: yielded straight from the call: no local of this frame keeps the block
+            # alive while the next one is read
+            yield _row_block(ckpt, segs, slice(r, min(r + step, start + n)), col_ranges, pad, dtype)
     if spec.dim == 0:
         for r in range(0, spec.pad, step):
             yield torch.zeros(min(step, spec.pad - r), cols, dtype=dtype)
+
+
+def _row_block(
+    ckpt: Checkpoint, segs: list[Segment], rows: slice, col_ranges: list[slice], pad: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Global rows `rows`, cut to `col_ranges` (joined) and `pad` zero columns, as a fresh tensor."""
+    parts = [_read_rows(ckpt, segs, [rows, c]) for c in col_ranges]
+    if pad:
+        parts.append(torch.zeros(rows.stop - rows.start, pad, dtype=dtype))
+    return _fresh(ckpt, parts, dtype, 1)
 
 
 def _fresh(ckpt: Checkpoint, parts: list[torch.Tensor], dtype: torch.dtype, dim: int) -> torch.Tensor:
