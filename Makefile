@@ -58,8 +58,8 @@ bench-load: install
 
 bench-inference: install
 	$(PY) -m pip install -q -e '.[bench]'
-	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_inference.py --out docs/bench_inference.json
-	$(PY) benchmarks/report_inference.py docs/bench_inference.json
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_inference.py --out docs/benchmarks/bench_inference.json
+	$(PY) benchmarks/report_inference.py docs/benchmarks/bench_inference.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,6 +1,6 @@
 """Activation memory and step time of sequence parallelism and recomputation, measured.
 
-    python benchmarks/bench_activations.py [--rounds 6] [--backend mpi] [--out docs/bench_activations.json]
+    python benchmarks/bench_activations.py [--rounds 6] [--backend mpi] [--out docs/benchmarks/bench_activations.json]
 
 A Llama-shaped model (4 layers, hidden 512, 8 heads, 2 KV heads, gated MLP of 1376,
 vocab 2048), random tokens, micro-batch 2 x seq 512, fp32 (and, for memory, bf16
@@ -301,7 +301,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6, help="timed steps per mode, interleaved")
     ap.add_argument("--backend", default="mpi", choices=["gloo", "mpi"])
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench_activations.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "bench_activations.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="bench-act-"))

@@ -8,7 +8,7 @@ Figures: decode ms/token at batch 1 (32 tokens after a 128-token prompt), prefil
 128 and 512 tokens, decode tokens/s at batch 8, parameter bytes and peak anonymous memory
 per rank. Every row must produce the same 32 greedy tokens; the script checks it.
 
-    .venv/bin/python benchmarks/bench_inference.py [--quick] [--out docs/bench_inference.json]
+    .venv/bin/python benchmarks/bench_inference.py [--quick] [--out docs/benchmarks/bench_inference.json]
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1 repeat, to check the script works")
-    ap.add_argument("--out", type=Path, default=Path("docs/bench_inference.json"))
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/bench_inference.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 """Which kernel runs a decode-sized linear fastest on this CPU: fp32, bf16, fp16 and int8
 weights, side by side in one run, against the weight-streaming ceiling measured in the same run.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_kernels.py --json docs/bench_kernels.json
+    OMP_NUM_THREADS=1 python benchmarks/bench_kernels.py --json docs/benchmarks/bench_kernels.json
 
 For each weight shape (out x in) and each number of rows (1 = one sequence decoding; 4, 16,
 64 = batched decode and serving), every kernel is timed (median of --repeats calls after a

@@ -21,7 +21,7 @@ rank 0 under expert parallelism).
 Rounds interleave the configurations (order rotated each round); medians over rounds.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_moe.py [--rounds 3] [--quick]
-    .venv/bin/python benchmarks/bench_moe.py --render docs/bench_moe.json   # table and plot again
+    .venv/bin/python benchmarks/bench_moe.py --render docs/benchmarks/bench_moe.json   # table and plot again
 """
 
 from __future__ import annotations
@@ -397,8 +397,8 @@ def main() -> None:
     )
     ap.add_argument("--quick", action="store_true", help="1 round, to check the script works")
     ap.add_argument("--render", type=Path, help="print the tables and redraw --png from this JSON; measure nothing")
-    ap.add_argument("--out", type=Path, default=Path("docs/bench_moe.json"))
-    ap.add_argument("--png", default="docs/bench_moe.png", help="the plot ('' for none)")
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/bench_moe.json"))
+    ap.add_argument("--png", default="docs/benchmarks/bench_moe.png", help="the plot ('' for none)")
     args = ap.parse_args()
     if args.render:
         data = json.loads(args.render.read_text())

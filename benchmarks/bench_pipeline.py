@@ -1,6 +1,6 @@
 """Pipeline parallelism for training, measured at world size 2 on this machine.
 
-    python benchmarks/bench_pipeline.py [--steps 4] [--out docs/bench_pipeline.json]
+    python benchmarks/bench_pipeline.py [--steps 4] [--out docs/benchmarks/bench_pipeline.json]
 
 A Llama-shaped model (8 layers, hidden 512, 8 heads, 4 KV heads, intermediate 1408,
 vocab 2048), randomly initialised, trained on random tokens (seq 128, micro-batch 2).
@@ -16,7 +16,7 @@ One run measures, side by side:
 4. tokens/s of pp=2 (1F1B, m=8), tp=2 and dp=2 against tp=1, for the same model and
    global batch (16 sequences).
 
-Writes the numbers as JSON and a two-panel plot (docs/bench_pipeline.png).
+Writes the numbers as JSON and a two-panel plot (docs/benchmarks/bench_pipeline.png).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4, help="steps per configuration (the first is warm-up)")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "mpi"])
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench_pipeline.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "bench_pipeline.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="bench-pp-"))

@@ -4,7 +4,7 @@ ceiling of each, and serving throughput with fp32 and int8 weights.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_quant.py [--rounds 5] [--serve-rounds 3] [--quick]
         [--models bench-156m smol-shape] [--no-serve]
-    .venv/bin/python benchmarks/bench_quant.py --render docs/bench_quant.json   # the tables again
+    .venv/bin/python benchmarks/bench_quant.py --render docs/benchmarks/bench_quant.json   # the tables again
 
 Models: the benchmark model (benchmarks/bench_model.py: 156M, hidden 1024, 8 layers, untied)
 and a random-weight Llama of SmolLM2-135M's shape (benchmarks/make_smol_shape.py: 30 layers,
@@ -458,7 +458,7 @@ def main() -> None:
     ap.add_argument(
         "--quick", action="store_true", help="1 round of 1 repeat, small bandwidth buffers: checks the script"
     )
-    ap.add_argument("--out", type=Path, default=Path("docs/bench_quant.json"))
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/bench_quant.json"))
     ap.add_argument("--render", type=Path, help="print the tables of this JSON; measure nothing")
     ap.add_argument("--llama-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -25,7 +25,7 @@ memory-bus bound) and with 512 rows (a prefill: the compute bound). floor(tp=1) 
 floor(busiest tp=2 rank) is the most any tp=2 step of that layout can gain on this machine.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_uneven.py [--size 122m|300m] [--rounds 7] [--quick]
-    .venv/bin/python benchmarks/bench_uneven.py --render docs/bench_uneven.json   # table and plot again
+    .venv/bin/python benchmarks/bench_uneven.py --render docs/benchmarks/bench_uneven.json   # table and plot again
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def _ratios(rows: dict, nine: Path) -> dict:
 
 
 def render(data: dict) -> str:
-    """The markdown tables (what docs/benchmarks.md shows)."""
+    """The markdown tables (what docs/benchmarks/uneven.md shows)."""
     rows, q = data["rows"], data["ratios"]
     mib = 2**20
     lines = [
@@ -305,8 +305,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeats", type=int, default=2, help="prefills and 32-token decodes per launch")
     ap.add_argument("--quick", action="store_true", help="1 round of 1 repeat, to check the script works")
-    ap.add_argument("--out", type=Path, default=Path("docs/bench_uneven.json"))
-    ap.add_argument("--png", default="docs/bench_uneven.png", help="the plot ('' for none)")
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/bench_uneven.json"))
+    ap.add_argument("--png", default="docs/benchmarks/bench_uneven.png", help="the plot ('' for none)")
     args = ap.parse_args()
     rounds, repeats = (1, 1) if args.quick else (args.rounds, args.repeats)
     if args.render:

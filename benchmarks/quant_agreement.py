@@ -3,7 +3,7 @@ each scheme at tp=1 against fp32: how far greedy decoding runs before the first 
 differs, over 8 prompts from held-out text (the opening of Emma, data/austen/heldout.txt).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quant_agreement.py [--model DIR] [--tokens 32]
-        [--json docs/quant_agreement.json]
+        [--json docs/benchmarks/quant_agreement.json]
 
 Why tokens can differ with int8 and tp: a column-parallel slice computes exactly what tp=1
 computes (whole rows, the same per-row scales, the same replicated input), but a

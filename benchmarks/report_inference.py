@@ -1,9 +1,9 @@
 """Turn bench_inference.py's JSON into the docs: a table, the target ratios, a plot.
 
-    .venv/bin/python benchmarks/report_inference.py docs/bench_inference.json
+    .venv/bin/python benchmarks/report_inference.py docs/benchmarks/bench_inference.json
 
-Rewrites the section between the inference markers in docs/benchmarks.md and writes
-docs/bench_inference.png.
+Rewrites the section between the inference markers in docs/benchmarks/inference.md and writes
+docs/benchmarks/bench_inference.png.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-DOC = Path("docs/benchmarks.md")
-PNG = Path("docs/bench_inference.png")
+DOC = Path("docs/benchmarks/inference.md")
+PNG = Path("docs/benchmarks/bench_inference.png")
 BEGIN, END = "<!-- inference:begin -->", "<!-- inference:end -->"
 MiB = 2**20
 
@@ -151,7 +151,7 @@ def render(data: dict) -> str:
 
 
 def main() -> None:
-    data = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/bench_inference.json").read_text())
+    data = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks/bench_inference.json").read_text())
     section = render(data)
     doc = DOC.read_text()
     if BEGIN in doc:

@@ -105,7 +105,7 @@ def test_plan_inference_ranks_pipelines_like_other_layouts():
 def test_plan_recommends_quantized_weights_when_nothing_else_fits(tmp_path):
     from shardwise.bench.calibrate import VERSION, _cores
 
-    # this-host with fbgemm's kernels as docs/bench_kernels.json measured them (TFLOP/s by rows)
+    # this-host with fbgemm's kernels as docs/benchmarks/bench_kernels.json measured them (TFLOP/s by rows)
     rates = {"fp16": {"1": 0.0080, "4": 0.0251, "16": 0.0328}, "int8": {"1": 0.0153, "4": 0.0671, "16": 0.0972}}
     cal = {
         "host": platform.node() or "localhost", "torch": torch.__version__, "devices": _cores(), "memory_gib": 16.0,

@@ -41,7 +41,7 @@ def test_parameters_per_rank_by_hand():
     assert layer_params(BENCH, 1) == (11_272_192 + 2048, 11_272_192)
     # tp=2: qkv (8 + 2*2) * 64 = 768 rows, o 512 cols, up 2 * 1408, down 1408
     assert layer_params(BENCH, 2) == (5_636_096 + 2048, 5_636_096)
-    # 8 layers + embedding + head (32000 x 1024 each) + final norm = 155.7M (docs/benchmarks.md)
+    # 8 layers + embedding + head (32000 x 1024 each) + final norm = 155.7M (docs/benchmarks/README.md)
     assert stage_params(BENCH, 1) == 8 * 11_274_240 + 2 * 32_768_000 + 1024 == 155_730_944
     # pp=2: stage 0 has 4 layers + embedding, stage 1 has 4 layers + norm + head
     assert stage_params(BENCH, 1, 2, 0) == 4 * 11_274_240 + 32_768_000

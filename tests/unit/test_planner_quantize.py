@@ -1,6 +1,6 @@
 """The planner with quantized weights (`--quantize fp16|int8`): bytes per rank against the real
 sharded model, the quantized kernel's time by hand, and when the plan recommends quantizing.
-The quantized kernel rates are this CPU's, from docs/bench_kernels.json (fbgemm on the 11008 x
+The quantized kernel rates are this CPU's, from docs/benchmarks/bench_kernels.json (fbgemm on the 11008 x
 4096 weight); nothing here depends on how fast this machine is."""
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ def test_weight_bytes_by_hand_and_across_stages():
 
 
 def _kernel_rates() -> dict[str, tuple[tuple[int, float], ...]]:
-    """TFLOP/s of fbgemm's fp16 and int8 linears by rows, as docs/bench_kernels.json measured them."""
-    rows = json.loads((ROOT / "docs" / "bench_kernels.json").read_text())["rows"]
+    """TFLOP/s of fbgemm's fp16 and int8 linears by rows, as docs/benchmarks/bench_kernels.json measured them."""
+    rows = json.loads((ROOT / "docs" / "benchmarks" / "bench_kernels.json").read_text())["rows"]
     out: dict[str, list] = {}
     for r in rows:
         if r["shape"] == "7b-mlp-up" and r["kernel"] in ("fp16-fbgemm", "int8-fbgemm"):
@@ -142,7 +142,7 @@ def test_the_calibration_carries_the_quantized_kernels():
     dev = _host().device
     assert set(dev.quantized_rows_tflops) == {"fp16", "int8"}
     assert [m for m, _ in dev.quantized_rows_tflops["int8"]] == [1, 4, 16, 64]
-    # docs/benchmarks.md: at one row fbgemm fp16 is ~1.4x and int8 ~2.7x fp32's F.linear
+    # docs/benchmarks/kernels.md: at one row fbgemm fp16 is ~1.4x and int8 ~2.7x fp32's F.linear
     fp32 = 2 * 11008 * 4096 / 16.1e-3
     assert dev.quantized_flops_at("fp16", 1) / fp32 == pytest.approx(1.43, abs=0.01)
     assert dev.quantized_flops_at("int8", 1) / fp32 == pytest.approx(2.73, abs=0.01)
