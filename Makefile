@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.installed
 # every process compiles torch anew: `import torch` takes 7 s here instead of 2.6).
 export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: install demo test test-fast test-more test-full lint clean bench-load bench-inference
+.PHONY: install demo test test-fast test-more test-full lint clean bench-load bench-inference docs docs-check
 
 install: $(STAMP)
 
@@ -52,6 +52,15 @@ test-more: install
 
 # Everything.
 test-full: test test-more
+
+# The docs: docs/reference.md regenerated from the argparse definitions; the docs test (links,
+# the reference, every `<!-- runnable -->` block, the slower `runnable full` ones too). `make
+# test` runs the same test without the `full` blocks.
+docs: install
+	$(PY) -m shardwise.cli.reference
+
+docs-check: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q tests/unit/test_docs.py
 
 bench-load: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/load_memory.py
