@@ -220,6 +220,7 @@ def test_some_blocks_are_runnable():
 _LONE: dict[str, subprocess.CompletedProcess] = {}
 
 
+@pytest.mark.timeout(600)  # a block may start several jobs (train, then resume)
 @pytest.mark.parametrize("block", list(_params()))
 def test_runnable_block(block: Block, tmp_path):
     for name in ("configs", "data", "src"):
