@@ -233,6 +233,10 @@ def head_norm_names(model, tp: int) -> list[str]:
     return [n for n, _ in model.named_parameters() if ".attn.q_norm." in n or ".attn.k_norm." in n]
 
 
+def _experts_share(tr) -> str:
+    return f" (experts' over edp={tr.experts.edp.size})" if tr.experts is not None else ""
+
+
 def model_config(cfg: TrainConfig):
     """The ModelConfig to train: from [model], or from the pretrained directory's config.json."""
     if cfg.model.pretrained is None:
@@ -268,13 +272,17 @@ def train(
         tr.step,
         run.steps,
     )
-    per = bytes_per_param(run.dtype, cfg.optim.distributed, tr.mesh.dp.size)
     n = sum(p.numel() for p in tr.model.parameters())
+    per = bytes_per_param(run.dtype, cfg.optim.distributed, tr.mesh.dp.size)
+    if tr.experts is not None and cfg.optim.distributed:  # experts' state over edp: the mean per parameter
+        n_exp = sum(p.numel() for name, p in tr.model.named_parameters() if name in tr.experts.names)
+        routed = bytes_per_param(run.dtype, True, tr.experts.edp.size)
+        per = {k: ((n - n_exp) * per[k] + n_exp * routed[k]) / n for k in per}
     log.info(
         "training state per rank: %s weights + %s grads + %s optimizer = %s bytes/parameter, %.1f MiB (%s)",
         *(f"{per[k]:.4g}" for k in ("weights", "grads", "optimizer", "total")), per["total"] * n / 2**20,
         (f"distributed optimizer: moments{' and fp32 master' if run.dtype == 'bf16' else ''} split over "
-         f"dp={tr.mesh.dp.size}{'' if run.dtype == 'bf16' else ', fp32 weights stepped in place'}")
+         f"dp={tr.mesh.dp.size}{_experts_share(tr)}{'' if run.dtype == 'bf16' else ', fp32 weights stepped in place'}")
         if cfg.optim.distributed else "bf16 weights, fp32 master" if run.dtype == "bf16" else "plain AdamW",
     )  # fmt: skip
     if cfg.parallel.sequence_parallel or run.recompute != "none":
