@@ -92,6 +92,10 @@ class TorchDistCommunicator(Communicator):
         return torch.cat(out.chunk(self.size, dim=0), dim=dim) if dim else out
 
     def _reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if dim == 0:  # the chunks are already contiguous and in rank order: no copy
+            out = torch.empty((t.shape[0] // self.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            _reduce_scatter_flat(out, t.contiguous(), group=self.group)
+            return out
         # Put the chunks of `dim` in rank order along dim 0, so each rank's chunk is contiguous.
         chunks = torch.stack(t.chunk(self.size, dim=dim)).contiguous()  # (size, *chunk_shape)
         out = torch.empty(chunks.shape[1:], dtype=t.dtype, device=t.device)
