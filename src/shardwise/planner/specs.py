@@ -321,15 +321,16 @@ class Precision:
     compute: str
     """dtype of weights used in matmuls and of activations."""
     weight_bytes: int
+    """Bytes per weight; with 2, an fp32 master copy too (the training state is
+    footprint.state_bytes: shardwise.train.distopt.bytes_per_param)."""
     grad_bytes: int
-    master_bytes: int
-    """fp32 master copy of the weights (mixed precision), else 0."""
+    """Bytes per gradient as backward and the dp all-reduce carry them."""
 
 
 PRECISIONS = {
-    "bf16-mixed": Precision("bfloat16", 2, 2, 4),
-    "fp16-mixed": Precision("float16", 2, 2, 4),
-    "fp32": Precision("float32", 4, 4, 0),
+    "bf16-mixed": Precision("bfloat16", 2, 2),
+    "fp16-mixed": Precision("float16", 2, 2),
+    "fp32": Precision("float32", 4, 4),
 }
 
 
