@@ -148,3 +148,33 @@ def test_info_predicts_the_bytes_a_loaded_rank_holds(tp, rank, scheme):
     fp32, _ = load_pretrained(DEFAULT_MODEL, comm=comm)
     ratio = report.param_bytes / weight_bytes(fp32)
     assert (0.49 < ratio < 0.51) if scheme == "fp16" else (0.25 < ratio < 0.27), ratio
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int8"])
+def test_weights_built_from_blocks_of_rows_equal_whole_conversion(scheme):
+    """Rows filled in uneven blocks (as the loaders read them) convert to the same weight and
+    table as the whole matrix, bit for bit; a block that does not fit, or rows missing, is refused
+    naming the numbers."""
+    from shardwise.quant.rows import Rows
+
+    torch.manual_seed(2)
+    w = torch.randn(37, 48) * torch.rand(37, 1) * 4
+    w[5] = 0
+    x = torch.randn(3, 48)
+    for make, build in ((Rows.for_weight, QuantizedWeight), (Rows.for_table, QuantizedTable)):
+        rows = make(w.shape, scheme)
+        for a, b in ((0, 1), (1, 17), (17, 36), (36, 37)):
+            rows.add(w[a:b].clone())
+        got, want = build(rows, scheme), build(w, scheme)
+        if build is QuantizedWeight:
+            assert torch.equal(linear(x, got), linear(x, want))
+        else:
+            ids = torch.arange(37)
+            assert torch.equal(embedding(ids, got), embedding(ids, want))
+        assert got.nbytes == want.nbytes
+    rows = Rows.for_weight(w.shape, scheme)
+    rows.add(w[:30])
+    with pytest.raises(ValueError, match=r"rows 30\.\.40 of shape \(10, 48\) do not fit a \(37, 48\) matrix"):
+        rows.add(w[:10])
+    with pytest.raises(ValueError, match="30 of 37 rows arrived"):
+        QuantizedWeight(rows, scheme)
