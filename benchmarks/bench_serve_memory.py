@@ -176,7 +176,13 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=1, help="runs of each cache (ABBA order); the faster is kept")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=None, help="a PNG of time to first token and capacity")
+    ap.add_argument("--from-json", default=None, help="print (and plot) a saved run instead of running")
     args = ap.parse_args()
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        report(saved, args)
+        return
     torch.set_num_threads(1)
     if args.model is None:
         from bench_model import ensure_bench_model
@@ -213,6 +219,11 @@ def main() -> None:
     result = {"model": args.model, "budget": args.budget, "long": args.long, "serve": rows, "capacity": caps}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
+    report(result, args)
+
+
+def report(result: dict, args) -> None:
+    rows, caps = result["serve"], result["capacity"]
     print(
         "| system prompt | clients | cache | tokens/s | TTFT ms (median) | reserved MiB | most in use MiB | prefix hits |"
     )
@@ -222,11 +233,35 @@ def main() -> None:
             f"| {r['system']} | {r['clients']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['ttft_ms']:.0f} | "
             f"{r['reserved_mib']:.0f} | {r['peak_used_mib']:.1f} | {r['prefix_hit_tokens']} |"
         )
-    print(f"\nconcurrent {args.long}-token sequences in {args.budget} per rank:\n")
+    print(f"\nconcurrent {result['long']}-token sequences in {result['budget']} per rank:\n")
     print("| context (--max-model-len) | shared system prompt | slots | blocks (pool) |")
     print("|---|---|---|---|")
     for c in caps:
         print(f"| {c['context']} | {c['shared']} | {c['slots']} | {c['blocks']} ({c['pool_blocks']}) |")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        system = max(r["system"] for r in rows)
+        for mode, color in (("slots", "tab:gray"), ("blocks", "tab:blue")):
+            pts = [(r["clients"], r["ttft_ms"]) for r in rows if r["mode"] == mode and r["system"] == system]
+            a.plot(*zip(*pts, strict=True), "o-", color=color, label=mode)
+        a.set(xscale="log", yscale="log", xlabel="clients", ylabel="time to first token, ms (median)")
+        a.set_title(f"{system}-token shared system prompt")
+        a.legend()
+        labels = [f"ctx {c['context']}\n{'shared' if c['shared'] else 'no'} prefix" for c in caps]
+        x = range(len(caps))
+        b.bar([i - 0.2 for i in x], [c["slots"] for c in caps], 0.4, color="tab:gray", label="slots")
+        b.bar([i + 0.2 for i in x], [c["blocks"] for c in caps], 0.4, color="tab:blue", label="blocks")
+        b.set_xticks(list(x), labels)
+        b.set(ylabel=f"concurrent {result['long']}-token sequences")
+        b.set_title(f"in {result['budget']} per rank")
+        b.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
 
 
 if __name__ == "__main__":
