@@ -1,4 +1,4 @@
-"""The planner's predictions against measurements on this machine: the tables in docs/planner-validation.md.
+"""The planner's predictions against measurements on this machine: the tables in docs/benchmarks/planner-validation.md.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate_planner.py [--rounds 3] [--cached] [--no-write]
         [--skip-inference] [--skip-training] [--skip-memory] [--skip-pipeline] [--skip-serving]
@@ -29,7 +29,7 @@
 6. Serving: decode latency of tp=1 x pp=2 (`generate --pp 2`, stages one after the other),
    and `shardwise serve` at tp=1, tp=2 and tp=1 x pp=2 (up to pp steps in flight) with 1, 4
    and 16 clients: predicted tokens/s (prefill included) and stage idle against measured.
-7. Prints the tables and writes them into docs/planner-validation.md between their markers
+7. Prints the tables and writes them into docs/benchmarks/planner-validation.md between their markers
    (a skipped part keeps its old table).
 """
 
@@ -56,7 +56,7 @@ from shardwise.launch import launch  # noqa: E402
 from shardwise.planner.predict import Layout, predict_inference, predict_training  # noqa: E402
 from shardwise.planner.specs import TrainingWorkload  # noqa: E402
 
-DOC = Path(__file__).parent.parent / "docs" / "planner-validation.md"
+DOC = Path(__file__).parent.parent / "docs" / "benchmarks" / "planner-validation.md"
 MARKERS = {
     "inference": ("<!-- validation:start -->", "<!-- validation:end -->"),
     "training": ("<!-- training:start -->", "<!-- training:end -->"),

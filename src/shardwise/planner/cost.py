@@ -1,4 +1,4 @@
-"""The cost model's formulas: FLOPs, collectives, the pipeline's bubble, messages and activations held. Sources in docs/planner-validation.md.
+"""The cost model's formulas: FLOPs, collectives, the pipeline's bubble, messages and activations held. Sources in docs/benchmarks/planner-validation.md.
 
 FLOPs count a multiply-add as 2. Attention counts the full context for every query (as
 Megatron-LM does, and as shardwise's masked attention computes it).
