@@ -3,7 +3,8 @@
 A command block in README.md or docs/**/*.md is runnable when the line before its fence is
 `<!-- runnable -->` (run by `make test`) or `<!-- runnable full -->` (slower: `make
 test-more`). Each `$ shardwise ...` line in it runs as `python -m shardwise ...` from a
-scratch folder that has the repository's configs/, data/ and src/, and must exit 0; the
+scratch folder that has the repository's configs/, data/ and src/, and must exit 0 (or N,
+where its output shows a line `(exit status N)`); the
 lines after it are its output as shown: each, numbers aside, must appear in the real
 output (`...` stands for any text: a line of it for lines left out). Commands of one block run in turn, so a later
 one may use what an earlier one wrote.
@@ -170,7 +171,7 @@ def _shape(line: str) -> str:
     return NUMBER.sub("N", " ".join(line.split()))
 
 
-def check_output(shown: tuple[str, ...], real: str) -> str | None:
+def check_output(shown, real: str) -> str | None:
     """None when every shown line appears in the real output, numbers aside, `...` inside a
     line standing for any text (a path, say). stdout and stderr interleave, so order is
     not checked."""
@@ -182,6 +183,15 @@ def check_output(shown: tuple[str, ...], real: str) -> str | None:
         if not any(pattern.search(line) for line in lines):
             return f"shown but not printed: {want!r}"
     return None
+
+
+EXIT = re.compile(r"\(exit status (\d+)\)")
+
+
+def expected_status(shown) -> int:
+    """A shown line `(exit status N)` says the command exits N (a refusal: 2); else 0."""
+    codes = [int(m.group(1)) for x in shown if (m := EXIT.fullmatch(x.strip()))]
+    return codes[0] if codes else 0
 
 
 def _run(command: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -232,6 +242,7 @@ def test_runnable_block(block: Block, tmp_path):
             out = _LONE[command]
         else:
             out = _run(command, tmp_path)
-        assert out.returncode == 0, f"{block.name}: `{command}` exited {out.returncode}:\n{out.stderr[-3000:]}"
-        problem = check_output(shown, out.stdout + out.stderr)
+        want = expected_status(shown)
+        assert out.returncode == want, f"{block.name}: `{command}` exited {out.returncode}:\n{out.stderr[-3000:]}"
+        problem = check_output([x for x in shown if not EXIT.fullmatch(x.strip())], out.stdout + out.stderr)
         assert problem is None, f"{block.name}: `{command}`: {problem}\n--- real output:\n{out.stdout}{out.stderr}"
