@@ -19,10 +19,10 @@ PAYOFF = 1.1
 
 QUANTIZE_COST = {
     "fp16": "fp16 weights: 2 bytes a weight (half of fp32's, as bf16), activations stay in float32 (measured: "
-    "+0.0002% held-out perplexity, the same greedy tokens as fp32 at every tp, docs/benchmarks.md); "
+    "+0.0002% held-out perplexity, the same greedy tokens as fp32 at every tp, docs/benchmarks/quantization.md); "
     "check your model's with `shardwise eval-ppl`",
     "int8": "int8 weights: ~4x less weight memory than fp32 (~2x less than bf16), activations quantized per call "
-    "(measured: +0.5% held-out perplexity on the built-in model, docs/benchmarks.md); check your model's "
+    "(measured: +0.5% held-out perplexity on the built-in model, docs/benchmarks/quantization.md); check your model's "
     "with `shardwise eval-ppl`",
 }
 """What each `--quantize` format costs, in the words the plan prints."""

@@ -1,6 +1,6 @@
 """What `--quantize` converts, and converting it: as each tensor is loaded, or a loaded model.
 
-Converted (the choice, measured in docs/benchmarks.md "Quantized weights"):
+Converted (the choice, measured in docs/benchmarks/quantization.md):
     projections   every parallel linear: attention qkv and o, MLP up/gate and down, the
                   shared expert, the LM head (decode streams these weights every token)
     experts       each expert's up and down block (a MoE's bulk of bytes)

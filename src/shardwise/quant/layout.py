@@ -8,7 +8,7 @@ with the weight stored column-major (the transposed matrix contiguous, so MKL re
 x @ W^T without a transpose) runs at 10-14 GB/s for the wide matrices of a decoder (qkv,
 gate/up, the LM head: out >= in), and slower for the tall ones (down: in > out). At four
 rows and more the column-major order loses by 10-20%. Measured by benchmarks/bench_layout.py
-(docs/benchmarks.md "Quantized weights"): a decode step of the 30-layer, width-576 model
+(docs/benchmarks/quantization.md): a decode step of the 30-layer, width-576 model
 takes 17% less CPU time for one sequence, 35% less for two.
 
 So for decoding one or two sequences at a time, each CPU fp32 projection weight with

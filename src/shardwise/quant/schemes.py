@@ -7,8 +7,8 @@
            tensor, to 7 bits as fbgemm needs without VNNI); on CUDA, the weight is
            dequantized into the product (memory saved at rest, no int8 arithmetic).
 
-The kernels were chosen by measurement (benchmarks/bench_kernels.py, docs/benchmarks.md
-"Linear kernels by weight format"). Checked here, before any rank starts: the scheme's
+The kernels were chosen by measurement (benchmarks/bench_kernels.py,
+docs/benchmarks/kernels.md). Checked here, before any rank starts: the scheme's
 name, that the run is inference, and that the device has the kernel.
 """
 

@@ -24,7 +24,7 @@ Kernels (measured: benchmarks/bench_kernels.py):
                 no pair can saturate and the activations keep all 8 bits. Measured on the
                 built-in model (4 x 256 tokens of its text): perplexity +3.1% with
                 reduce_range and 127-level weights, +0.3% with 63-level weights and 8-bit
-                activations (docs/benchmarks.md "Quantized weights").
+                activations (docs/benchmarks/quantization.md).
     CUDA  fp16  F.linear in half precision
           int8  F.linear on the weight dequantized per call (stock PyTorch; saves memory at rest)
 Activations and results stay in the model's dtype; fbgemm computes from fp32 inputs.
