@@ -246,3 +246,43 @@ def test_runnable_block(block: Block, tmp_path):
         assert out.returncode == want, f"{block.name}: `{command}` exited {out.returncode}:\n{out.stderr[-3000:]}"
         problem = check_output([x for x in shown if not EXIT.fullmatch(x.strip())], out.stdout + out.stderr)
         assert problem is None, f"{block.name}: `{command}`: {problem}\n--- real output:\n{out.stdout}{out.stderr}"
+
+
+@pytest.mark.full
+@pytest.mark.timeout(300)
+def test_the_readme_serve_step_answers_as_shown(tmp_path):
+    """The tour's serve step: the README's `$ shardwise serve ...` line starts a server (on a
+    free port), and its openai snippet, pointed at it, prints the text its comment shows."""
+    pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    import time
+
+    from shardwise.launch import free_port
+
+    text = (ROOT / "README.md").read_text()
+    command = next(line[2:] for line in text.splitlines() if line.startswith("$ shardwise serve"))
+    snippet = re.search(r"```python\n(from openai import OpenAI\n.*?)```", text, re.S).group(1)
+    shown_port = re.search(r"--port (\d+)", command).group(1)
+    port = str(free_port())
+    argv = [sys.executable, "-m", "shardwise", *shlex.split(command.replace(shown_port, port))[1:]]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        out = subprocess.run(
+            [sys.executable, "-c", snippet.replace(shown_port, port)], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        expected = re.search(r"print\(repr\(out\.choices\[0\]\.text\)\)\s*#\s*('(?:[^'\\]|\\.)*')", snippet).group(1)
+        assert out.stdout.strip() == expected, f"the README shows {expected}, the server answered {out.stdout.strip()}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
