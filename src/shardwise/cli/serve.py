@@ -13,7 +13,7 @@ import argparse
 import math
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardwise.cli.common import (
@@ -158,29 +158,24 @@ def kv_blocks(args: argparse.Namespace, cfg, layers: list[int] | None, max_model
     """The paged pool's blocks per rank for these options (a budget that is neither a size nor a
     fraction is refused, CliError)."""
     from shardwise.cli.memcheck import allowance
-    from shardwise.planner.fit import RUNTIME_BYTES, inference_need
+    from shardwise.planner.fit import RUNTIME_BYTES, WIDTH, inference_need
     from shardwise.planner.footprint import kv_bytes_per_token
 
     stages = layers or [cfg.num_layers]
-    room, source = None, ""
-    if args.kv_cache_memory is None or _is_fraction(args.kv_cache_memory):
+    try:
+        budget = KVBudget.parse(args.kv_cache_memory, cap_blocks=args.max_batch_size * blocks_for(max_model_len))
+    except ValueError as e:
+        raise CliError(fail(f"--kv-cache-memory: {e}")) from None
+    if budget.fraction is not None:  # a fraction of what one rank may use
         try:
             found = allowance(args.tp * len(stages), args.backend)
         except ValueError as e:  # SHARDWISE_MEMORY_LIMIT that is not a size
             raise CliError(fail(str(e))) from None
         if found is not None:
             allow, local = found
-            room, source = (allow.bytes if allow.per_device else allow.bytes / local), allow.source
-    try:
-        budget = KVBudget.parse(
-            args.kv_cache_memory,
-            room=room,
-            room_source=source,
-            cap_blocks=args.max_batch_size * blocks_for(max_model_len),
-        )
-    except ValueError as e:
-        raise CliError(fail(f"--kv-cache-memory: {e}")) from None
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype or cfg.dtype]
+            room = allow.bytes if allow.per_device else allow.bytes / local
+            budget = replace(budget, room=room, room_source=allow.source)
+    width = WIDTH[args.dtype or cfg.dtype]
     need = inference_need(  # weights and one prefill's activations, no KV: what a rank holds besides the pool
         cfg, tp=args.tp, pp_layers=layers, dtype=args.dtype, quantize=args.quantize,
         expert_parallel=args.expert_parallel, batch=1, prompt_len=max_model_len, kv_tokens=0, prefill_batch=1,
@@ -192,13 +187,6 @@ def kv_blocks(args: argparse.Namespace, cfg, layers: list[int] | None, max_model
         stage_sizes.append((budget.blocks(per, other), per, other))
     blocks, per, other = min(stage_sizes)
     return PoolSize(budget, blocks, per, other, need.parts.get("activations", 0.0))
-
-
-def _is_fraction(text: str) -> bool:
-    try:
-        return float(text) <= 1
-    except ValueError:
-        return False
 
 
 def _stop(signum, frame) -> None:
