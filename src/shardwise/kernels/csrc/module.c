@@ -1,0 +1,147 @@
+/* The Python module shardwise.kernels._native: a thin binding over the kernel tables.
+ *
+ * Arguments are plain integers (data pointers from tensor.data_ptr(), sizes), so the module
+ * needs neither torch nor numpy headers to build. Every call checks its ISA and format are
+ * present and returns None; shapes and pointers are the caller's contract
+ * (shardwise/kernels/native.py checks them once per weight, at load). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "sw.h"
+
+sw_gemm_fn sw_gemm_table[SW_NUM_TYPES][SW_NUM_ISA];
+sw_dequant_fn sw_dequant_table[SW_NUM_TYPES][SW_NUM_ISA];
+sw_quant_fn sw_quant32_table[SW_NUM_ISA];
+sw_quant_fn sw_quant256_table[SW_NUM_ISA];
+
+static const char *isa_names[SW_NUM_ISA] = {"portable", "avx2", "avx512"};
+
+static int cpu_has(int isa) {
+    __builtin_cpu_init();
+    switch (isa) {
+    case SW_ISA_PORTABLE:
+        return 1;
+    case SW_ISA_AVX2:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case SW_ISA_AVX512:
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx512vnni") && cpu_has(SW_ISA_AVX2);
+    }
+    return 0;
+}
+
+static int args_i64(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *out, const char *name) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd integer arguments, got %zd", name, want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        out[i] = PyLong_AsLongLong(args[i]);
+        if (out[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+static int check_isa(long long isa) {
+    if (isa < 0 || isa >= SW_NUM_ISA || !cpu_has((int)isa)) {
+        PyErr_Format(PyExc_ValueError, "ISA %lld is not available on this CPU", isa);
+        return -1;
+    }
+    return 0;
+}
+
+/* gemm(type, isa, w, row_bytes, rows, kblocks, x, n, y, ldy) */
+static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[10];
+    if (args_i64(args, nargs, 10, a, "gemm") < 0) return NULL;
+    if (a[0] < 0 || a[0] >= SW_NUM_TYPES) return PyErr_Format(PyExc_ValueError, "unknown weight type %lld", a[0]);
+    if (check_isa(a[1]) < 0) return NULL;
+    sw_gemm_fn f = sw_gemm_table[a[0]][a[1]];
+    if (!f) return PyErr_Format(PyExc_ValueError, "no %s kernel for weight type %lld", isa_names[a[1]], a[0]);
+    Py_BEGIN_ALLOW_THREADS f((const uint8_t *)(uintptr_t)a[2], (size_t)a[3], a[4], a[5], (const void *)(uintptr_t)a[6],
+                             a[7], (float *)(uintptr_t)a[8], a[9]);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+/* quantize(block, isa, x, ldx, n, k, out): block 32 -> sw_a32, 256 -> sw_a256 */
+static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[7];
+    if (args_i64(args, nargs, 7, a, "quantize") < 0) return NULL;
+    if (check_isa(a[1]) < 0) return NULL;
+    sw_quant_fn f = a[0] == 32 ? sw_quant32_table[a[1]] : a[0] == 256 ? sw_quant256_table[a[1]] : NULL;
+    if (!f) return PyErr_Format(PyExc_ValueError, "no %s activation quantizer for blocks of %lld", isa_names[a[1]], a[0]);
+    if (a[5] % a[0]) return PyErr_Format(PyExc_ValueError, "row length %lld is not a multiple of %lld", a[5], a[0]);
+    Py_BEGIN_ALLOW_THREADS f((const float *)(uintptr_t)a[2], a[3], a[4], a[5], (void *)(uintptr_t)a[6]);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+/* dequantize(type, isa, w, row_bytes, rows, kblocks, out) */
+static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[7];
+    if (args_i64(args, nargs, 7, a, "dequantize") < 0) return NULL;
+    if (a[0] < 0 || a[0] >= SW_NUM_TYPES) return PyErr_Format(PyExc_ValueError, "unknown weight type %lld", a[0]);
+    if (check_isa(a[1]) < 0) return NULL;
+    sw_dequant_fn f = sw_dequant_table[a[0]][a[1]];
+    if (!f) return PyErr_Format(PyExc_ValueError, "no %s dequantizer for weight type %lld", isa_names[a[1]], a[0]);
+    Py_BEGIN_ALLOW_THREADS f((const uint8_t *)(uintptr_t)a[2], (size_t)a[3], a[4], a[5], (float *)(uintptr_t)a[6]);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+/* isas() -> names of the ISA levels this CPU runs, lowest first */
+static PyObject *py_isas(PyObject *self, PyObject *unused) {
+    PyObject *out = PyList_New(0);
+    for (int i = 0; i < SW_NUM_ISA; i++)
+        if (cpu_has(i)) {
+            PyObject *s = PyUnicode_FromString(isa_names[i]);
+            PyList_Append(out, s);
+            Py_DECREF(s);
+        }
+    return out;
+}
+
+/* kernels() -> {type id: [ISA names with a gemm for it]} */
+static PyObject *py_kernels(PyObject *self, PyObject *unused) {
+    PyObject *out = PyDict_New();
+    for (int t = 0; t < SW_NUM_TYPES; t++) {
+        PyObject *names = PyList_New(0);
+        for (int i = 0; i < SW_NUM_ISA; i++)
+            if (sw_gemm_table[t][i]) {
+                PyObject *s = PyUnicode_FromString(isa_names[i]);
+                PyList_Append(names, s);
+                Py_DECREF(s);
+            }
+        if (PyList_GET_SIZE(names)) {
+            PyObject *k = PyLong_FromLong(t);
+            PyDict_SetItem(out, k, names);
+            Py_DECREF(k);
+        }
+        Py_DECREF(names);
+    }
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "gemm(type, isa, w, row_bytes, rows, kblocks, x, n, y, ldy)"},
+    {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL, "quantize(block, isa, x, ldx, n, k, out)"},
+    {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "dequantize(type, isa, w, row_bytes, rows, kblocks, out)"},
+    {"isas", py_isas, METH_NOARGS, "ISA levels this CPU runs, lowest first"},
+    {"kernels", py_kernels, METH_NOARGS, "{type id: [ISA names with a gemm]}"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "shardwise's native block-format kernels", -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    sw_register_act();
+    sw_register_q32();
+    sw_register_qk();
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    PyObject *names = PyTuple_New(SW_NUM_ISA);
+    for (int i = 0; i < SW_NUM_ISA; i++) PyTuple_SET_ITEM(names, i, PyUnicode_FromString(isa_names[i]));
+    PyModule_AddObject(m, "ISA_NAMES", names);
+    PyModule_AddIntConstant(m, "A32_BYTES", (long)sizeof(sw_a32));
+    PyModule_AddIntConstant(m, "A256_BYTES", (long)sizeof(sw_a256));
+    return m;
+}

@@ -1,0 +1,108 @@
+/* shardwise native kernels: shared declarations.
+ *
+ * Weights stay in their GGUF block layout. A linear y = x W^T runs as
+ *   1. the activation rows quantized once to 8-bit blocks (sw_a32 or sw_a256, by the
+ *      weight format's block length), then
+ *   2. per-block integer dot products of weight blocks with activation blocks, both
+ *      scales applied per block, summed in fp32.
+ *
+ * Every kernel exists in a portable C variant (no intrinsics, always built and always
+ * tested) and in per-ISA variants compiled into the same binary with
+ * `#pragma GCC target(...)`, chosen at run time by CPU features (module.c). A table maps
+ * (format, ISA) to the function; a missing entry falls back to the next ISA down.
+ */
+#ifndef SW_H
+#define SW_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ISA levels, lowest first. A level is used only when the CPU has all its features. */
+enum {
+    SW_ISA_PORTABLE = 0, /* plain C */
+    SW_ISA_AVX2 = 1,     /* avx2, fma, f16c */
+    SW_ISA_AVX512 = 2,   /* avx512f, avx512bw, avx512vl, avx512dq, avx512vnni */
+    SW_NUM_ISA = 3,
+};
+
+/* Weight formats, by their ggml type ids. */
+enum {
+    SW_Q4_0 = 2,
+    SW_Q4_1 = 3,
+    SW_Q5_0 = 6,
+    SW_Q5_1 = 7,
+    SW_Q8_0 = 8,
+    SW_Q4_K = 12,
+    SW_Q5_K = 13,
+    SW_Q6_K = 14,
+    SW_NUM_TYPES = 16,
+};
+
+/* Activation blocks (fp32 row -> 8-bit blocks), symmetric: d = amax / 127, q = round(x / d)
+ * (round half to even, as torch.round). */
+typedef struct {
+    float d;     /* scale: x ~= d * q */
+    float s;     /* d * sum(q): what a block's weight offset (Q4_1/Q5_1's m, Q4_0's -8) needs */
+    int8_t q[32];
+} sw_a32;        /* 40 bytes, for the 32-weight formats */
+
+typedef struct {
+    float d;
+    int16_t bsum[16]; /* sum of q[16 j .. 16 j + 15]: sub-block sums for the K-quants' mins */
+    int8_t q[256];
+} sw_a256;            /* 292 bytes, for the 256-weight K-quants */
+
+/* y[i * ldy + r] = sum over the row of W[r, :] . X[i, :], r < rows, i < n.
+ * w: rows of `kblocks` weight blocks, `row_bytes` apart (the rank's slice, or a view into a
+ * wider row). x: n rows of kblocks activation blocks (sw_a32 or sw_a256 by the format). */
+typedef void (*sw_gemm_fn)(const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks, const void *x,
+                           int64_t n, float *y, int64_t ldy);
+
+/* x: n rows of k floats (k a multiple of the block), `ldx` floats apart -> n * k / block blocks. */
+typedef void (*sw_quant_fn)(const float *x, int64_t ldx, int64_t n, int64_t k, void *out);
+
+/* w (rows of kblocks blocks, row_bytes apart) -> out (rows, kblocks * block) fp32, row-major. */
+typedef void (*sw_dequant_fn)(const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks, float *out);
+
+extern sw_gemm_fn sw_gemm_table[SW_NUM_TYPES][SW_NUM_ISA];
+extern sw_dequant_fn sw_dequant_table[SW_NUM_TYPES][SW_NUM_ISA];
+extern sw_quant_fn sw_quant32_table[SW_NUM_ISA];
+extern sw_quant_fn sw_quant256_table[SW_NUM_ISA];
+
+/* Each source file fills its entries of the tables (called once at import). */
+void sw_register_act(void);
+void sw_register_q32(void);
+void sw_register_qk(void);
+
+/* IEEE half -> float without F16C (portable paths). */
+static inline float sw_fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while ((man & 0x400) == 0);
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float sw_load_fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return sw_fp16_to_fp32(h);
+}
+
+#endif
