@@ -1,0 +1,346 @@
+"""Hosts on this machine: network namespaces joined through a switch by links shaped to a rate.
+
+    with make_hosts(2, rate="100mbit") as cluster:    # needs root and iproute2
+        h0, h1 = cluster.hosts
+        h0.name, h0.addr                              # 'host0', '10.201.0.1'
+        p = h1.popen([sys.executable, "-c", "..."])   # a process on host 1
+        cluster.tx_bytes()                            # {'host0': ..., 'host1': ...}: sent on each link
+        cluster.cut(1)                                # host 1's link down; cluster.restore(1)
+        probe(h0, h1)                                 # bits/s from host 0 to host 1, measured
+
+Each host is a network namespace with its own loopback and one link, `eth0`, a veth pair
+whose other end is a port of a bridge in a switch namespace (a star). Both directions of
+every link are shaped with tc's token bucket (tbf) to `rate`; ranks on one host talk over
+its loopback, unshaped. A process on a host also gets a hostname of its own (a UTS
+namespace: `host0`, ...), and every host's /etc/hosts names all of them (ip netns exec
+mounts /etc/netns/NS/hosts over /etc/hosts), so launchers address hosts by name as on a
+real cluster.
+
+Addresses (10.201.0.0/24) exist only on the veths made here, inside these namespaces:
+nothing is routed to or from the machine's own network. close() (the context manager's
+exit, and atexit) kills every process still in the namespaces and deletes them; make_hosts
+first deletes the namespaces of this prefix whose creating process is gone (a run that was
+killed). NOTE: stdlib only, so that this file also runs by itself, without shardwise:
+`python netns.py up --hosts 2 --rate 1gbit` (see main()).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["Cluster", "Host", "make_hosts", "probe", "unavailable", "cleanup_stale", "rate_bits", "PREFIX"]
+
+PREFIX = "swns"
+"""Namespace names: PREFIX + creating pid + 'c' + cluster number + 'h' + host (or 's', the switch)."""
+SUBNET = "10.201.0"
+MAX_HOSTS = 4
+_counter = itertools.count()
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$")
+
+
+def rate_bits(rate: str) -> float:
+    """tc's rate words in bits per second: '100mbit' -> 1e8."""
+    m = _RATE.match(rate.lower())
+    if m is None:
+        raise ValueError(f"rate {rate!r}: expected a number and kbit, mbit or gbit (e.g. 100mbit, 1gbit, 10gbit)")
+    return float(m.group(1)) * {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def unavailable() -> str | None:
+    """Why hosts cannot be made here (one line), or None when they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (euid is not 0)"
+    for tool in ("ip", "tc", "unshare"):
+        if shutil.which(tool) is None:
+            return f"network namespaces need `{tool}` (iproute2, util-linux), not found"
+    name = f"{PREFIX}{os.getpid()}probe"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip() or made.returncode}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host: its namespace, its name and address on the cluster's network."""
+
+    index: int
+    name: str
+    """Its hostname, resolvable on every host."""
+    addr: str
+    netns: str
+    iface: str = "eth0"
+    """Its link, inside its namespace (GLOO_SOCKET_IFNAME, hydra's -iface)."""
+
+    def command(self, argv: list[str]) -> list[str]:
+        """argv run on this host: in its namespace, with its hostname."""
+        script = 'hostname "$0" && exec "$@"'
+        return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--", "sh", "-c", script, self.name, *argv]
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(self.command(argv), **kwargs)
+
+    def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(argv), **kwargs)
+
+    def pids(self) -> list[int]:
+        """Every process in this host's namespace."""
+        out = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+
+@dataclass
+class Cluster:
+    """Hosts joined by a star of links of one rate (None: unshaped)."""
+
+    hosts: list[Host]
+    rate: str | None
+    switch: str
+    """The switch's namespace: a bridge, and port p<i> for host i's link."""
+    _closed: bool = field(default=False, repr=False)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def set_rate(self, rate: str | None) -> None:
+        """Shape every link, both ways, to `rate` (tbf); None removes the shaping."""
+        for h in self.hosts:
+            for ns, dev in ((h.netns, h.iface), (self.switch, f"p{h.index}")):
+                _shape(ns, dev, rate)
+        self.rate = rate
+
+    def tx_bytes(self) -> dict[str, int]:
+        """Bytes each host has sent on its link (its eth0's counter, frames included)."""
+        return {h.name: _stats(h.netns, h.iface)["tx"]["bytes"] for h in self.hosts}
+
+    def rx_bytes(self) -> dict[str, int]:
+        return {h.name: _stats(h.netns, h.iface)["rx"]["bytes"] for h in self.hosts}
+
+    def cut(self, index: int) -> None:
+        """Take host `index`'s link down (its end, as `ip link set eth0 down` on the host)."""
+        h = self.hosts[index]
+        _ip("-n", h.netns, "link", "set", h.iface, "down")
+
+    def restore(self, index: int) -> None:
+        h = self.hosts[index]
+        _ip("-n", h.netns, "link", "set", h.iface, "up")
+        _shape(h.netns, h.iface, self.rate)  # NOTE: the qdisc survives a down/up; set again all the same
+
+    def close(self) -> None:
+        """Kill every process left on the hosts, delete the namespaces and their /etc/netns files."""
+        if self._closed:
+            return
+        self._closed = True
+        _delete([h.netns for h in self.hosts] + [self.switch])
+
+
+def make_hosts(n: int, rate: str | None = "1gbit", *, prefix: str = PREFIX) -> Cluster:
+    """n hosts (2 to MAX_HOSTS), each linked to one switch at `rate` ('100mbit', '1gbit',
+    '10gbit'; None: unshaped). Use it as a context manager: it deletes everything on exit."""
+    if not 1 <= n <= MAX_HOSTS:
+        raise ValueError(f"hosts: {n}; between 1 and {MAX_HOSTS}")
+    if rate is not None:
+        rate_bits(rate)  # a bad rate is refused before anything is made
+    why = unavailable()
+    if why is not None:
+        raise RuntimeError(f"cannot make hosts: {why}")
+    cleanup_stale(prefix)
+    base = f"{prefix}{os.getpid()}c{next(_counter)}"
+    hosts = [Host(i, f"host{i}", f"{SUBNET}.{i + 1}", f"{base}h{i}") for i in range(n)]
+    cluster = Cluster(hosts, None, f"{base}s")
+    atexit.register(cluster.close)
+    try:
+        _ip("netns", "add", cluster.switch)
+        _ip("-n", cluster.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", cluster.switch, "link", "set", "br0", "up")
+        etc_hosts = "127.0.0.1 localhost\n" + "".join(f"{h.addr} {h.name}\n" for h in hosts)
+        for h in hosts:
+            _ip("netns", "add", h.netns)
+            os.makedirs(f"/etc/netns/{h.netns}", exist_ok=True)
+            with open(f"/etc/netns/{h.netns}/hosts", "w") as f:
+                f.write(etc_hosts)
+            port = f"p{h.index}"
+            _ip(
+                "link",
+                "add",
+                "name",
+                h.iface,
+                "netns",
+                h.netns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                cluster.switch,
+            )
+            _ip("-n", cluster.switch, "link", "set", port, "master", "br0", "up")
+            _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.iface)
+            _ip("-n", h.netns, "link", "set", h.iface, "up")
+            _ip("-n", h.netns, "link", "set", "lo", "up")
+        cluster.set_rate(rate)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def cleanup_stale(prefix: str = PREFIX) -> list[str]:
+    """Delete the namespaces named `prefix<pid>...` whose pid is gone (a run killed before its
+    clean-up); the names deleted."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    stale = []
+    for line in out.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = re.match(rf"^{re.escape(prefix)}(\d+)c\d+[hs]\d*$", name)
+        if m and not _alive(int(m.group(1))):
+            stale.append(name)
+    _delete(stale)
+    return stale
+
+
+def probe(src: Host, dst: Host, seconds: float = 2.0, *, port: int = 5201) -> float:
+    """Bits per second that one TCP stream from src to dst carries (an iperf-like check of
+    the shaping): dst counts what it receives after the first byte."""
+    me = os.path.abspath(__file__)
+    sink = dst.popen([sys.executable, me, "_sink", dst.addr, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(100):  # until it listens
+            if dst.run(["sh", "-c", f"grep -qi ':{port:04X} ' /proc/net/tcp"], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.05)
+        src.run([sys.executable, me, "_source", dst.addr, str(port), str(seconds)], check=True, timeout=seconds + 30)
+        out, _ = sink.communicate(timeout=30)
+    finally:
+        sink.kill()
+        sink.wait()
+    return float(out.split()[0])
+
+
+# ---- iproute2 -------------------------------------------------------------------------------
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _shape(netns: str, dev: str, rate: str | None) -> None:
+    subprocess.run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+    if rate is None:
+        return
+    # NOTE: the bucket holds 1 ms at the rate (at least two full frames): a larger one lets a
+    # decode step's small messages pass at memory speed, a smaller one cannot reach the rate.
+    burst = max(3200, int(rate_bits(rate) / 8 / 1000))
+    cmd = ["tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate]
+    done = subprocess.run([*cmd, "burst", str(burst), "latency", "400ms"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"tc qdisc add dev {dev} (netns {netns}) tbf rate {rate}: {done.stderr.strip()}")
+
+
+def _stats(netns: str, dev: str) -> dict:
+    out = subprocess.run(["ip", "-j", "-s", "-n", netns, "link", "show", "dev", dev], capture_output=True, text=True)
+    return json.loads(out.stdout)[0]["stats64"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _delete(names: list[str]) -> None:
+    for name in names:
+        out = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
+        for pid in map(int, out.split()):  # processes on a host of ours: started on it by its user
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for _ in range(50):
+            if not subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+                break
+            time.sleep(0.1)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+
+
+# ---- the probe's two ends, and a command line -------------------------------------------------
+def _sink(addr: str, port: int) -> None:
+    srv = socket.create_server((addr, port), reuse_port=False)
+    conn, _ = srv.accept()
+    n, t0 = 0, None
+    while chunk := conn.recv(1 << 20):
+        if t0 is None:
+            t0 = time.perf_counter()
+        else:
+            n += len(chunk)
+    print(n * 8 / max(time.perf_counter() - (t0 or 0), 1e-9), flush=True)
+
+
+def _source(addr: str, port: int, seconds: float) -> None:
+    conn = socket.create_connection((addr, port), timeout=30)
+    buf, end = b"\0" * (1 << 20), time.monotonic() + seconds
+    while time.monotonic() < end:
+        conn.sendall(buf)
+    conn.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`up`: make hosts, print them, measure the link, and keep them until Ctrl-C; `clean`:
+    delete stale namespaces of this prefix."""
+    p = argparse.ArgumentParser(prog="netns.py", description=main.__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up")
+    up.add_argument("--hosts", type=int, default=2)
+    up.add_argument("--rate", default="1gbit", help="tc rate of every link, or 'none'")
+    sub.add_parser("clean")
+    sink = sub.add_parser("_sink")
+    sink.add_argument("addr")
+    sink.add_argument("port", type=int)
+    source = sub.add_parser("_source")
+    source.add_argument("addr")
+    source.add_argument("port", type=int)
+    source.add_argument("seconds", type=float)
+    a = p.parse_args(argv)
+    if a.cmd == "_sink":
+        _sink(a.addr, a.port)
+    elif a.cmd == "_source":
+        _source(a.addr, a.port, a.seconds)
+    elif a.cmd == "clean":
+        print("deleted:", " ".join(cleanup_stale()) or "nothing")
+    else:
+        with make_hosts(a.hosts, None if a.rate == "none" else a.rate) as cluster:
+            for h in cluster.hosts:
+                print(
+                    f"{h.name} {h.addr}: ip netns exec {h.netns} ...  (its link {h.iface}, {cluster.rate or 'unshaped'})"
+                )
+            if len(cluster.hosts) > 1:
+                print(f"measured host0 -> host1: {probe(cluster.hosts[0], cluster.hosts[1]) / 1e6:.1f} Mbit/s")
+            print("Ctrl-C deletes them", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.pause()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
