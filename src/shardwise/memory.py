@@ -9,19 +9,29 @@ memory.max - memory.current; v1: memory.limit_in_bytes - memory.usage_in_bytes) 
 MemAvailable from /proc/meminfo; SHARDWISE_MEMORY_LIMIT (e.g. 2GiB) overrides both, for
 tests and for a budget of one's own. `oom_kills` reads the cgroup's count of processes the
 kernel's out-of-memory killer ended (v2 memory.events, v1 memory.oom_control: oom_kill).
+
+`zeros_on_touch`: a zero tensor that costs no resident memory until its pages are written
+(the paged KV pool: a block's pages are committed when a sequence first writes it).
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import re
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "rss_anon_bytes",
+    "zeros_on_touch",
     "PeakAnonMemory",
     "import_meta_kernels",
     "HostMemory",
@@ -170,6 +180,25 @@ def rss_anon_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def zeros_on_touch(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """torch.zeros(shape, dtype) whose memory is committed page by page as it is first written.
+
+    On the CPU: a private anonymous mmap, which the kernel hands out zero-filled and maps
+    on the first write (a read of an untouched page maps the shared zero page: no
+    resident memory either). torch.zeros would write every page at once. The mapping
+    lives as long as the tensor (torch.frombuffer keeps the buffer alive). Elsewhere
+    (CUDA): torch.zeros."""
+    import torch  # NOTE: here, so that the launcher's memory checks do not import torch
+
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device or "cpu").type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def import_meta_kernels() -> None:

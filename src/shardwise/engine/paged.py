@@ -30,6 +30,7 @@ from collections.abc import Iterable
 import torch
 
 from shardwise.engine.slots import LayerCaches, StepBatch, _StepIndex
+from shardwise.memory import zeros_on_touch
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.modules import KVCache
 
@@ -202,8 +203,11 @@ class PagedKVCache:
         self, owner: PagedCaches, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *, dtype, device
     ):
         self.owner = owner
-        self.k = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        # NOTE: pages are committed as blocks are first written, not here (a server's pool is
+        # sized for its budget, most of it untouched before the first requests)
+        self.k = zeros_on_touch(shape, dtype, device)
+        self.v = zeros_on_touch(shape, dtype, device)
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (B, nkv, T, hd) of the step's query columns -> (B, nkv, K, hd), K = start + T."""
