@@ -94,7 +94,10 @@ def gguf_config(f: GGUFFile) -> dict:
     for key, meta in arch.keys.items():
         value = f.get(f"{name}.{meta}")
         if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise GGUFError(f"{f.path}: metadata '{name}.{meta}' is {value!r}, not a number")
             d[key] = value
+    _check_blocks(f, name)
     if "head_dim" in arch.keys and "head_dim" not in d:  # older files: only the rotary width
         rope_dim = f.get(f"{name}.rope.dimension_count")
         if rope_dim is not None:
@@ -115,6 +118,15 @@ def gguf_config(f: GGUFFile) -> dict:
         if value is not None:
             d[f"{tok}_token_id"] = value
     return d
+
+
+def _check_blocks(f: GGUFFile, name: str) -> None:
+    """block_count against the blocks the file has tensors for (blk.0 .. blk.N-1)."""
+    n = f.get(f"{name}.block_count")
+    blocks = {int(t.split(".")[1]) for t in f.tensors if t.startswith("blk.") and t.split(".")[1].isdigit()}
+    if isinstance(n, int) and blocks != set(range(n)):
+        have = f"blocks {min(blocks)}..{max(blocks)} ({len(blocks)} of them)" if blocks else "no blocks"
+        raise GGUFError(f"{f.path}: {name}.block_count is {n}, but the file has tensors of {have}")
 
 
 def _llama3_rope(f: GGUFFile, name: str, d: dict) -> dict:

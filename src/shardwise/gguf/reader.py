@@ -22,6 +22,7 @@ of ggml's ne[] order.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -45,6 +46,11 @@ _GGML_TYPES = {
     27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
 }  # fmt: skip
 """ggml's type ids (ggml.h), for naming the ones shardwise cannot read."""
+_MAX_DIMS = 4
+"""GGML_MAX_DIMS."""
+_MAX_PER_BYTE = 64
+"""Elements a byte of the file can hold at most (ternary types: about 4 per byte); a shape
+above this times the file size is corrupt, and refused before its byte count is computed."""
 _CHUNK = 1 << 22
 """Weights dequantized at a time (the float temporaries of a chunk are a few times this)."""
 
@@ -79,7 +85,7 @@ class GGUFTensor:
 
     @property
     def nbytes(self) -> int:
-        rows = int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+        rows = math.prod(self.shape[:-1])
         return rows * self.row_bytes
 
 
@@ -95,12 +101,7 @@ class GGUFFile:
             if f.read(4) != _MAGIC:
                 raise GGUFError(f"{self.path}: not a GGUF file (no GGUF magic at its start)")
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            infos, data_start = self._parse_header()
-        except GGUFError:
-            raise
-        except (struct.error, UnicodeDecodeError, OverflowError, ValueError) as e:
-            raise GGUFError(f"{self.path}: truncated or corrupt GGUF header ({e})") from None
+        infos, data_start = self._parse_header()
         self.tensors: dict[str, GGUFTensor] = {}
         unsupported: dict[str, str] = {}
         for name, shape, kind_id, offset in infos:
@@ -128,74 +129,126 @@ class GGUFFile:
             )
         self._data = np.frombuffer(self._mm, dtype=np.uint8)
 
+    def _corrupt(self, why: str) -> GGUFError:
+        return GGUFError(f"{self.path}: corrupt GGUF header: {why}")
+
+    def _unpack(self, fmt: str, pos: int, what: str) -> tuple:
+        """struct.unpack_from(fmt) at `pos`, or a GGUFError naming `what` when the file ends first."""
+        n = struct.calcsize(fmt)
+        if pos + n > len(self._mm):
+            raise GGUFError(
+                f"{self.path}: truncated GGUF header: {what} at byte {pos} needs {n} bytes, "
+                f"the file has {len(self._mm)}"
+            )
+        return struct.unpack_from(fmt, self._mm, pos)
+
     def _parse_header(self) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
         """(tensor infos (name, torch shape, ggml type id, data offset), start of the data);
-        metadata values are recorded by offset in self._fields."""
-        mm = self._mm
-        (version,) = struct.unpack_from("<I", mm, 4)
+        metadata values are recorded by offset in self._fields. Every count and length is
+        checked against the bytes left before it is used: a corrupt header fails here, in
+        one line naming what is wrong, never with a struct or decoding error."""
+        (version,) = self._unpack("<I", 4, "the version")
         if version not in _VERSIONS:
             raise GGUFError(f"{self.path}: GGUF version {version}; shardwise reads versions {_VERSIONS}")
-        n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
-        pos = 24
+        n_tensors, n_kv = self._unpack("<QQ", 8, "the tensor and metadata counts")
+        pos, size = 24, len(self._mm)
+        for count, what, least in ((n_kv, "metadata entries", 13), (n_tensors, "tensors", 24)):
+            if count * least > size - pos:  # each takes at least `least` bytes
+                raise GGUFError(
+                    f"{self.path}: truncated or corrupt GGUF header: {count} {what} cannot fit in a file of {size} bytes"
+                )
         self._fields: dict[str, tuple[int, int]] = {}  # key -> (value type, offset of the value)
-        for _ in range(n_kv):
-            key, pos = self._string(pos)
-            (kind,) = struct.unpack_from("<I", mm, pos)
+        for i in range(n_kv):
+            key, pos = self._string(pos, f"metadata key {i}")
+            (kind,) = self._unpack("<I", pos, f"the type of metadata {key!r}")
+            if key in self._fields:
+                raise self._corrupt(f"metadata key {key!r} appears twice")
             self._fields[key] = (kind, pos + 4)
-            pos = self._skip(kind, pos + 4)
-        infos = []
-        for _ in range(n_tensors):
-            name, pos = self._string(pos)
-            (n_dims,) = struct.unpack_from("<I", mm, pos)
-            dims = struct.unpack_from(f"<{n_dims}Q", mm, pos + 4)
-            kind, offset = struct.unpack_from("<IQ", mm, pos + 4 + 8 * n_dims)
+            pos = self._skip(kind, pos + 4, f"metadata {key!r}")
+        infos, seen = [], set()
+        for i in range(n_tensors):
+            name, pos = self._string(pos, f"tensor name {i}")
+            if name in seen:
+                raise self._corrupt(f"tensor {name!r} appears twice")
+            seen.add(name)
+            (n_dims,) = self._unpack("<I", pos, f"the dimension count of tensor {name!r}")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise self._corrupt(f"tensor {name!r} has {n_dims} dimensions; GGUF allows 1-{_MAX_DIMS}")
+            dims = self._unpack(f"<{n_dims}Q", pos + 4, f"the shape of tensor {name!r}")
+            kind, offset = self._unpack("<IQ", pos + 4 + 8 * n_dims, f"the type and offset of tensor {name!r}")
             pos += 4 + 8 * n_dims + 12
+            if math.prod(dims) > size * _MAX_PER_BYTE:
+                raise self._corrupt(f"tensor {name!r} has shape {tuple(reversed(dims))}, larger than the file")
             infos.append((name, tuple(int(d) for d in reversed(dims)), kind, offset))
         align = self.get("general.alignment", 32)
+        if type(align) is not int or align < 1 or align & (align - 1):
+            raise self._corrupt(f"general.alignment is {align!r}, not a power of two")
+        for name, _, _, offset in infos:
+            if offset % align:
+                raise self._corrupt(f"tensor {name!r} starts at data offset {offset}, not a multiple of {align}")
         return infos, -(-pos // align) * align
 
-    def _string(self, pos: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", self._mm, pos)
+    def _string(self, pos: int, what: str) -> tuple[str, int]:
+        (n,) = self._unpack("<Q", pos, f"the length of {what}")
         if pos + 8 + n > len(self._mm):
-            raise ValueError(f"a string at byte {pos} runs past the end of the file")
-        return self._mm[pos + 8 : pos + 8 + n].decode("utf-8"), pos + 8 + n
+            raise GGUFError(
+                f"{self.path}: truncated GGUF header: {what} at byte {pos} is {n} bytes long, "
+                f"past the end of the file ({len(self._mm)} bytes)"
+            )
+        raw = self._mm[pos + 8 : pos + 8 + n]
+        try:
+            return raw.decode("utf-8"), pos + 8 + n
+        except UnicodeDecodeError as e:
+            raise self._corrupt(f"{what} at byte {pos} is not UTF-8 (byte {raw[e.start]:#04x} at {e.start})") from None
 
-    def _skip(self, kind: int, pos: int) -> int:
-        """The offset after a value of type `kind` at `pos`."""
+    def _skip(self, kind: int, pos: int, what: str) -> int:
+        """The offset after a value of type `kind` at `pos`, checked to lie within the file."""
         if kind in _SCALARS:
-            return pos + struct.calcsize(_SCALARS[kind])
-        if kind == 8:
-            return pos + 8 + struct.unpack_from("<Q", self._mm, pos)[0]
-        if kind != 9:
-            raise ValueError(f"unknown metadata value type {kind} at byte {pos}")
-        item, count = struct.unpack_from("<IQ", self._mm, pos)
-        pos += 12
-        if item in _SCALARS:
-            return pos + count * struct.calcsize(_SCALARS[item])
-        for _ in range(count):
-            pos = self._skip(item, pos)
-        return pos
+            end = pos + struct.calcsize(_SCALARS[kind])
+        elif kind == 8:
+            end = pos + 8 + self._unpack("<Q", pos, f"the length of {what}")[0]
+        elif kind == 9:
+            item, count = self._unpack("<IQ", pos, f"the item type and count of {what}")
+            pos += 12
+            if item in _SCALARS:
+                end = pos + count * struct.calcsize(_SCALARS[item])
+            elif item in (8, 9):
+                if count * (8 if item == 8 else 12) > len(self._mm) - pos:
+                    raise self._corrupt(f"{what} has {count} items, more than the file can hold")
+                for i in range(count):
+                    pos = self._skip(item, pos, f"item {i} of {what}")
+                end = pos
+            else:
+                raise self._corrupt(f"{what} is an array of unknown value type {item}")
+        else:
+            raise self._corrupt(f"{what} has unknown value type {kind} (at byte {pos})")
+        if end > len(self._mm):
+            raise GGUFError(
+                f"{self.path}: truncated GGUF header: {what} at byte {pos} ends at byte {end}, "
+                f"the file has {len(self._mm)}"
+            )
+        return end
 
-    def _value(self, kind: int, pos: int):
+    def _value(self, kind: int, pos: int, what: str):
         if kind in _SCALARS:
             return struct.unpack_from(_SCALARS[kind], self._mm, pos)[0]
         if kind == 8:
-            return self._string(pos)[0]
+            return self._string(pos, what)[0]
         item, count = struct.unpack_from("<IQ", self._mm, pos)
         pos += 12
         if item in _SCALARS:
             return list(struct.unpack_from(f"<{count}{_SCALARS[item][1]}", self._mm, pos))
         out = []
-        for _ in range(count):
-            out.append(self._value(item, pos))
-            pos = self._skip(item, pos)
+        for i in range(count):
+            out.append(self._value(item, pos, f"item {i} of {what}"))
+            pos = self._skip(item, pos, what)
         return out
 
     def get(self, key: str, default=None):
         """Metadata value `key` (a str, a number, or a list of them); parsed on demand, as a
         vocabulary's fields alone can hold hundreds of thousands of strings."""
         field = self._fields.get(key)
-        return default if field is None else self._value(*field)
+        return default if field is None else self._value(*field, f"metadata {key!r}")
 
     def keys(self) -> list[str]:
         return [k for k in self._fields if not k.startswith("GGUF.")]
@@ -204,10 +257,12 @@ class GGUFFile:
         self, name: str, rows: slice | None = None, cols: slice | None = None, *, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         """Rows `rows` and columns `cols` of tensor `name` as a fresh tensor of `dtype` (torch
-        shape); a 1-D tensor takes `rows` as its only index. Reads whole blocks only, and
-        converts chunk by chunk: no float32 copy of the whole range is ever held."""
+        shape); a 1-D tensor takes `rows` as its only index, and a tensor of 3 or more
+        dimensions is read as the matrix of all its rows (stacked experts (E, I, H): E * I
+        rows of H). Reads whole blocks only, and converts chunk by chunk: no float32 copy of
+        the whole range is ever held."""
         t = self.tensors[name]
-        n_rows = t.shape[0] if len(t.shape) > 1 else 1
+        n_rows = math.prod(t.shape[:-1])
         n_cols = t.shape[-1]
         if len(t.shape) == 1:
             rows, cols = None, rows
@@ -229,7 +284,7 @@ class GGUFFile:
         t = self.tensors[name]
         if len(t.shape) == 1:
             rows, cols = slice(0, 1), rows
-        r0, r1, _ = (rows or slice(None)).indices(t.shape[0] if len(t.shape) > 1 else 1)
+        r0, r1, _ = (rows or slice(None)).indices(math.prod(t.shape[:-1]))
         c0, c1, _ = (cols or slice(None)).indices(t.shape[-1])
         fmt = t.fmt
         return max(r1 - r0, 0) * (-(-c1 // fmt.block) - c0 // fmt.block) * fmt.nbytes

@@ -95,7 +95,12 @@ def resolve_model(
             except ShardError as e:
                 raise ShardError(f"{where}: {e}") from None
         return ResolvedModel(path, None, None)
-    cfg = family.config(raw, where=str(where))
+    try:
+        cfg = family.config(raw, where=str(where))
+    except CheckpointError:
+        raise
+    except ValueError as e:  # ModelConfig's own checks (a size < 1, ...): name the file
+        raise CheckpointError(f"{where}: {e}") from None
     if tp is not None or expert_parallel:
         check_tp(cfg, tp or 1, expert_parallel=expert_parallel)
     return ResolvedModel(path, family, cfg)
