@@ -97,6 +97,10 @@ class Communicator(ABC):
     timeout_s: float
     members: tuple[int, ...] = ()
     """The world ranks of this group's members, in group rank order (set by the backends)."""
+    wire: str = "fp32"
+    """What the activations' all-reduces (shardwise.comm.regions.reduce_from_region) carry on
+    the wire: "fp32" (exact), "bf16" or "q8" (shardwise.comm.compress). Per group: splits do
+    not inherit it; the commands set it on the tp group (--comm-dtype)."""
     p2p_check: bool = False
     """Debug mode: send a (shape, dtype) header before each point-to-point message, and the
     receiver answers with its own, so a mismatch raises P2PMismatchError on both ranks

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.comm.communicator import Communicator
+from shardwise.comm.compress import compressed_all_reduce
 
 __all__ = [
     "copy_to_region",
@@ -63,7 +64,8 @@ class CopyToRegion(torch.autograd.Function):
 
 
 class ReduceFromRegion(torch.autograd.Function):
-    """Forward: all-reduce the partial sums. Backward: identity (the gradient is replicated)."""
+    """Forward: all-reduce the partial sums (compressed when comm.wire says so). Backward:
+    identity (the gradient is replicated)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Communicator, inplace: bool = False) -> torch.Tensor:
@@ -175,6 +177,9 @@ def _in_place(x: torch.Tensor, inplace: bool) -> bool:
 
 
 def _all_reduce(x: torch.Tensor, comm: Communicator, inplace: bool) -> torch.Tensor:
+    if comm.wire != "fp32":  # a slow link: bf16 or 8-bit blocks on the wire (comm.compress)
+        out = compressed_all_reduce(x, comm, comm.wire)
+        return x.copy_(out) if _in_place(x, inplace) else out
     return comm.all_reduce_(x) if _in_place(x, inplace) else comm.all_reduce(x)
 
 
