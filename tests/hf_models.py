@@ -104,6 +104,28 @@ TINY: dict[str, tuple[str, str, dict, list[int]]] = {
         ),
         [1, 2, 4],
     ),
+    "gemma3": (  # local layers 0 and 2 (window 4, base 10000), layer 1 global (linear rope x8); qk norm
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            vocab_size=140,
+            initializer_range=0.05,  # the embedding is scaled by sqrt(hidden): at 0.3 it drowns the layers
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+        ),
+        [1, 2, 3, 4],
+    ),
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
@@ -214,7 +236,7 @@ def save_tiny(
     import transformers
 
     cfg_cls, model_cls, kwargs, _ = TINY[family] if family in TINY else TINY_MOE[family]
-    cfg = getattr(transformers, cfg_cls)(**{**kwargs, **(overrides or {})}, initializer_range=INIT_STD)
+    cfg = getattr(transformers, cfg_cls)(**{"initializer_range": INIT_STD, **kwargs, **(overrides or {})})
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # norms and biases start at 1 and 0; perturb them so they matter

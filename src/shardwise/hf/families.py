@@ -20,6 +20,7 @@ from shardwise.hf.checkpoint import CheckpointError
 from shardwise.hf.names import (
     NameTable,
     bert_names,
+    gemma3_names,
     gpt2_names,
     llama_names,
     mixtral_names,
@@ -39,6 +40,7 @@ __all__ = [
     "family_for",
     "supported_model_types",
     "llama_config",
+    "gemma3_config",
     "gpt2_config",
     "neox_config",
     "bert_config",
@@ -169,6 +171,47 @@ def llama_config(d: dict, fam: Family) -> ModelConfig:
         tie_embeddings=_tie(d, fam),
         sliding_window=window,
         dtype=_dtype(d),
+    )
+
+
+def gemma3_config(d: dict, fam: Family) -> ModelConfig:
+    """Gemma 3 (text): Gemma's shapes with q/k norms, four norms a layer, a softmax scale of
+    query_pre_attn_scalar ** -0.5, and local layers (layer_types, or every
+    sliding_window_pattern-th layer global) that attend within sliding_window and rotate by
+    their own unscaled base. Rope from transformers 5 (rope_parameters per layer type) or 4
+    (rope_theta and rope_scaling for the global layers, rope_local_base_freq)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) is not None:
+            raise NotImplementedError(f"Gemma 3 with {key}={d[key]} is not supported")
+    if d.get("use_bidirectional_attention"):
+        raise NotImplementedError("Gemma 3 with use_bidirectional_attention=True is not supported")
+    rp = d.get("rope_parameters") or {}
+    full, local = rp.get("full_attention"), rp.get("sliding_attention")
+    if full is None:  # transformers 4: flat keys
+        full = {"rope_theta": d.get("rope_theta", 1_000_000.0), **(d.get("rope_scaling") or {})}
+        local = {"rope_theta": d.get("rope_local_base_freq", 10_000.0)}
+    if (local or {}).get("rope_type", "default") != "default":
+        raise NotImplementedError(f"Gemma 3's local layers with rope_type {local['rope_type']!r} are not supported")
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is None:
+        pattern = d.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise NotImplementedError(f"Gemma 3 layer_types {types} are not {n} of sliding_attention/full_attention")
+    cfg = llama_config({**d, "rope_parameters": {"rope_theta": 1_000_000.0, **full}, "rope_scaling": None}, fam)
+    window = d.get("sliding_window")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if sliding and not window:
+        raise NotImplementedError(f"Gemma 3 with sliding_attention layers needs a sliding_window, got {window}")
+    return replace(
+        cfg,
+        qk_norm=True,
+        sandwich_norm=True,
+        attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+        sliding_window=window if sliding else None,
+        sliding_layers=sliding or None,
+        local_rope_theta=float((local or {}).get("rope_theta", 10_000.0)),
     )
 
 
@@ -339,6 +382,12 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             name="gemma", model_types=("gemma",), **_LLAMA_LIKE, ignore=_ROTARY,
+            act_keys=("hidden_activation", "hidden_act"), tie_default=True, fixed={"norm_offset": 1.0},
+            scale_embeddings=True,
+        ),
+        Family(
+            name="gemma3", model_types=("gemma3_text",), reader=gemma3_config, names=gemma3_names,
+            prefixes=("model.", ""), probe="embed_tokens.weight", ignore=_ROTARY,
             act_keys=("hidden_activation", "hidden_act"), tie_default=True, fixed={"norm_offset": 1.0},
             scale_embeddings=True,
         ),

@@ -15,6 +15,7 @@ __all__ = [
     "NameTable",
     "llama_names",
     "phi3_names",
+    "gemma3_names",
     "mixtral_names",
     "qwen_moe_names",
     "gpt2_names",
@@ -62,6 +63,19 @@ def llama_names(cfg: ModelConfig, prefix: str, *, fused: bool = False) -> NameTa
 def phi3_names(cfg: ModelConfig, prefix: str) -> NameTable:
     """Phi-3's names: Llama's, with qkv_proj and gate_up_proj stored fused."""
     return llama_names(cfg, prefix, fused=True)
+
+
+def gemma3_names(cfg: ModelConfig, prefix: str) -> NameTable:
+    """Gemma 3's names: Llama's, with a norm on each side of each sublayer. Its
+    post_attention_layernorm follows attention (our attn_post_norm), and the MLP's input
+    norm is pre_feedforward_layernorm (Llama's post_attention_layernorm)."""
+    t = llama_names(cfg, prefix)
+    for i in range(cfg.num_layers):
+        p, q = f"{prefix}layers.{i}.", f"layers.{i}."
+        t[q + "attn_post_norm.weight"] = [Src(f"{p}post_attention_layernorm.weight")]
+        t[q + "mlp_norm.weight"] = [Src(f"{p}pre_feedforward_layernorm.weight")]
+        t[q + "mlp_post_norm.weight"] = [Src(f"{p}post_feedforward_layernorm.weight")]
+    return t
 
 
 def _moe_names(t: NameTable, cfg: ModelConfig, prefix: str, block: str, gate: str, up: str, down: str) -> None:

@@ -55,6 +55,17 @@ class ModelConfig:
     """Multiply token embeddings by this (Gemma: sqrt(hidden_size))."""
     tie_embeddings: bool = False
     sliding_window: int | None = None
+    """Attend to the last sliding_window positions only (the query's own included)."""
+    sliding_layers: tuple[int, ...] | None = None
+    """The layers that attend within sliding_window (Gemma 3's local layers; the others
+    attend to everything); None: every layer, when sliding_window is set (Mistral)."""
+    local_rope_theta: float | None = None
+    """RoPE base of the sliding layers, unscaled (Gemma 3: 10000); None: every layer uses
+    rope_theta and rope_scaling."""
+    sandwich_norm: bool = False
+    """A norm after each sublayer too, before its residual add (Gemma 3: four norms a layer)."""
+    attn_scale: float | None = None
+    """Softmax scale of q k^T; None: 1 / sqrt(head_dim) (Gemma 3: query_pre_attn_scalar ** -0.5)."""
     causal: bool = True
     type_vocab_size: int = 0
     """Token-type (segment) embeddings, BERT only."""
@@ -99,6 +110,14 @@ class ModelConfig:
                 )
             if self.expert_size < 1:
                 raise ValueError(f"expert intermediate size must be >= 1, got {self.expert_size}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.sliding_layers is not None:
+            if self.sliding_window is None:
+                raise ValueError(f"sliding_layers={list(self.sliding_layers)} needs a sliding_window")
+            bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"sliding_layers {bad} outside the {self.num_layers} layers")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -119,6 +138,16 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return self.rope_dim if self.rope_dim is not None else self.head_dim
+
+    def is_sliding_layer(self, i: int) -> bool:
+        """Layer i attends within sliding_window."""
+        return self.sliding_window is not None and (self.sliding_layers is None or i in self.sliding_layers)
+
+    @property
+    def mixed_attention(self) -> bool:
+        """Some layers slide and others do not, or they rotate by different bases: each
+        kind then gets its own mask and rotary tables (DecoderLM.prelude)."""
+        return self.sliding_layers is not None or self.local_rope_theta is not None
 
     def is_moe_layer(self, i: int) -> bool:
         """Layer i's MLP is a mixture of experts."""

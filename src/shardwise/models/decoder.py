@@ -1,12 +1,16 @@
-"""DecoderLM: one plain decoder for Llama, Mistral, Qwen2/3, Gemma, Phi-3, GPT-2 and GPT-NeoX.
+"""DecoderLM: one plain decoder for Llama, Mistral, Qwen2/3, Gemma 1/3, Phi-3, GPT-2 and GPT-NeoX.
 
 The families differ only in ModelConfig switches: norm kind and offset, learned or
 rotary positions (full or partial), gated or plain MLP, biases, q/k norm, a parallel
-residual, an embedding scale, tied embeddings, and mixture-of-experts MLPs
+residual, an embedding scale, tied embeddings, a sliding window in every layer or in some
+(Gemma 3's local layers, with their own rotary base), a norm after each sublayer too
+(Gemma 3), and mixture-of-experts MLPs
 (Mixtral, Qwen2/3-MoE: shardwise.models.moe) in some or all layers.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -23,16 +27,23 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.parallel_residual = cfg.parallel_residual
+        self.sliding = cfg.is_sliding_layer(index)  # picks this layer's mask and rotary tables
         self.attn_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, cfg.norm_offset)
         self.attn = Attention(cfg)
         self.mlp_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, cfg.norm_offset)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)  # (B, T, hidden) -> same
+        self.attn_post_norm = self.mlp_post_norm = None
+        if cfg.sandwich_norm:  # Gemma 3: each sublayer's output is normed before its residual add
+            self.attn_post_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, cfg.norm_offset)
+            self.mlp_post_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, cfg.norm_offset)
 
     def forward(self, x, rope, mask, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
         if self.parallel_residual:  # GPT-NeoX: both sublayers read the same x
             return x + self.attn(self.attn_norm(x), rope, mask, cache, start) + self.mlp(self.mlp_norm(x))
-        x = x + self.attn(self.attn_norm(x), rope, mask, cache, start)
-        return x + self.mlp(self.mlp_norm(x))
+        a = self.attn(self.attn_norm(x), rope, mask, cache, start)  # (B, T, hidden)
+        x = x + (a if self.attn_post_norm is None else self.attn_post_norm(a))
+        m = self.mlp(self.mlp_norm(x))
+        return x + (m if self.mlp_post_norm is None else self.mlp_post_norm(m))
 
 
 class DecoderLM(nn.Module):
@@ -93,12 +104,21 @@ class DecoderLM(nn.Module):
                 x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
             if self.pos_embed is not None:
                 x = x + self.pos_embed(positions)
-        if self.cfg.positions != "learned":
+        cfg, k_len = self.cfg, start + T if cached else T
+        if cfg.positions != "learned":
             rope = rope_cos_sin(self._inv_freq(ids.device), positions, x.dtype, signed=True)  # (B, 1, T, rot) each
-        k_len = start + T if cached else T
-        mask = build_mask(
-            attention_mask, T, k_len, causal=self.cfg.causal, window=self.cfg.sliding_window, device=ids.device
-        )
+        window = cfg.sliding_window if cfg.sliding_layers is None else None
+        mask = build_mask(attention_mask, T, k_len, causal=cfg.causal, window=window, device=ids.device)
+        if cfg.mixed_attention:  # Gemma 3: local layers slide and rotate by their own base
+            local = rope
+            if cfg.local_rope_theta is not None:
+                local = rope_cos_sin(self._inv_freq(ids.device, local=True), positions, x.dtype, signed=True)
+            slid = mask
+            if cfg.sliding_layers is not None:
+                slid = build_mask(
+                    attention_mask, T, k_len, causal=cfg.causal, window=cfg.sliding_window, device=ids.device
+                )
+            rope, mask = {False: rope, True: local}, {False: mask, True: slid}  # keyed by DecoderLayer.sliding
         return x, rope, mask
 
     def run_layers(
@@ -112,10 +132,11 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """x (B, T, hidden) through the decoder layers `layers` (global indices; default
         every layer this model holds), caches[i] being layer i's."""
+        mixed = isinstance(mask, dict)  # per kind of layer (prelude)
         for i in layers if layers is not None else self.layer_indices():
-            x = self.layers[i if isinstance(self.layers, nn.ModuleList) else str(i)](
-                x, rope, mask, caches[i] if caches is not None else None, start
-            )
+            layer = self.layers[i if isinstance(self.layers, nn.ModuleList) else str(i)]
+            r, m = (rope[layer.sliding], mask[layer.sliding]) if mixed else (rope, mask)
+            x = layer(x, r, m, caches[i] if caches is not None else None, start)
         return x
 
     def head(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
@@ -131,12 +152,15 @@ class DecoderLM(nn.Module):
             return list(range(len(self.layers)))
         return [int(k) for k in self.layers]
 
-    def _inv_freq(self, device) -> torch.Tensor:
+    def _inv_freq(self, device, *, local: bool = False) -> torch.Tensor:
         """RoPE inverse frequencies, computed once per device (not a buffer: the model is
-        built on the meta device, and checkpoints do not carry them)."""
-        cached = self.__dict__.get("_inv_freq_cache")
+        built on the meta device, and checkpoints do not carry them); local: the sliding
+        layers' (cfg.local_rope_theta, unscaled)."""
+        key = "_inv_freq_local" if local else "_inv_freq_cache"
+        cached = self.__dict__.get(key)
         if cached is None or cached.device != torch.device(device):
-            cached = self.__dict__["_inv_freq_cache"] = rope_inv_freq(self.cfg, device)
+            cfg = replace(self.cfg, rope_theta=self.cfg.local_rope_theta, rope_scaling=None) if local else self.cfg
+            cached = self.__dict__[key] = rope_inv_freq(cfg, device)
         return cached
 
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:

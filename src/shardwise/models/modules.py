@@ -172,8 +172,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, cfg.qkv_size, bias=cfg.qkv_bias)
         self.o = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = Norm(cfg.head_dim, "rms", cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = Norm(cfg.head_dim, "rms", cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = Norm(cfg.head_dim, "rms", cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.k_norm = Norm(cfg.head_dim, "rms", cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.scale = cfg.attn_scale  # None: SDPA's 1 / sqrt(head_dim)
 
     def forward(
         self,
@@ -216,14 +217,18 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
         groups: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd), masked) v: the attention core, which selective activation
+        """softmax(q k^T * scale, masked) v (scale 1 / sqrt(hd) unless the config says): the attention core, which selective activation
         recomputation recomputes in backward (shardwise.train.recompute).
         q: (B, nq, T, hd); k, v: (B, nkv, S, hd); returns (B, nq, T, hd).
         groups: query heads per KV head when they differ (sum(groups) == nq)."""
         if groups is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1], scale=self.scale
+            )
         out = [
-            F.scaled_dot_product_attention(qg, k[:, h : h + 1], v[:, h : h + 1], attn_mask=mask, enable_gqa=True)
+            F.scaled_dot_product_attention(
+                qg, k[:, h : h + 1], v[:, h : h + 1], attn_mask=mask, enable_gqa=True, scale=self.scale
+            )
             for h, qg in enumerate(q.split(list(groups), dim=1))  # (B, g_h, T, hd) with KV head h
         ]
         return torch.cat(out, dim=1)

@@ -52,6 +52,8 @@ def layer_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: bool = 
     )
     if sp:
         plan |= {f"{prefix}attn_norm": "sequence", f"{prefix}mlp_norm": "sequence"}
+        if cfg.sandwich_norm:
+            plan |= {f"{prefix}attn_post_norm": "sequence", f"{prefix}mlp_post_norm": "sequence"}
     return plan
 
 
