@@ -1,27 +1,435 @@
-/* The 32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) against sw_a32 activations. */
+/* The 32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) against sw_a32 activations.
+ *
+ * Block layouts (little-endian; d and m are fp16), 32 weights each:
+ *   Q8_0  34 bytes: d, q[32] int8                          w_j = d * q_j
+ *   Q4_0  18 bytes: d, qs[16]                              w_j = d * (q_j - 8)
+ *   Q4_1  20 bytes: d, m, qs[16]                           w_j = d * q_j + m
+ *   Q5_0  22 bytes: d, qh[4], qs[16]                       w_j = d * (q_j - 16)
+ *   Q5_1  24 bytes: d, m, qh[4], qs[16]                    w_j = d * q_j + m
+ * Nibbles: byte j of qs holds q_j (low 4 bits) and q_{j+16} (high 4 bits); Q5_*: bit j of
+ * the little-endian word qh is bit 4 of q_j.
+ *
+ * One block of a weight row against one activation block (x_j = dx * a_j, s = dx * sum(a)):
+ *   sum_j w_j x_j = d * dx * sum_j q'_j a_j  +  m * s
+ * with q' the signed weights (Q8_0: q; Q4_0: q - 8; Q5_0: q - 16) and m = 0 for those, or
+ * q' = q and the block's m for Q4_1 / Q5_1. The integer sum is exact; the float scaling
+ * is once per block.
+ *
+ * Variants (all registered into sw_gemm_table / sw_dequant_table):
+ *   portable  plain C, one block at a time.
+ *   avx2      a block is one ymm of 32 bytes in weight order; signed weights by the
+ *             sign trick (|q'| as u8 times the activation with q's sign), maddubs + madd.
+ *   avx512    4 blocks at a time: the activation rows are first repacked (once per call)
+ *             so that one zmm holds bytes 0-15 of 4 blocks and another bytes 16-31, which is
+ *             the order 4 blocks of nibbles unpack to; vpdpbusd on unsigned weights
+ *             (Q8_0: q + 128) with the offset's correction (-offset * sum(a)) as the
+ *             accumulator's start; each 32-bit lane holds one block, so a group of 4 blocks
+ *             costs 2 vpdpbusd and one float scale-and-add per activation row.
+ * Batched rows (n > 1): each weight block is decoded into registers once per group of up to
+ * 16 (avx512) or 4 (avx2) activation rows and used for all of them.
+ */
 #include <immintrin.h>
+#include <stdlib.h>
 
 #include "sw.h"
 
-/* Q8_0: 34 bytes per block: fp16 d, 32 x int8.  w = d * q. */
-static void gemm_q8_0_portable(const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks, const void *x,
-                               int64_t n, float *y, int64_t ldy) {
+/* Format ids for the generic kernels below (compile-time constants after inlining). */
+enum { F_Q8_0, F_Q4_0, F_Q4_1, F_Q5_0, F_Q5_1 };
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE int fmt_bytes(int f) { return f == F_Q8_0 ? 34 : f == F_Q4_0 ? 18 : f == F_Q4_1 ? 20 : f == F_Q5_0 ? 22 : 24; }
+ALWAYS_INLINE int fmt_has_min(int f) { return f == F_Q4_1 || f == F_Q5_1; }
+/* What q' = q - offset subtracts (Q8_0's 128 is the avx512 path's u8 bias, not the format's). */
+ALWAYS_INLINE int fmt_offset(int f) { return f == F_Q4_0 ? 8 : f == F_Q5_0 ? 16 : 0; }
+/* Where qs (the nibbles) start, and qh (Q5_*). */
+ALWAYS_INLINE int fmt_qs(int f) { return f == F_Q4_0 ? 2 : f == F_Q4_1 ? 4 : f == F_Q5_0 ? 6 : 8; }
+ALWAYS_INLINE int fmt_qh(int f) { return f == F_Q5_0 ? 2 : 4; }
+
+static inline uint32_t load_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* ---------------------------------------------------------------- portable */
+
+/* One block -> q'[32] and (d, m) with w_j = d * q'_j + m. */
+ALWAYS_INLINE void decode_block(int f, const uint8_t *b, int q[32], float *d, float *m) {
+    *d = sw_load_fp16(b);
+    *m = fmt_has_min(f) ? sw_load_fp16(b + 2) : 0.0f;
+    if (f == F_Q8_0) {
+        for (int j = 0; j < 32; j++) q[j] = (int8_t)b[2 + j];
+        return;
+    }
+    const uint8_t *qs = b + fmt_qs(f);
+    uint32_t qh = (f == F_Q5_0 || f == F_Q5_1) ? load_u32(b + fmt_qh(f)) : 0;
+    int off = fmt_offset(f);
+    for (int j = 0; j < 16; j++) {
+        q[j] = (int)((qs[j] & 0x0F) | (((qh >> j) & 1) << 4)) - off;
+        q[j + 16] = (int)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off;
+    }
+}
+
+/* sum_j w_j x_j of one weight block and one activation block. */
+ALWAYS_INLINE float block_dot(int f, const uint8_t *b, const sw_a32 *x) {
+    int q[32], dot = 0;
+    float d, m;
+    decode_block(f, b, q, &d, &m);
+    for (int j = 0; j < 32; j++) dot += q[j] * x->q[j];
+    float r = d * x->d * (float)dot;
+    return fmt_has_min(f) ? r + m * x->s : r;
+}
+
+/* y[i * ldy + r] = sum_b block_dot(W[r, b], X[i, b]): W rows row_bytes apart, X (n, kblocks). */
+ALWAYS_INLINE void gemm_portable(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                                 const void *x, int64_t n, float *y, int64_t ldy) {
     const sw_a32 *xa = (const sw_a32 *)x;
+    const int bs = fmt_bytes(f);
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *wr = w + r * row_bytes;
         for (int64_t i = 0; i < n; i++) {
             const sw_a32 *xb = xa + i * kblocks;
             float acc = 0.0f;
-            for (int64_t b = 0; b < kblocks; b++) {
-                const uint8_t *blk = wr + 34 * b;
-                const int8_t *q = (const int8_t *)(blk + 2);
-                int dot = 0;
-                for (int j = 0; j < 32; j++) dot += q[j] * xb[b].q[j];
-                acc += sw_load_fp16(blk) * xb[b].d * (float)dot;
-            }
+            for (int64_t b = 0; b < kblocks; b++) acc += block_dot(f, wr + bs * b, xb + b);
             y[i * ldy + r] = acc;
         }
     }
 }
 
-void sw_register_q32(void) { sw_gemm_table[SW_Q8_0][SW_ISA_PORTABLE] = gemm_q8_0_portable; }
+/* out (rows, 32 * kblocks) fp32, row-major. */
+ALWAYS_INLINE void dequant_portable(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                                    float *out) {
+    const int bs = fmt_bytes(f);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < kblocks; b++) {
+            int q[32];
+            float d, m, *o = out + (r * kblocks + b) * 32;
+            decode_block(f, w + r * row_bytes + bs * b, q, &d, &m);
+            for (int j = 0; j < 32; j++) o[j] = fmt_has_min(f) ? d * (float)q[j] + m : d * (float)q[j];
+        }
+}
+
+/* ---------------------------------------------------------------- AVX2 */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+/* One block -> 32 bytes in weight order: signed q' (Q8_0 / Q4_0 / Q5_0) or unsigned q (Q4_1 / Q5_1). */
+ALWAYS_INLINE __m256i decode_avx2(int f, const uint8_t *b) {
+    if (f == F_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    __m128i qs = _mm_loadu_si128((const __m128i *)(b + fmt_qs(f)));
+    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0F));
+    if (f == F_Q5_0 || f == F_Q5_1) {
+        /* bit j of qh -> byte j: byte k of qh spread over bytes 8k .. 8k + 7, then one bit each */
+        __m256i h = _mm256_set1_epi32((int)load_u32(b + fmt_qh(f)));
+        h = _mm256_shuffle_epi8(h, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2,
+                                                    2, 3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+        h = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+        v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
+    }
+    int off = fmt_offset(f);
+    return off ? _mm256_sub_epi8(v, _mm256_set1_epi8((char)off)) : v;
+}
+
+static inline float hsum8_avx2(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* ni (<= 4) activation rows from i0 against every weight row. */
+ALWAYS_INLINE void rows_avx2(int f, int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                             const sw_a32 *xa, float *y, int64_t ldy) {
+    const int bs = fmt_bytes(f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        __m256 acc[4];
+        float ms[4];
+        for (int i = 0; i < ni; i++) acc[i] = _mm256_setzero_ps(), ms[i] = 0.0f;
+        for (int64_t b = 0; b < kblocks; b++) {
+            const uint8_t *blk = wr + bs * b;
+            __m256i v = decode_avx2(f, blk), u = fmt_has_min(f) ? v : _mm256_sign_epi8(v, v); /* u = |q'| */
+            __m256 dw = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+            float m = fmt_has_min(f) ? _cvtsh_ss(load_u16(blk + 2)) : 0.0f;
+            for (int i = 0; i < ni; i++) {
+                const sw_a32 *xb = xa + i * kblocks + b;
+                __m256i a = _mm256_loadu_si256((const __m256i *)xb->q);
+                if (!fmt_has_min(f)) a = _mm256_sign_epi8(a, v); /* a * sign(q') */
+                __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_broadcast_ss(&xb->d)), acc[i]);
+                if (fmt_has_min(f)) ms[i] += m * xb->s;
+            }
+        }
+        for (int i = 0; i < ni; i++) y[i * ldy + r] = hsum8_avx2(acc[i]) + ms[i];
+    }
+}
+
+ALWAYS_INLINE void gemm_avx2(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks, const void *x,
+                             int64_t n, float *y, int64_t ldy) {
+    const sw_a32 *xa = (const sw_a32 *)x;
+    for (int64_t i0 = 0; i0 < n;) {
+        int64_t left = n - i0;
+        const sw_a32 *xi = xa + i0 * kblocks;
+        float *yi = y + i0 * ldy;
+        if (left >= 4) rows_avx2(f, 4, w, row_bytes, rows, kblocks, xi, yi, ldy), i0 += 4;
+        else if (left == 3) rows_avx2(f, 3, w, row_bytes, rows, kblocks, xi, yi, ldy), i0 += 3;
+        else if (left == 2) rows_avx2(f, 2, w, row_bytes, rows, kblocks, xi, yi, ldy), i0 += 2;
+        else rows_avx2(f, 1, w, row_bytes, rows, kblocks, xi, yi, ldy), i0 += 1;
+    }
+}
+
+ALWAYS_INLINE void dequant_avx2(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks, float *out) {
+    const int bs = fmt_bytes(f);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < kblocks; b++) {
+            const uint8_t *blk = w + r * row_bytes + bs * b;
+            float *o = out + (r * kblocks + b) * 32;
+            __m256i v = decode_avx2(f, blk);
+            __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
+            __m256 m = _mm256_set1_ps(fmt_has_min(f) ? _cvtsh_ss(load_u16(blk + 2)) : 0.0f);
+            __m128i h[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+            for (int k = 0; k < 4; k++) {
+                __m128i part = k & 1 ? _mm_srli_si128(h[k >> 1], 8) : h[k >> 1];
+                __m256i q = fmt_has_min(f) ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
+                __m256 fq = _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+                _mm256_storeu_ps(o + 8 * k, fmt_has_min(f) ? _mm256_add_ps(fq, m) : fq);
+            }
+        }
+}
+
+#pragma GCC pop_options
+
+/* ---------------------------------------------------------------- AVX-512 VNNI */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+
+/* Four activation blocks, repacked for the vpdpbusd lanes: lane 4j .. 4j + 3 is block j. */
+typedef struct {
+    int8_t lo[64]; /* a[0 .. 15] of blocks 0..3, 16 bytes each */
+    int8_t hi[64]; /* a[16 .. 31] */
+    float dx[16];  /* block j's dx in lanes 4j .. 4j + 3 */
+    union {
+        int32_t corr[16]; /* Q8_0 / Q4_0 / Q5_0: -bias * (the sum of the 8 a's lane l takes) */
+        float s[16];      /* Q4_1 / Q5_1: s in lane 4j, 0 elsewhere */
+    };
+} xg512; /* 256 bytes */
+
+/* The u8 bias the weights carry into vpdpbusd: Q8_0's q + 128, Q4_0's q, Q5_0's q. */
+ALWAYS_INLINE int fmt_bias512(int f) { return f == F_Q8_0 ? 128 : fmt_offset(f); }
+
+/* Activation rows (n, kblocks) -> (n, kblocks / 4) groups; a thread's buffer, grown as needed. */
+static const xg512 *repack512(int f, const sw_a32 *xa, int64_t n, int64_t kblocks) {
+    static __thread xg512 *buf;
+    static __thread size_t cap;
+    int64_t ng = kblocks / 4;
+    size_t need = (size_t)(n * ng);
+    if (need > cap) {
+        free(buf);
+        cap = need + need / 2 + 16;
+        buf = aligned_alloc(64, cap * sizeof(xg512));
+        if (!buf) {
+            cap = 0;
+            return NULL;
+        }
+    }
+    const int bias = fmt_bias512(f);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t g = 0; g < ng; g++) {
+            xg512 *o = buf + i * ng + g;
+            memset(o, 0, sizeof *o);
+            for (int j = 0; j < 4; j++) {
+                const sw_a32 *xb = xa + i * kblocks + 4 * g + j;
+                memcpy(o->lo + 16 * j, xb->q, 16);
+                memcpy(o->hi + 16 * j, xb->q + 16, 16);
+                for (int t = 0; t < 4; t++) {
+                    /* lane 4j + t sums a[4t .. 4t + 3] and a[16 + 4t .. 16 + 4t + 3]: its own bias
+                     * correction keeps each lane's integer the exact partial dot, so the float sum
+                     * over lanes has no cancellation */
+                    int sum = 0;
+                    for (int u = 0; u < 4; u++) sum += xb->q[4 * t + u] + xb->q[16 + 4 * t + u];
+                    o->dx[4 * j + t] = xb->d;
+                    if (!fmt_has_min(f)) o->corr[4 * j + t] = -bias * sum;
+                }
+                if (fmt_has_min(f)) o->s[4 * j] = xb->s;
+            }
+        }
+    return buf;
+}
+
+/* Blocks 4g .. 4g + 3 of a weight row (at p) -> u8 weights in the lanes' order, and d (and m)
+ * of block j in lanes 4j .. 4j + 3. */
+ALWAYS_INLINE void decode512(int f, const uint8_t *p, __m512i *lo, __m512i *hi, __m512 *dv, __m512 *mv) {
+    const int bs = fmt_bytes(f);
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    if (f == F_Q8_0) {
+        __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2))),
+                                        _mm256_loadu_si256((const __m256i *)(p + bs + 2)), 1);
+        __m512i cd = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2 * bs + 2))),
+                                        _mm256_loadu_si256((const __m256i *)(p + 3 * bs + 2)), 1);
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        *lo = _mm512_xor_si512(_mm512_shuffle_i64x2(ab, cd, 0x88), flip); /* 128-bit lanes a0 b0 c0 d0 */
+        *hi = _mm512_xor_si512(_mm512_shuffle_i64x2(ab, cd, 0xDD), flip); /* a1 b1 c1 d1 */
+    } else {
+        const int qs = fmt_qs(f);
+        __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + qs)));
+        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p + bs + qs)), 1);
+        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p + 2 * bs + qs)), 2);
+        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p + 3 * bs + qs)), 3);
+        const __m512i nib = _mm512_set1_epi8(0x0F);
+        *lo = _mm512_and_si512(z, nib);
+        *hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), nib);
+        if (f == F_Q5_0 || f == F_Q5_1) {
+            const int qh = fmt_qh(f);
+            uint64_t h0 = load_u32(p + qh), h1 = load_u32(p + bs + qh), h2 = load_u32(p + 2 * bs + qh),
+                     h3 = load_u32(p + 3 * bs + qh);
+            uint64_t mlo = (h0 & 0xFFFF) | (h1 & 0xFFFF) << 16 | (h2 & 0xFFFF) << 32 | (h3 & 0xFFFF) << 48;
+            uint64_t mhi = (h0 >> 16) | (h1 >> 16) << 16 | (h2 >> 16) << 32 | (h3 >> 16) << 48;
+            const __m512i b4 = _mm512_set1_epi8(0x10);
+            *lo = _mm512_mask_add_epi8(*lo, (__mmask64)mlo, *lo, b4);
+            *hi = _mm512_mask_add_epi8(*hi, (__mmask64)mhi, *hi, b4);
+        }
+    }
+    uint64_t d = (uint64_t)load_u16(p) | (uint64_t)load_u16(p + bs) << 16 | (uint64_t)load_u16(p + 2 * bs) << 32 |
+                 (uint64_t)load_u16(p + 3 * bs) << 48;
+    if (fmt_has_min(f)) {
+        uint64_t m = (uint64_t)load_u16(p + 2) | (uint64_t)load_u16(p + bs + 2) << 16 |
+                     (uint64_t)load_u16(p + 2 * bs + 2) << 32 | (uint64_t)load_u16(p + 3 * bs + 2) << 48;
+        __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_set_epi64x((long long)m, (long long)d)));
+        *dv = _mm512_permutexvar_ps(idx, dm);
+        *mv = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(4)), dm);
+    } else {
+        *dv = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)d))));
+        *mv = _mm512_setzero_ps();
+    }
+}
+
+/* ni (<= 16) activation rows (their groups xg, their tail blocks xa) against every weight row. */
+ALWAYS_INLINE void rows512(int f, int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                           const xg512 *xg, const sw_a32 *xa, float *y, int64_t ldy) {
+    const int bs = fmt_bytes(f);
+    const int64_t ng = kblocks / 4;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        __m512 acc[16];
+        for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ng; g++) {
+            __m512i lo, hi;
+            __m512 dv, mv;
+            decode512(f, wr + 4 * bs * g, &lo, &hi, &dv, &mv);
+            for (int i = 0; i < ni; i++) {
+                const xg512 *p = xg + i * ng + g;
+                __m512i t = fmt_has_min(f) ? _mm512_setzero_si512() : _mm512_load_si512(p->corr);
+                t = _mm512_dpbusd_epi32(t, lo, _mm512_load_si512(p->lo));
+                t = _mm512_dpbusd_epi32(t, hi, _mm512_load_si512(p->hi));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, _mm512_load_ps(p->dx)), acc[i]);
+                if (fmt_has_min(f)) acc[i] = _mm512_fmadd_ps(mv, _mm512_load_ps(p->s), acc[i]);
+            }
+        }
+        for (int i = 0; i < ni; i++) {
+            float s = _mm512_reduce_add_ps(acc[i]);
+            for (int64_t b = 4 * ng; b < kblocks; b++) s += block_dot(f, wr + bs * b, xa + i * kblocks + b);
+            y[i * ldy + r] = s;
+        }
+    }
+}
+
+ALWAYS_INLINE void gemm_avx512(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                               const void *x, int64_t n, float *y, int64_t ldy) {
+    const sw_a32 *xa = (const sw_a32 *)x;
+    if (n <= 0 || rows <= 0) return;
+    const int64_t ng = kblocks / 4;
+    const xg512 *xg = ng ? repack512(f, xa, n, kblocks) : NULL;
+    if (ng && !xg) { /* out of memory for the repacked activations: the AVX2 path needs none */
+        gemm_avx2(f, w, row_bytes, rows, kblocks, x, n, y, ldy);
+        return;
+    }
+    for (int64_t i0 = 0; i0 < n;) {
+        int64_t left = n - i0;
+        const xg512 *g = xg + i0 * ng;
+        const sw_a32 *xi = xa + i0 * kblocks;
+        float *yi = y + i0 * ldy;
+#define RUN(k) rows512(f, k, w, row_bytes, rows, kblocks, g, xi, yi, ldy), i0 += k
+        if (left >= 16) RUN(16);
+        else if (left >= 8) RUN(8);
+        else if (left >= 4) RUN(4);
+        else if (left == 3) RUN(3);
+        else if (left == 2) RUN(2);
+        else RUN(1);
+#undef RUN
+    }
+}
+
+ALWAYS_INLINE void dequant_avx512(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                                  float *out) {
+    const int bs = fmt_bytes(f);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < kblocks; b++) {
+            const uint8_t *blk = w + r * row_bytes + bs * b;
+            float *o = out + (r * kblocks + b) * 32;
+            __m256i v = decode_avx2(f, blk);
+            __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(blk)));
+            __m512 m = _mm512_set1_ps(fmt_has_min(f) ? _cvtsh_ss(load_u16(blk + 2)) : 0.0f);
+            for (int k = 0; k < 2; k++) {
+                __m128i part = k ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
+                __m512i q = fmt_has_min(f) ? _mm512_cvtepu8_epi32(part) : _mm512_cvtepi8_epi32(part);
+                __m512 fq = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);
+                _mm512_storeu_ps(o + 16 * k, fmt_has_min(f) ? _mm512_add_ps(fq, m) : fq);
+            }
+        }
+}
+
+#pragma GCC pop_options
+
+/* ---------------------------------------------------------------- the tables */
+
+#define SW_GEMM_ARGS const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks, const void *x, int64_t n, float *y, int64_t ldy
+#define SW_DEQ_ARGS const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks, float *out
+
+#define DEFINE_FORMAT(name, F)                                                                                   \
+    static void gemm_##name##_portable(SW_GEMM_ARGS) { gemm_portable(F, w, row_bytes, rows, kblocks, x, n, y, ldy); } \
+    static void dequant_##name##_portable(SW_DEQ_ARGS) { dequant_portable(F, w, row_bytes, rows, kblocks, out); }     \
+    __attribute__((target("avx2,fma,f16c"))) static void gemm_##name##_avx2(SW_GEMM_ARGS) {                          \
+        gemm_avx2(F, w, row_bytes, rows, kblocks, x, n, y, ldy);                                                     \
+    }                                                                                                                \
+    __attribute__((target("avx2,fma,f16c"))) static void dequant_##name##_avx2(SW_DEQ_ARGS) {                        \
+        dequant_avx2(F, w, row_bytes, rows, kblocks, out);                                                           \
+    }                                                                                                                \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))) static void               \
+        gemm_##name##_avx512(SW_GEMM_ARGS) {                                                                         \
+        gemm_avx512(F, w, row_bytes, rows, kblocks, x, n, y, ldy);                                                   \
+    }                                                                                                                \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))) static void               \
+        dequant_##name##_avx512(SW_DEQ_ARGS) {                                                                       \
+        dequant_avx512(F, w, row_bytes, rows, kblocks, out);                                                         \
+    }
+
+DEFINE_FORMAT(q8_0, F_Q8_0)
+DEFINE_FORMAT(q4_0, F_Q4_0)
+DEFINE_FORMAT(q4_1, F_Q4_1)
+DEFINE_FORMAT(q5_0, F_Q5_0)
+DEFINE_FORMAT(q5_1, F_Q5_1)
+
+#define REGISTER(T, name)                                               \
+    sw_gemm_table[T][SW_ISA_PORTABLE] = gemm_##name##_portable;         \
+    sw_gemm_table[T][SW_ISA_AVX2] = gemm_##name##_avx2;                 \
+    sw_gemm_table[T][SW_ISA_AVX512] = gemm_##name##_avx512;             \
+    sw_dequant_table[T][SW_ISA_PORTABLE] = dequant_##name##_portable;   \
+    sw_dequant_table[T][SW_ISA_AVX2] = dequant_##name##_avx2;           \
+    sw_dequant_table[T][SW_ISA_AVX512] = dequant_##name##_avx512;
+
+void sw_register_q32(void) {
+    REGISTER(SW_Q8_0, q8_0)
+    REGISTER(SW_Q4_0, q4_0)
+    REGISTER(SW_Q4_1, q4_1)
+    REGISTER(SW_Q5_0, q5_0)
+    REGISTER(SW_Q5_1, q5_1)
+}
