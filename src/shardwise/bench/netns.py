@@ -38,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -111,6 +112,8 @@ class Cluster:
     rate: str | None
     switch: str
     """The switch's namespace: a bridge, and port p<i> for host i's link."""
+    rsh: str = ""
+    """An ssh stand-in, `rsh HOST COMMAND...`: runs COMMAND on HOST (hydra's -launcher-exec)."""
     _closed: bool = field(default=False, repr=False)
 
     def __enter__(self) -> Cluster:
@@ -143,12 +146,45 @@ class Cluster:
         _ip("-n", h.netns, "link", "set", h.iface, "up")
         _shape(h.netns, h.iface, self.rate)  # NOTE: the qdisc survives a down/up; set again all the same
 
+    def env(self) -> dict[str, str]:
+        """Environment a job on these hosts needs: gloo on each host's link, and MPICH's UCX
+        over TCP only. NOTE: UCX would otherwise pass messages between hosts through shared
+        memory (they are one machine), and no byte would cross the link."""
+        return {"GLOO_SOCKET_IFNAME": "eth0", "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0"}
+
+    def mpiexec_args(self, ppn: int) -> list[str]:
+        """mpiexec (MPICH hydra) options that start `ppn` ranks on each host, ranks numbered
+        host by host: hydra reaches each host through `rsh`, as it would over ssh. Run
+        mpiexec itself on host 0 (host0.popen), so that its proxies find it by name."""
+        hosts = ",".join(h.name for h in self.hosts)
+        n = ppn * len(self.hosts)
+        return ["-launcher", "ssh", "-launcher-exec", self.rsh, "-hosts", hosts, "-ppn", str(ppn), "-n", str(n)]
+
+    def torchrun(
+        self, torchrun: str, per_host: int, argv: list[str], *, port: int = 29400, **popen
+    ) -> list[subprocess.Popen]:
+        """`torchrun --nnodes N --nproc-per-node per_host ... argv` on every host, one agent
+        each, meeting at a c10d rendezvous on host 0 (`argv`: what follows torchrun's
+        options, e.g. ['-m', 'shardwise', 'generate']); popen's keywords for every agent,
+        with this cluster's env() added to popen['env'] (default os.environ)."""
+        rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.hosts[0].name}:{port}", "--rdzv-id", "netns"]
+        cmd = [torchrun, "--nnodes", str(len(self.hosts)), "--nproc-per-node", str(per_host), *rdzv, *argv]
+        popen["env"] = {**popen.get("env", os.environ), **self.env()}
+        return [h.popen(cmd, **popen) for h in self.hosts]
+
+    def mpiexec(self, mpiexec: str, ppn: int, argv: list[str], **popen) -> subprocess.Popen:
+        """`mpiexec <mpiexec_args(ppn)> argv` started on host 0; popen's keywords, env as torchrun's."""
+        popen["env"] = {**popen.get("env", os.environ), **self.env()}
+        return self.hosts[0].popen([mpiexec, *self.mpiexec_args(ppn), *argv], **popen)
+
     def close(self) -> None:
         """Kill every process left on the hosts, delete the namespaces and their /etc/netns files."""
         if self._closed:
             return
         self._closed = True
         _delete([h.netns for h in self.hosts] + [self.switch])
+        if self.rsh:
+            shutil.rmtree(os.path.dirname(self.rsh), ignore_errors=True)
 
 
 def make_hosts(n: int, rate: str | None = "1gbit", *, prefix: str = PREFIX) -> Cluster:
@@ -196,6 +232,7 @@ def make_hosts(n: int, rate: str | None = "1gbit", *, prefix: str = PREFIX) -> C
             _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.iface)
             _ip("-n", h.netns, "link", "set", h.iface, "up")
             _ip("-n", h.netns, "link", "set", "lo", "up")
+        cluster.rsh = _write_rsh(hosts)
         cluster.set_rate(rate)
     except BaseException:
         cluster.close()
@@ -253,6 +290,25 @@ def _shape(netns: str, dev: str, rate: str | None) -> None:
     done = subprocess.run([*cmd, "burst", str(burst), "latency", "400ms"], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"tc qdisc add dev {dev} (netns {netns}) tbf rate {rate}: {done.stderr.strip()}")
+
+
+def _write_rsh(hosts: list[Host]) -> str:
+    """A script that does what `ssh HOST CMD...` would: ssh's options skipped, CMD joined
+    by spaces and run by a shell on HOST."""
+    cases = "".join(f"  {h.name}) ns={h.netns} ;;\n" for h in hosts)
+    script = f"""#!/bin/sh
+while [ "${{1#-}}" != "$1" ]; do shift; done
+host=$1; shift
+case $host in
+{cases}  *) echo "rsh: no host $host here" >&2; exit 255 ;;
+esac
+exec ip netns exec "$ns" unshare --uts -- sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+"""
+    path = os.path.join(tempfile.mkdtemp(prefix="shardwise-netns-"), "rsh")
+    with open(path, "w") as f:
+        f.write(script)
+    os.chmod(path, 0o755)
+    return path
 
 
 def _stats(netns: str, dev: str) -> dict:

@@ -1,0 +1,207 @@
+"""Hosts as network namespaces on this machine (shardwise.bench.netns): links shaped with tbf,
+torchrun and mpiexec (hydra) with each rank in its host's namespace, and a host's link cut
+while a job decodes or trains. Skipped, with the reason, where namespaces cannot be made
+(not root, no iproute2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from processes import run_cli
+from shardwise.bench import netns
+from train_helpers import TINY_MODEL, write_tiny_tokens
+
+WHY = netns.unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no network namespaces here: {WHY}")
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+GENERATE = ["-m", "shardwise", "generate", "--backend", "gloo", "--max-new-tokens", "8", "--json"]
+STEPS = 4
+LOSS_TOL = 2e-5  # as tests/e2e/test_multihost.py
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def _finish(cluster: netns.Cluster, procs: list[subprocess.Popen], timeout: float = 300) -> list[dict]:
+    """Each launcher's exit code, stdout and stderr; and no process is left on any host."""
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            err += f"\n(test: killed after {timeout} s)"
+        outs.append({"code": p.returncode, "out": out, "err": err})
+    for _ in range(100):
+        left = {h.name: h.pids() for h in cluster.hosts if h.pids()}
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, f"orphan processes on the hosts: {left}"
+    return outs
+
+
+def _torchrun(cluster: netns.Cluster, per_host: int, argv: list[str], timeout: float = 300) -> list[dict]:
+    procs = cluster.torchrun(
+        TORCHRUN, per_host, argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    return _finish(cluster, procs, timeout)
+
+
+def _json_of(runs: list[dict]) -> dict:
+    lines = [line for r in runs for line in r["out"].splitlines() if line.startswith("{")]
+    assert len(lines) == 1, [r["err"][-2000:] for r in runs]
+    return json.loads(lines[0])
+
+
+def _tx(cluster: netns.Cluster, before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before[k] for k, v in cluster.tx_bytes().items()}
+
+
+@pytest.mark.gate
+def test_links_are_shaped_named_counted_and_torn_down():
+    with netns.make_hosts(2, "100mbit") as cluster:
+        h0, h1 = cluster.hosts
+        seen = h1.run(["sh", "-c", "hostname; getent hosts host0"], capture_output=True, text=True, check=True)
+        assert seen.stdout.split() == ["host1", "10.201.0.1", "host0"]
+        before = cluster.tx_bytes()
+        bps = netns.probe(h0, h1, 1.0)
+        assert 80e6 < bps < 105e6, f"100mbit link carried {bps / 1e6:.1f} Mbit/s"
+        sent = _tx(cluster, before)
+        assert sent["host0"] > bps / 8 * 0.9 and sent["host1"] < sent["host0"] / 10, sent
+        cluster.cut(1)
+        down = h0.run([sys.executable, "-c", "import socket; socket.create_connection(('host1', 9), timeout=1)"])
+        assert down.returncode != 0, "host1 reachable with its link down"
+        sleeper = h1.popen(["sleep", "600"])
+        names = [h.netns for h in cluster.hosts] + [cluster.switch]
+        rsh = cluster.rsh
+    assert sleeper.wait(timeout=10) != 0, "close() kills what runs on a host"
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names), listed
+    assert not any(Path(f"/etc/netns/{n}").exists() for n in names) and not Path(rsh).exists()
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid whose process is gone: its namespaces are stale
+    stale = f"{netns.PREFIX}{dead.pid}c0h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    assert stale in netns.cleanup_stale()
+    assert stale not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.gate
+def test_bad_rate_and_host_count_are_refused_before_anything_is_made():
+    with pytest.raises(ValueError, match=r"rate '1 gig': expected a number and kbit, mbit or gbit"):
+        netns.make_hosts(2, "1 gig")
+    with pytest.raises(ValueError, match=r"hosts: 5; between 1 and 4"):
+        netns.make_hosts(5)
+
+
+def test_torchrun_across_two_namespace_hosts_generates_the_tokens_of_tp1(tmp_path):
+    local = run_cli("generate", "--tp", "1", "--max-new-tokens", "8", "--json")
+    assert local.returncode == 0, local.stderr
+    with netns.make_hosts(2, "1gbit") as cluster:
+        before = cluster.tx_bytes()
+        runs = _torchrun(cluster, 1, [*GENERATE, "--tp", "2", "--allow-cross-host-tp"])
+        sent = _tx(cluster, before)
+    assert [r["code"] for r in runs] == [0, 0], [r["err"][-3000:] for r in runs]
+    assert any("2 hosts: host0:node0 (rank 0), host1:node1 (rank 1)" in r["err"] for r in runs)
+    across = _json_of(runs)
+    assert across["tokens"] == json.loads(local.stdout)["tokens"]
+    # every layer's all-reduces cross the link: both hosts send (hidden 256 fp32 = 1 KiB per
+    # token per all-reduce, 11 a token, over 8 tokens and the prompt) and more than the rendezvous
+    assert min(sent.values()) > 11 * 8 * 1024, sent
+
+
+def _toml(tmp: Path, layout: dict[str, int], backend: str, *, steps: int = STEPS, every: int = 0) -> Path:
+    tokens = write_tiny_tokens(tmp / "tokens.safetensors")
+    model = "\n".join(f"{k} = {v}" for k, v in TINY_MODEL.items())
+    parallel = "\n".join(f"{k} = {v}" for k, v in layout.items())
+    save = f"checkpoint_every = {every}\n" if every else ""
+    path = tmp / "train.toml"
+    path.write_text(f"""
+[model]
+{model}
+
+[data]
+tokens = "{tokens}"
+seq_len = 32
+global_batch_size = 8
+microbatches = 4
+
+[optim]
+lr = 1e-2
+warmup_steps = 2
+
+[parallel]
+{parallel}
+backend = "{backend}"
+
+[run]
+steps = {steps}
+out_dir = "{tmp / "run"}"
+progress = false
+{save}""")
+    return path
+
+
+def _check_losses(config: Path, summary: dict) -> None:
+    """The job's losses (its checkpoint's history) equal one process's at tp = pp = dp = 1."""
+    from shardwise.checkpoint import CheckpointReader
+    from shardwise.comm import LocalCommunicator
+    from shardwise.train import TrainConfig, setup, train_step
+
+    losses = [loss for _, loss in CheckpointReader(summary["checkpoint"]).manifest.extra["history"]]
+    cfg = TrainConfig.from_toml(config).replace(parallel={"tp": 1, "pp": 1, "dp": 1})
+    tr = setup(LocalCommunicator(), cfg)
+    ref = [train_step(tr).loss for _ in range(STEPS)]
+    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < LOSS_TOL, (losses, ref)
+
+
+def test_train_tp2_pp2_across_two_namespace_hosts_with_torchrun(tmp_path):
+    config = _toml(tmp_path, {"tp": 2, "pp": 2, "dp": 1}, "gloo")
+    with netns.make_hosts(2, "1gbit") as cluster:
+        before = cluster.tx_bytes()
+        runs = _torchrun(cluster, 2, ["-m", "shardwise", "train", "--config", str(config), "--json"])
+        sent = _tx(cluster, before)
+    assert [r["code"] for r in runs] == [0, 0], [r["err"][-3000:] for r in runs]
+    hosts = "2 hosts: host0:node0 (ranks 0-1), host1:node1 (ranks 2-3); every tp=2 group inside one host"
+    assert sum(hosts in r["err"] for r in runs) == 1
+    summary = _json_of(runs)
+    assert (summary["tp"], summary["pp"], summary["steps_run"]) == (2, 2, STEPS)
+    _check_losses(config, summary)
+    # stage 0 sends activations (4 micro-batches of 2 x 32 x 64 fp32 = 16 KiB, per tp rank,
+    # per step), stage 1 their gradients: both directions carry at least that
+    assert min(sent.values()) > STEPS * 4 * 16 * 1024, sent
+
+
+def test_mpiexec_across_two_namespace_hosts_trains_tp2_dp2(tmp_path):
+    pytest.importorskip("mpi4py")
+    from shardwise.launch.mpi import find_mpiexec
+
+    config = _toml(tmp_path, {"tp": 2, "pp": 1, "dp": 2}, "mpi")
+    argv = [sys.executable, "-m", "shardwise", "train", "--config", str(config), "--json"]
+    with netns.make_hosts(2, "1gbit") as cluster:
+        before = cluster.tx_bytes()
+        proc = cluster.mpiexec(
+            find_mpiexec(), 2, argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        run = _finish(cluster, [proc])[0]
+        sent = _tx(cluster, before)
+    assert run["code"] == 0, run["err"][-3000:]
+    assert "2 hosts: host0 (ranks 0-1), host1 (ranks 2-3); every tp=2 group inside one host" in run["err"]
+    summary = _json_of([run])
+    assert (summary["tp"], summary["dp"], summary["backend"]) == (2, 2, "mpi")
+    _check_losses(config, summary)
+    # the dp all-reduce of the gradients crosses the link once a step: each tp rank's half of
+    # the parameters (about 35k fp32) each way; more than that, not a shared-memory shortcut
+    assert min(sent.values()) > STEPS * 35_000 * 4 / 2, sent
