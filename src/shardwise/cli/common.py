@@ -22,6 +22,7 @@ __all__ = [
     "add_host_args",
     "add_pp_arg",
     "add_expert_parallel_arg",
+    "add_comm_dtype_arg",
     "resolve_model",
     "resolve_stages",
     "fail",
@@ -67,9 +68,11 @@ def add_quantize_arg(p: argparse.ArgumentParser) -> None:
         "--quantize",
         type=quantize_scheme,
         default=None,
-        metavar="{fp16,int8}",
-        help="store the projections, experts, LM head and embedding table as fp16 or int8 "
-        "(each rank converts its own slices as it loads them; inference only; see docs/models.md)",
+        metavar="{int8,q8_0,q4_k,...,fp16,none}",
+        help="store the projections, experts, LM head and embedding table as int8 (GGUF's Q8_0 on CPU), "
+        "a GGUF block format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k: CPU) or fp16; each rank converts "
+        "its own slices as it loads them; inference only. A GGUF file runs in its own formats without it; "
+        "'none' dequantizes its blocks to --dtype (see docs/models.md)",
     )
 
 
@@ -90,6 +93,17 @@ def add_host_args(p: argparse.ArgumentParser) -> None:
         ALLOW_FLAG,
         action="store_true",
         help="under torchrun / mpiexec on several hosts, run even if a tp group spans hosts (slow; see docs/multihost.md)",
+    )
+
+
+def add_comm_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--comm-dtype",
+        choices=["auto", "fp32", "bf16", "q8"],
+        default="auto",
+        help="what the tp group's all-reduces of activations carry: fp32 (exact), bf16, or q8 (8-bit "
+        "blocks of 32 values with a scale, 1.125 bytes a value); auto (default): fp32, unless the tp "
+        "group spans hosts and the planner predicts compression wins on its measured link (docs/multihost.md)",
     )
 
 

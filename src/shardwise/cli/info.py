@@ -75,15 +75,19 @@ def _experts(model) -> list[dict]:
 
 def _tensor_bytes(model, width: int, quantize: str | None, *, local: bool = True) -> dict[str, tuple[int, str]]:
     """{parameter name: (bytes, format)} of a sharded meta model: `width` bytes per element, or
-    what --quantize makes of it (a tied matrix converted for both of its uses counts twice)."""
+    what --quantize makes of it (a tied fp16 matrix converted for both of its uses counts twice; a block-format one serves both)."""
+    from shardwise.kernels.rows import block_format
     from shardwise.quant.convert import conversion_targets, quantized_bytes
+    from shardwise.quant.schemes import conversion
 
+    quantize = conversion(quantize)
     targets = conversion_targets(model, quantize) if quantize else {}
     out = {}
     for name, spec in model_shard_specs(model).items():
         shape = spec.local_shape if local else spec.global_shape
         if name in targets:
-            out[name] = (len(targets[name]) * quantized_bytes(tuple(shape), quantize), quantize)
+            copies = 1 if block_format(quantize) else len(targets[name])  # a tied block matrix is held once
+            out[name] = (copies * quantized_bytes(tuple(shape), quantize), quantize)
         else:
             out[name] = (width * torch.Size(shape).numel(), "")
     return out

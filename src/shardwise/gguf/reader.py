@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardwise.gguf.blocks import FORMATS, Format, dequantize_blocks
+from shardwise.kernels.blocks import FORMATS, Format, dequantize_blocks
 
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "is_gguf"]
 
@@ -278,6 +278,23 @@ class GGUFFile:
             raw = torch.from_numpy(np.array(mm[r:e, b0 * fmt.nbytes : b1 * fmt.nbytes]))  # a copy
             out[r - r0 : e - r0] = dequantize_blocks(raw, fmt)[:, c0 - b0 * fmt.block : c1 - b0 * fmt.block]
         return out if len(t.shape) > 1 else out.reshape(-1)
+
+    def read_raw(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        """Rows `rows` and columns `cols` of matrix `name` as its own blocks, undecoded: a
+        fresh (rows, blocks * bytes per block) uint8 tensor. The columns must start and end
+        on block boundaries (the caller checked the split; a GGUFError names the numbers)."""
+        t = self.tensors[name]
+        n_rows, n_cols, fmt = math.prod(t.shape[:-1]), t.shape[-1], t.fmt
+        r0, r1, _ = (rows or slice(None)).indices(n_rows)
+        c0, c1, _ = (cols or slice(None)).indices(n_cols)
+        if c0 % fmt.block or (c1 % fmt.block and c1 != n_cols):
+            raise GGUFError(
+                f"{self.path}: tensor {name!r} ({t.type}, blocks of {fmt.block}) cannot be cut at columns "
+                f"{c0}..{c1}: not on a block boundary"
+            )
+        b0, b1 = c0 // fmt.block, -(-c1 // fmt.block)
+        mm = self._data[t.offset : t.offset + n_rows * t.row_bytes].reshape(n_rows, t.row_bytes)
+        return torch.from_numpy(np.array(mm[r0:r1, b0 * fmt.nbytes : b1 * fmt.nbytes]))  # a copy
 
     def bytes_of(self, name: str, rows: slice | None = None, cols: slice | None = None) -> int:
         """Bytes of the file that read_block_range(name, rows, cols) copies."""

@@ -39,6 +39,7 @@ from shardwise.hf.fill import DTYPES, LoadReport, assign, bytes_read, dtype_name
 from shardwise.hf.sources import Src, read_shard, segments
 from shardwise.layers import ShardError, model_shard_specs, split_sizes, valid_tp_sizes
 from shardwise.quant.convert import conversion_targets, convert_param, release_freed, weight_bytes
+from shardwise.quant.schemes import conversion
 from shardwise.sharding import Colwise, Rowwise, Style, Vocab, parallelize
 
 __all__ = ["load_auto", "auto_plan", "check_auto"]
@@ -287,6 +288,7 @@ def load_auto(
     refuse_unexpected(
         ckpt, segs, ignore, what=f"a {model_type} model with num_hidden_layers={hf_config.num_hidden_layers}"
     )
+    quantize = conversion(quantize)
     convert = conversion_targets(model, quantize) if quantize else {}
     loaded: dict[str, torch.Tensor] = {}
     n_read = 0

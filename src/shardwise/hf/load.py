@@ -14,8 +14,11 @@ planner and load_pretrained all go through it. For a family:
 4. Each parameter's ShardSpec names the rows/columns this rank holds; exactly those are
    read from the memory-mapped files (partial reads) into fresh tensors.
 
-A GGUF file (`model.Q8_0.gguf`) takes the same path: its metadata gives the config
-(shardwise.gguf.model), and each rank dequantizes only the blocks of its own slices.
+A GGUF file (`model.Q4_K_M.gguf`) takes the same path: its metadata gives the config
+(shardwise.gguf.model). On CPU each rank keeps the projections, experts, head and table
+in the file's own block formats (its rows, or its runs of whole blocks: shardwise.kernels
+computes them as stored), so a rank holds its share of the file's bytes; other tensors,
+and everything with --quantize or off the CPU, are dequantized from its blocks as read.
 
 No collective runs here, so bad input fails on every rank identically and at once.
 """
@@ -35,14 +38,15 @@ from shardwise.hf.auto import check_auto, load_auto
 from shardwise.hf.checkpoint import Checkpoint, CheckpointError, raw_config
 from shardwise.hf.families import Family, family_for, supported_model_types
 from shardwise.hf.fill import DTYPES, LoadReport, assign, bytes_read, dtype_name, refuse_unexpected
-from shardwise.hf.sources import read_shard, read_shard_rows, segments
+from shardwise.hf.sources import read_shard, read_shard_blocks, read_shard_rows, segments
+from shardwise.kernels import BlockWeight
 from shardwise.layers import ShardError, model_shard_specs
 from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.meta import on_meta
 from shardwise.pipeline.stage import keep_stage
-from shardwise.quant.convert import conversion_targets, convert_rows, release_freed, weight_bytes
-from shardwise.quant.schemes import check_quantize
+from shardwise.quant.convert import conversion_targets, convert_rows, install, release_freed, weight_bytes
+from shardwise.quant.schemes import NONE, check_quantize, conversion
 from shardwise.sharding import parallelize
 from shardwise.sharding.plans import check_tp
 
@@ -148,6 +152,7 @@ def load_pretrained(
     Architectures without shardwise model code go to the automatic plan (shardwise.hf.auto).
     """
     check_quantize(quantize)
+    as_floats, quantize = quantize == NONE, conversion(quantize)
     m = resolve_model(path, auto=True, expert_parallel=expert_parallel)
     if m.family is None:
         if stage is not None:
@@ -190,11 +195,16 @@ def load_pretrained(
 
     target = DTYPES[cfg.dtype]
     convert = conversion_targets(model, quantize) if quantize else {}
+    # a GGUF file on CPU without --quantize: each block-format tensor is kept as stored
+    as_stored = conversion_targets(model, "int8") if gguf and not quantize and not as_floats and _cpu(model) else {}
     loaded: dict[str, torch.Tensor] = {}
     n_read = 0
     bar = tqdm(specs.items(), desc=f"loading shards (tp={comm.size})", unit="tensor", disable=not progress, delay=0.5)
     for name, spec in bar:
-        if name in convert:  # converted a block of rows at a time: no float copy of the whole
+        parts = read_shard_blocks(ckpt, plan[name], spec) if name in as_stored else None
+        if parts is not None:  # the file's own blocks, this rank's rows or runs of whole blocks
+            install(as_stored[name], BlockWeight(parts, spec.local_shape[1], dtype=target))
+        elif name in convert:  # converted a block of rows at a time: no float copy of the whole
             convert_rows(convert[name], read_shard_rows(ckpt, plan[name], spec, target), spec.local_shape, dtype=target)
             release_freed()
         else:
@@ -205,6 +215,12 @@ def load_pretrained(
     ckpt.close()
     assign(model, loaded)
     return model.eval(), LoadReport(family.name, cfg, weight_bytes(model), n_read)
+
+
+def _cpu(model: nn.Module) -> bool:
+    """Whether the model is built for the CPU (block formats compute there; elsewhere a GGUF
+    file's blocks are dequantized as read)."""
+    return all(p.device.type in ("cpu", "meta") for p in model.parameters())
 
 
 def _prefix(ckpt: Checkpoint, family: Family) -> str:

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.hf.checkpoint import Checkpoint, CheckpointError
+from shardwise.kernels import NATIVE_FORMATS, Part
 from shardwise.layers import ShardSpec
 
-__all__ = ["Src", "Segment", "segments", "read_shard", "read_shard_rows", "CHUNK_ELEMENTS"]
+__all__ = ["Src", "Segment", "segments", "read_shard", "read_shard_rows", "read_shard_blocks", "CHUNK_ELEMENTS"]
 
 CHUNK_ELEMENTS = 1 << 20
 """Elements per block of rows read_shard_rows yields by default (4 MiB of float32)."""
@@ -37,6 +38,9 @@ class Src:
     """> 0: rows stored per head, [h0: part0 part1 .. | h1: ...] (GPT-NeoX's fused qkv)."""
     parts: int = 1
     """Parts per head in a head-interleaved tensor (3 for q, k, v)."""
+    start: int | None = None
+    """First row it contributes (with `rows` set): one expert's block of a stacked tensor
+    (GGUF's ffn_*_exps, (E, I, H) read as E * I rows); None: the whole tensor."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,13 @@ def segments(ckpt: Checkpoint, param: str, sources: list[Src], global_shape: tup
             want = ("rows", *global_shape[1:]) if len(sources) > 1 else global_shape
             raise CheckpointError(f"{where} has shape {info.shape}, expected {want} from config.json")
         rows = shape[0]
-        if src.rows is not None and rows != src.rows:
+        if src.start is not None:  # a block of rows of a stacked tensor
+            if src.rows is None or src.start + src.rows > rows:
+                raise CheckpointError(
+                    f"{where} has {rows} rows, too few for rows {src.start}..{src.start + (src.rows or 0)}"
+                )
+            rows = src.rows
+        elif src.rows is not None and rows != src.rows:
             raise CheckpointError(f"{where} has {rows} rows, expected {src.rows} from config.json")
         if src.heads:
             hd = rows // (src.heads * src.parts)
@@ -73,7 +83,7 @@ def segments(ckpt: Checkpoint, param: str, sources: list[Src], global_shape: tup
                     segs.append(Segment(src.name, offset, (h * src.parts + part) * hd, hd, False))
                     offset += hd
         else:
-            segs.append(Segment(src.name, offset, 0, rows, src.transposed))
+            segs.append(Segment(src.name, offset, src.start or 0, rows, src.transposed))
             offset += rows
     if offset != global_shape[0]:
         names = ", ".join(s.name for s in sources)
@@ -173,3 +183,56 @@ def _fresh(ckpt: Checkpoint, parts: list[torch.Tensor], dtype: torch.dtype, dim:
         fresh = getattr(ckpt, "fresh_reads", False)
         return parts[0].to(dtype, copy=not fresh, memory_format=torch.contiguous_format)
     return torch.cat([p.to(dtype) for p in parts], dim=dim)
+
+
+def read_shard_blocks(ckpt, segs: list[Segment], spec: ShardSpec) -> list[Part] | None:
+    """This rank's local 2-D tensor for `spec` kept in its sources' own block formats: Parts
+    along the rows (shardwise.kernels.block), one per run of rows from sources of one
+    format, each (rows, blocks * bytes) uint8; a source stored as floats (F16/F32) gives a
+    float part. None when no source is a block format (the caller reads floats).
+
+    `ckpt` is a GGUFCheckpoint (format_of, read_raw). A column-parallel rank holds whole
+    rows of blocks; a row-parallel rank's columns must start and end on block boundaries
+    (GGUFFile.read_raw refuses a cut inside a block, naming the numbers)."""
+    fmts = {ckpt.format_of(s.name) for s in segs}
+    if not fmts & set(NATIVE_FORMATS):
+        return None
+    if len(spec.global_shape) != 2 or any(s.transposed for s in segs):
+        raise CheckpointError(f"block-format sources of a {spec.global_shape} tensor must be untransposed matrices")
+    rows, cols = spec.global_shape
+    pieces: list[tuple[str, torch.Tensor]] = []
+
+    def read(seg: Segment, lo: int, hi: int, col_ranges: list[slice]) -> None:
+        src_rows = slice(seg.src_start + lo - seg.offset, seg.src_start + hi - seg.offset)
+        fmt = ckpt.format_of(seg.name)
+        if fmt in NATIVE_FORMATS:
+            got = [ckpt.read_raw(seg.name, (src_rows, c)) for c in col_ranges]
+        else:
+            fmt, got = "F32", [ckpt.read(seg.name, (src_rows, c)).float() for c in col_ranges]
+        pieces.append((fmt, torch.cat(got, dim=1) if len(got) > 1 else got[0]))
+
+    if spec.dim == 1:  # every row, this rank's runs of columns
+        col_ranges = [slice(s, s + n) for s, n in spec.pieces if n]
+        for seg in segs:
+            read(seg, seg.offset, seg.offset + seg.length, col_ranges)
+        if spec.pad:
+            raise CheckpointError(
+                f"a block-format tensor of shape {spec.global_shape} cannot take {spec.pad} padding columns"
+            )
+    else:  # whole rows: this rank's row ranges (all of them when replicated)
+        runs = [(0, rows)] if spec.dim is None else [(s, n) for s, n in spec.pieces if n]
+        for start, n in runs:
+            for seg in segs:
+                lo, hi = max(start, seg.offset), min(start + n, seg.offset + seg.length)
+                if lo < hi:
+                    read(seg, lo, hi, [slice(0, cols)])
+        if spec.dim == 0 and spec.pad:  # padded vocabulary rows: zero blocks decode to zero weights
+            fmt, last = pieces[-1]
+            pieces.append((fmt, last.new_zeros(spec.pad, last.shape[1])))
+    merged: list[Part] = []
+    for fmt, data in pieces:
+        if merged and merged[-1].fmt == fmt:
+            merged[-1] = Part(fmt, torch.cat([merged[-1].data, data]))
+        else:
+            merged.append(Part(fmt, data))
+    return merged

@@ -1,54 +1,34 @@
-"""Quantized weights and the one function per operation that runs them.
+"""Weights packed for a stock kernel: fp16 (fbgemm on CPU, half precision on CUDA), and int8
+on CUDA (dequantized into the product: memory saved at rest, no int8 arithmetic).
 
-    linear(x, w, b)      w: a Tensor (F.linear) or a QuantizedWeight (its kernel)
-    embedding(ids, w)    w: a Tensor (F.embedding) or a QuantizedTable (rows dequantized)
+    QuantizedWeight(w, "fp16")    # a rank's local (out, in) matrix, packed once at load
+    QuantizedTable(w, "int8")     # an embedding table of int8 rows (CUDA) or fp16 rows
 
-Every parallel layer calls these instead of F.linear / F.embedding, so a layer holds either
-kind of weight and runs the same code. A QuantizedWeight is a rank's local (out, in)
-matrix, converted once when it is loaded; it is not a Parameter (nothing trains it, and it
-is not in state_dict) but answers `.shape`, `.dtype` and `.device` as the tensor did, so
-code that reads local widths off a weight's shape runs unchanged.
+int8 on CPU is not here: it is a Q8_0 BlockWeight (shardwise.kernels.block), computed by
+the native block kernels with activations quantized per block of 32 (the fbgemm dynamic
+int8 path it replaces quantized each activation tensor with one scale and needed
+PyTorch's deprecated quantized tensors; on the real SmolLM2-135M it raised perplexity by
+70%: docs/benchmarks/quantization.md).
 
-Scales (int8): one per output row of the local matrix, amax / qmax over that row's local
-columns. A column-parallel slice holds whole rows, so its scales are the unsharded ones at
-every tp; a row-parallel slice holds a run of each row's columns, so its scale covers only
-that run (finer than the unsharded row's, never straddling two ranks).
+A QuantizedWeight is not a Parameter (nothing trains it, and it is not in state_dict) but
+answers `.shape`, `.dtype` and `.device` as the tensor did, so code that reads local
+widths off a weight's shape runs unchanged.
 
 Kernels (measured: benchmarks/bench_kernels.py):
-    CPU   fp16  torch.ops.quantized.linear_dynamic_fp16 on a prepacked weight (fbgemm)
-          int8  torch.ops.quantized.linear_dynamic (fbgemm; activations quantized per call,
-                per tensor, to 8 bits). AVX2 has no VNNI: fbgemm multiplies u8 activations
-                by s8 weights in pairs summed into int16 (vpmaddubsw), which saturates when
-                2 * 255 * |w| > 32767. fbgemm's usual remedy (reduce_range) halves the
-                activations' range; here the weights use [-63, 63] instead (qmax = 63), so
-                no pair can saturate and the activations keep all 8 bits. Measured on the
-                built-in model (4 x 256 tokens of its text): perplexity +3.1% with
-                reduce_range and 127-level weights, +0.3% with 63-level weights and 8-bit
-                activations (docs/benchmarks/quantization.md).
+    CPU   fp16  torch.ops.quantized.linear_dynamic_fp16 on a prepacked float weight (fbgemm)
     CUDA  fp16  F.linear in half precision
-          int8  F.linear on the weight dequantized per call (stock PyTorch; saves memory at rest)
+          int8  F.linear on the weight dequantized per call (one scale per output row)
 Activations and results stay in the model's dtype; fbgemm computes from fp32 inputs.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 
-from shardwise.quant.rows import CPU_QMAX, Rows, int8_rows
+from shardwise.kernels.rows import Rows
 
-__all__ = [
-    "QuantizedWeight",
-    "QuantizedExperts",
-    "QuantizedTable",
-    "linear",
-    "embedding",
-    "expert_blocks",
-    "int8_rows",
-    "CPU_QMAX",
-]
+__all__ = ["QuantizedWeight", "QuantizedExperts", "QuantizedTable"]
 
 
 class QuantizedWeight:
@@ -76,16 +56,10 @@ class QuantizedWeight:
             elif out and inp:
                 self._packed = torch.ops.quantized.linear_prepack_fp16(rows.data, None)  # from fp32 rows
         elif scheme == "int8":
+            if on_cpu:
+                raise ValueError("int8 on CPU is a Q8_0 BlockWeight (shardwise.kernels.block), not a QuantizedWeight")
             self.nbytes = out * inp + 4 * out
-            if not on_cpu:
-                self._w, self._scale = rows.data, rows.scale.to(rows.dtype)
-            elif out and inp:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # quantized tensors are deprecated, still fbgemm's input
-                    qw = torch._make_per_channel_quantized_tensor(
-                        rows.data, rows.scale.double(), torch.zeros(out, dtype=torch.long), 0
-                    )  # (out, in) qint8 over the int8 rows, as torch.quantize_per_channel made them
-                self._packed = torch.ops.quantized.linear_prepack(qw, None)
+            self._w, self._scale = rows.data, rows.scale.to(rows.dtype)
         else:
             raise ValueError(f"unknown quantization scheme {scheme!r}")
 
@@ -104,10 +78,8 @@ class QuantizedWeight:
                 x2 = x2.float()
             if x2.shape[0] == 0:
                 y = x2.new_zeros((0, out))
-            elif self.scheme == "fp16":
-                y = torch.ops.quantized.linear_dynamic_fp16(x2, self._packed)  # (N, out)
             else:
-                y = torch.ops.quantized.linear_dynamic(x2, self._packed, False)  # (N, out), 8-bit activations
+                y = torch.ops.quantized.linear_dynamic_fp16(x2, self._packed)  # (N, out)
             if len(lead) != 1:  # NOTE: a decode step's (B, 1, in) input: no-op views and casts cost per call
                 y = y.view(*lead, out)
             if y.dtype is not x.dtype:
@@ -165,25 +137,3 @@ class QuantizedTable:
 
     def __repr__(self) -> str:
         return f"QuantizedTable({self.scheme}, shape={tuple(self.shape)}, {self.nbytes} bytes)"
-
-
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x w^T + b for a float weight (F.linear) or a QuantizedWeight (its kernel)."""
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
-    return w.linear(x, bias)
-
-
-def embedding(ids: torch.Tensor, w) -> torch.Tensor:
-    """Rows `ids` of a float table (F.embedding) or a QuantizedTable."""
-    if isinstance(w, torch.Tensor):
-        return F.embedding(ids, w)
-    return w.lookup(ids)
-
-
-def expert_blocks(w, num_experts: int) -> list:
-    """Each expert's weight of a stacked (E * rows, in) expert tensor: views of a float
-    tensor, or the blocks of a QuantizedExperts."""
-    if isinstance(w, torch.Tensor):
-        return list(w.view(num_experts, -1, w.shape[1]).unbind(0))
-    return w.blocks

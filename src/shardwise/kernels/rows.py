@@ -1,33 +1,43 @@
-"""A matrix received a block of rows at a time, kept in the form a quantized weight is built
-from, so that converting never holds a whole tensor in full precision.
+"""A matrix received a block of rows at a time, kept in the form its converted weight is
+built from, so that converting never holds a whole tensor in full precision.
 
-    rows = Rows.for_weight((out, inp), "int8", device="cpu")
+    rows = Rows.for_weight((out, inp), "int8", device="cpu")    # Q8_0 blocks on CPU
     for chunk in chunks:               # (n, inp) float tensors, in row order
-        rows.add(chunk)                # quantized on arrival; the chunk can be freed now
-    QuantizedWeight(rows, "int8")      # packed from the int8 buffer
+        rows.add(chunk)                # converted on arrival; the chunk can be freed now
+    Target.convert(rows)               # shardwise.quant.convert: the weight it becomes
 
-Per-row int8 scales (amax / qmax of one row) need only that row, so each block is
-quantized into a preallocated int8 buffer as it arrives: the result equals quantizing the
-whole matrix at once, bit for bit. Forms (`kind`):
+Every form needs only the rows of a chunk (block formats and int8 scale each row's own
+blocks), so filling a block of rows at a time equals converting the whole matrix at
+once, bit for bit. Forms (`kind`):
 
-    int8   q int8 (rows, cols) and scale fp32 (rows,); `fbgemm`: rounded by
-           torch.quantize_per_channel (the CPU kernel's input), else round-and-clamp
-           (int8_rows: CUDA weights and embedding tables)
-    fp16   a half-precision buffer
-    fp32   a float buffer: fbgemm's fp16 prepack takes float32, so on CPU an fp16 weight
-           still holds its whole matrix in float32 once (as before; int8 never does)
+    blocks   a block format (`fmt`: Q8_0, Q4_K, ...): (rows, blocks * bytes) uint8 in GGUF's
+             layout (shardwise.kernels.quantize); every scheme on CPU but fp16, int8 = Q8_0
+    int8     q int8 (rows, cols) and one fp32 scale per row (CUDA weights)
+    fp16     a half-precision buffer
+    fp32     a float buffer: fbgemm's fp16 prepack takes float32, so on CPU an fp16 weight
+             still holds its whole matrix in float32 once
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-__all__ = ["CPU_QMAX", "Rows", "row_scales", "int8_rows"]
+from shardwise.kernels.blocks import FORMATS
+from shardwise.kernels.quantize import quantize_rows
 
-CPU_QMAX = 63
-"""Weight levels of fbgemm's int8 linear on CPU: [-63, 63] (see shardwise.quant.weights)."""
+__all__ = ["Rows", "row_scales", "int8_rows", "BLOCK_SCHEMES", "block_format"]
+
+BLOCK_SCHEMES = {"int8": "Q8_0", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1",
+                 "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}  # fmt: skip
+"""`--quantize` schemes stored as block formats on CPU (int8 is Q8_0: 8-bit weights, one
+fp16 scale per 32)."""
+
+
+def block_format(scheme: str, device: str | torch.device = "cpu") -> str | None:
+    """The block format `scheme` is stored in on `device`, or None (a packed scheme)."""
+    if torch.device(device).type != "cpu":
+        return None
+    return BLOCK_SCHEMES.get(scheme)
 
 
 def row_scales(w: torch.Tensor, qmax: int = 127) -> torch.Tensor:
@@ -44,21 +54,10 @@ def int8_rows(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Ten
     return q, scale
 
 
-def _fbgemm_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale) as torch.quantize_per_channel rounds for fbgemm: |w / scale| <= 63, no clamping."""
-    scale = row_scales(w, CPU_QMAX)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # quantized tensors are deprecated, still fbgemm's input
-        q = torch.quantize_per_channel(
-            w.detach().float(), scale.double(), torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8
-        )
-    return q.int_repr(), scale
-
-
 class Rows:
     """A (rows, cols) matrix filled a block of rows at a time, in order (see the module docstring)."""
 
-    __slots__ = ("shape", "kind", "fbgemm", "dtype", "device", "data", "scale", "filled")
+    __slots__ = ("shape", "kind", "fmt", "dtype", "device", "data", "scale", "filled")
 
     def __init__(
         self,
@@ -67,33 +66,43 @@ class Rows:
         *,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        fbgemm: bool = False,
+        fmt: str | None = None,
     ) -> None:
         if len(shape) != 2:
             raise ValueError(f"a quantized matrix is 2-D (rows, cols), got shape {tuple(shape)}")
-        if kind not in ("int8", "fp16", "fp32"):
+        if kind not in ("blocks", "int8", "fp16", "fp32"):
             raise ValueError(f"unknown row form {kind!r}")
-        self.shape, self.kind, self.fbgemm = torch.Size(shape), kind, fbgemm
+        self.shape, self.kind, self.fmt = torch.Size(shape), kind, fmt
         self.dtype, self.device = dtype, torch.device(device)
         """The model's dtype and device: what the converted weight answers to."""
-        store = {"int8": torch.int8, "fp16": torch.float16, "fp32": torch.float32}[kind]
-        self.data = torch.empty(self.shape, dtype=store, device=self.device)
+        if kind == "blocks":
+            f = FORMATS[fmt]
+            self.data = torch.empty(shape[0], -(-shape[1] // f.block) * f.nbytes, dtype=torch.uint8)
+        else:
+            store = {"int8": torch.int8, "fp16": torch.float16, "fp32": torch.float32}[kind]
+            self.data = torch.empty(self.shape, dtype=store, device=self.device)
         self.scale = torch.empty(shape[0], dtype=torch.float32, device=self.device) if kind == "int8" else None
         self.filled = 0
 
     @staticmethod
     def for_weight(shape, scheme: str, *, dtype=torch.float32, device="cpu") -> Rows:
-        """The form a QuantizedWeight of `scheme` on `device` is packed from."""
-        on_cpu = torch.device(device).type == "cpu"
+        """The form a weight of `scheme` on `device` is built from."""
+        fmt = block_format(scheme, device)
+        if fmt is not None:
+            return Rows(shape, "blocks", dtype=dtype, device=device, fmt=fmt)
         if scheme == "int8":
-            return Rows(shape, "int8", dtype=dtype, device=device, fbgemm=on_cpu)
+            return Rows(shape, "int8", dtype=dtype, device=device)
         if scheme == "fp16":
+            on_cpu = torch.device(device).type == "cpu"
             return Rows(shape, "fp32" if on_cpu else "fp16", dtype=dtype, device=device)
         raise ValueError(f"unknown quantization scheme {scheme!r}")
 
     @staticmethod
     def for_table(shape, scheme: str, *, dtype=torch.float32, device="cpu") -> Rows:
-        """The form a QuantizedTable of `scheme` keeps its rows in."""
+        """The form an embedding table of `scheme` keeps its rows in."""
+        fmt = block_format(scheme, device)
+        if fmt is not None:
+            return Rows(shape, "blocks", dtype=dtype, device=device, fmt=fmt)
         if scheme not in ("int8", "fp16"):
             raise ValueError(f"unknown quantization scheme {scheme!r}")
         return Rows(shape, scheme, dtype=dtype, device=device)
@@ -112,8 +121,10 @@ class Rows:
                 f"rows {self.filled}..{self.filled + n} of shape {tuple(w.shape)} do not fit a {tuple(self.shape)} matrix"
             )
         at = slice(self.filled, self.filled + n)
-        if self.kind == "int8":
-            q, scale = _fbgemm_int8(w) if self.fbgemm else int8_rows(w)
+        if self.kind == "blocks":
+            self.data[at] = quantize_rows(w, self.fmt)
+        elif self.kind == "int8":
+            q, scale = int8_rows(w)
             self.data[at], self.scale[at] = q, scale
         else:
             self.data[at] = w.detach()  # cast to the buffer's dtype
@@ -128,7 +139,7 @@ class Rows:
     def narrow(self, start: int, n: int) -> Rows:
         """Rows [start, start + n) of a filled matrix, sharing its buffers (one expert's block)."""
         out = Rows.__new__(Rows)
-        out.shape, out.kind, out.fbgemm = torch.Size((n, self.shape[1])), self.kind, self.fbgemm
+        out.shape, out.kind, out.fmt = torch.Size((n, self.shape[1])), self.kind, self.fmt
         out.dtype, out.device = self.dtype, self.device
         out.data = self.data[start : start + n]
         out.scale = None if self.scale is None else self.scale[start : start + n]

@@ -16,10 +16,10 @@ from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region, gather_from_region, reduce_from_region
 from shardwise.comm.regions import reduce_scatter_to_sequence
+from shardwise.kernels import embedding, linear
 from shardwise.layers.partition import padded_size
 from shardwise.layers.sequence import sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec
-from shardwise.quant.weights import embedding, linear
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelLMHead", "VocabShard"]
 

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region
+from shardwise.kernels import linear
 from shardwise.layers.linear import _init_
 from shardwise.layers.partition import HeadLayout, ShardError, divide, split_ranges
 from shardwise.layers.sequence import sequence_parallel_linear
 from shardwise.layers.spec import ShardSpec
-from shardwise.quant.weights import linear
 
 __all__ = ["QKVParallelLinear", "MergedColumnParallelLinear", "SumReplicaGrads"]
 

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from shardwise.comm import Communicator, copy_to_region, reduce_from_region
+from shardwise.kernels import linear
 from shardwise.layers.partition import ShardError, split_ranges
 from shardwise.layers.spec import ShardSpec
 from shardwise.models.moe import Experts, MoE, route
-from shardwise.quant.weights import linear
 
 __all__ = ["ParallelMoE", "ShardedExperts", "SlicedLinear", "PartialMLP", "expert_ranges", "expert_specs"]
 

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.kernels import expert_blocks, linear
 from shardwise.models.config import ModelConfig
 from shardwise.models.modules import ACTIVATIONS, MLP
-from shardwise.quant.weights import expert_blocks, linear
 
 __all__ = ["route", "Experts", "MoE", "load_balancing_loss", "moe_blocks"]
 

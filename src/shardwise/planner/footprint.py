@@ -34,6 +34,8 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
+from shardwise.kernels.blocks import FORMATS
+from shardwise.kernels.rows import BLOCK_SCHEMES
 from shardwise.layers.partition import HeadLayout, largest_share, padded_size, split_ranges
 from shardwise.models.config import ModelConfig
 from shardwise.planner.activations import layer_activation_bytes, recompute_mode
@@ -301,8 +303,12 @@ def projections(cfg: ModelConfig, tp: int, layers: int | None = None, *, experts
 
 def quantized_bytes(quantize: str, params: float, rows: float) -> float:
     """Bytes of `params` weights in `rows` output rows stored as `quantize`: fp16 2 a weight;
-    int8 1 a weight and a 4-byte scale a row."""
-    return 2 * params if quantize == "fp16" else params + 4 * rows
+    a block format (int8 is Q8_0 on CPU) its bytes per block over its weights per block
+    (Q8_0 34 / 32, Q4_K 144 / 256, ...)."""
+    if quantize == "fp16":
+        return 2 * params
+    f = FORMATS[BLOCK_SCHEMES[quantize]]
+    return params * f.nbytes / f.block
 
 
 def weight_bytes(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0, *, width: int, quantize: str | None = None,
@@ -311,14 +317,16 @@ def weight_bytes(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0, *, widt
     `width` bytes, or with the projections, the head and the embedding table stored as
     `quantize` (the module docstring), the rest in `width`."""
     n = stage_params(cfg, tp, pp, stage, layers=layers, expert_parallel=expert_parallel)
-    if quantize is None:
+    if quantize in (None, "none"):
         return n * width
     layers = cfg.num_layers // pp if layers is None else layers
     proj = projections(cfg, tp, layers, expert_parallel=expert_parallel)
     vocab = _vocab_rows(cfg, tp)
     first, last = stage == 0, stage == pp - 1
     counted = first + (last and (not cfg.tie_embeddings or not first))  # table copies in stage_params
-    copies = first + last  # quantized, a tied head is a copy of its own
+    copies = first + last  # quantized, a tied head is a copy of its own (fp16) ...
+    if cfg.tie_embeddings and first and last and quantize in BLOCK_SCHEMES:
+        copies = 1  # ... but one block-format matrix serves the head and the lookup
     plain = n - proj.params - counted * vocab * cfg.hidden_size
     q = quantized_bytes(quantize, proj.params + copies * vocab * cfg.hidden_size, proj.rows + copies * vocab)
     return plain * width + q

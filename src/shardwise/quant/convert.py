@@ -9,17 +9,18 @@ Converted (the choice, measured in docs/benchmarks/quantization.md):
 Kept in the model's dtype: norms, biases, position tables, MoE routers (tiny, and routing
 decisions are sensitive to them).
 
-Tied embeddings: the LM head needs its kernel's packed layout, the lookup needs rows, so a
-tied vocabulary matrix is converted twice (int8: 2 bytes per weight where fp32 tied held 4;
-fp16: 4, as fp32 tied).
+Tied embeddings: a block-format matrix (int8 = Q8_0 and the other block schemes on CPU)
+serves both the LM head's kernel and the lookup's rows, so it is converted once and held
+once. fp16 needs its kernel's packed layout for the head and rows for the lookup, so a tied
+fp16 matrix is converted twice (4 bytes per weight, as fp32 tied).
 
     targets = conversion_targets(model, "int8")       # {param name: [Target]} on a meta model
     convert_rows(targets[name], chunks, shape)        # as the loader reads each tensor, in row blocks
     convert_param(targets[name], tensor)              # or a whole tensor at once
     quantize_model(model, "int8")                     # or all at once, for a loaded model
 
-The loaders convert from blocks of rows (shardwise.quant.rows): an int8 weight is quantized
-into its int8 buffer as each block arrives, so no float copy of a whole tensor is ever held.
+The loaders convert from blocks of rows (shardwise.kernels.rows): a weight is quantized
+into its block buffer as each block of rows arrives, so no float copy of a whole tensor is ever held.
 """
 
 from __future__ import annotations
@@ -30,20 +31,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardwise.kernels import BlockWeight, Part
+from shardwise.kernels.blocks import FORMATS
+from shardwise.kernels.packed import QuantizedExperts, QuantizedTable, QuantizedWeight
+from shardwise.kernels.rows import Rows, block_format
 from shardwise.layers.embedding import VocabParallelEmbedding, VocabParallelLMHead
 from shardwise.layers.fused import MergedColumnParallelLinear, QKVParallelLinear
 from shardwise.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardwise.layers.moe import SlicedLinear
 from shardwise.models.moe import Experts
-from shardwise.quant.rows import Rows
 from shardwise.quant.schemes import SCHEMES
-from shardwise.quant.weights import QuantizedExperts, QuantizedTable, QuantizedWeight
 
 __all__ = [
     "Target",
+    "empty_rows",
+    "quantize_weight",
     "conversion_targets",
     "convert_param",
     "convert_rows",
+    "install",
     "release_freed",
     "quantize_model",
     "weight_bytes",
@@ -71,15 +77,32 @@ class Target:
 
     def rows(self, shape: tuple[int, int], dtype: torch.dtype, device: str | torch.device = "cpu") -> Rows:
         """The empty Rows this target is built from (filled by the caller, then convert())."""
-        make = Rows.for_table if self.kind == "table" else Rows.for_weight
-        return make(shape, self.scheme, dtype=dtype, device=device)
+        return empty_rows(shape, self.scheme, self.kind, dtype=dtype, device=device)
 
     def convert(self, t: torch.Tensor | Rows):
-        if self.kind == "linear":
-            return QuantizedWeight(t, self.scheme)
-        if self.kind == "experts":
-            return QuantizedExperts(t, self.module.num_local, self.scheme)
-        return QuantizedTable(t, self.scheme)
+        return quantize_weight(t, self.scheme, self.kind, num_experts=getattr(self.module, "num_local", 1))
+
+
+def empty_rows(shape, scheme: str, kind: str = "linear", *, dtype=torch.float32, device="cpu") -> Rows:
+    """The empty Rows a weight of `kind` ("linear", "experts", "table") in `scheme` is built from."""
+    make = Rows.for_table if kind == "table" else Rows.for_weight
+    return make(shape, scheme, dtype=dtype, device=device)
+
+
+def quantize_weight(t: torch.Tensor | Rows, scheme: str, kind: str = "linear", *, num_experts: int = 1):
+    """A float matrix (or its filled Rows) converted to `scheme` for use as `kind`: a
+    BlockWeight where the scheme is a block format on this device (one object serves a
+    linear, experts narrowed per expert, and a table), else a QuantizedWeight,
+    QuantizedExperts or QuantizedTable."""
+    if isinstance(t, torch.Tensor):
+        t = Rows.of(t, empty_rows(tuple(t.shape), scheme, kind, dtype=t.dtype, device=t.device))
+    if t.kind == "blocks":
+        return BlockWeight([Part(t.fmt, t.done().data)], t.shape[1], dtype=t.dtype)
+    if kind == "linear":
+        return QuantizedWeight(t, scheme)
+    if kind == "experts":
+        return QuantizedExperts(t, num_experts, scheme)
+    return QuantizedTable(t, scheme)
 
 
 def _kind(module: nn.Module, attr: str) -> str | None:
@@ -137,12 +160,25 @@ def convert_rows(
     order (float, in the model's `dtype`): each block goes into every target's Rows (a tied
     matrix: the head's and the table's) and can be freed before the next is read."""
     rows = [target.rows(shape, dtype, device) for target in targets]
+    if len(rows) > 1 and all(r.kind == "blocks" and r.fmt == rows[0].fmt for r in rows):
+        rows = rows[:1]  # a tied matrix in one block format: one copy serves head and table
     for chunk in chunks:
         for r in rows:
             r.add(chunk)
         del chunk
+    if len(rows) == 1 and len(targets) > 1:
+        w = targets[0].convert(rows[0])
+        for target in targets:
+            _install(target, w)
+        return
     for target, r in zip(targets, rows, strict=True):
         _install(target, target.convert(r))
+
+
+def install(targets: list[Target], w) -> None:
+    """Put one converted weight (e.g. a GGUF file's own blocks) into every target it serves."""
+    for target in targets:
+        _install(target, w)
 
 
 def _install(target: Target, q) -> None:
@@ -184,9 +220,13 @@ def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
     return model
 
 
-def quantized_bytes(shape: tuple[int, int], scheme: str) -> int:
+def quantized_bytes(shape: tuple[int, int], scheme: str, device: str | torch.device = "cpu") -> int:
     """Bytes a (rows, cols) tensor takes once converted (for planning on a meta model)."""
     rows, cols = shape[0], shape[1]
+    fmt = block_format(scheme, device)
+    if fmt is not None:
+        f = FORMATS[fmt]
+        return rows * -(-cols // f.block) * f.nbytes
     per = 2 if scheme == "fp16" else 1
     scales = 0 if scheme == "fp16" else 4 * rows
     return per * rows * cols + scales
@@ -204,13 +244,17 @@ def weight_bytes(model: nn.Module, scheme: str | None = None) -> int:
             if p is None:
                 continue
             if (id(module), attr) in planned:
+                if block_format(scheme) is not None:  # a tied block-format matrix is held once
+                    if id(p) in seen:
+                        continue
+                    seen.add(id(p))
                 total += quantized_bytes(tuple(p.shape), scheme)
                 continue
             if id(p) not in seen:
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
         for v in vars(module).values():
-            if isinstance(v, QuantizedWeight | QuantizedExperts | QuantizedTable) and id(v) not in seen:
+            if isinstance(v, BlockWeight | QuantizedWeight | QuantizedExperts | QuantizedTable) and id(v) not in seen:
                 seen.add(id(v))
                 total += v.nbytes
     return total

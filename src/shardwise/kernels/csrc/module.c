@@ -57,7 +57,8 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (args_i64(args, nargs, 10, a, "gemm") < 0) return NULL;
     if (a[0] < 0 || a[0] >= SW_NUM_TYPES) return PyErr_Format(PyExc_ValueError, "unknown weight type %lld", a[0]);
     if (check_isa(a[1]) < 0) return NULL;
-    sw_gemm_fn f = sw_gemm_table[a[0]][a[1]];
+    sw_gemm_fn f = NULL;
+    for (long long i = a[1]; i >= 0 && !f; i--) f = sw_gemm_table[a[0]][i]; /* the next ISA down */
     if (!f) return PyErr_Format(PyExc_ValueError, "no %s kernel for weight type %lld", isa_names[a[1]], a[0]);
     Py_BEGIN_ALLOW_THREADS f((const uint8_t *)(uintptr_t)a[2], (size_t)a[3], a[4], a[5], (const void *)(uintptr_t)a[6],
                              a[7], (float *)(uintptr_t)a[8], a[9]);
@@ -82,7 +83,8 @@ static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t
     if (args_i64(args, nargs, 7, a, "dequantize") < 0) return NULL;
     if (a[0] < 0 || a[0] >= SW_NUM_TYPES) return PyErr_Format(PyExc_ValueError, "unknown weight type %lld", a[0]);
     if (check_isa(a[1]) < 0) return NULL;
-    sw_dequant_fn f = sw_dequant_table[a[0]][a[1]];
+    sw_dequant_fn f = NULL;
+    for (long long i = a[1]; i >= 0 && !f; i--) f = sw_dequant_table[a[0]][i];
     if (!f) return PyErr_Format(PyExc_ValueError, "no %s dequantizer for weight type %lld", isa_names[a[1]], a[0]);
     Py_BEGIN_ALLOW_THREADS f((const uint8_t *)(uintptr_t)a[2], (size_t)a[3], a[4], a[5], (float *)(uintptr_t)a[6]);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
