@@ -312,36 +312,45 @@ ALWAYS_INLINE void decode512(int f, const uint8_t *p, __m512i *lo, __m512i *hi, 
     }
 }
 
-/* ni (<= 16) activation rows (their groups xg, their tail blocks xa) against every weight row. */
-ALWAYS_INLINE void rows512(int f, int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+/* nr (1 or 2) weight rows at a time, against ni (<= 8) activation rows (their groups xg,
+ * their tail blocks xa): each activation group is loaded once for the nr rows, each weight
+ * group decoded once for the ni rows. rows: a multiple of nr. */
+ALWAYS_INLINE void rows512(int f, int nr, int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                            const xg512 *xg, const sw_a32 *xa, float *y, int64_t ldy) {
     const int bs = fmt_bytes(f);
     const int64_t ng = kblocks / 4;
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = 0; r < rows; r += nr) {
         const uint8_t *wr = w + r * row_bytes;
-        __m512 acc[16];
-        for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
+        __m512 acc[2][8];
+        for (int k = 0; k < nr; k++)
+            for (int i = 0; i < ni; i++) acc[k][i] = _mm512_setzero_ps();
         for (int64_t g = 0; g < ng; g++) {
-            __m512i lo, hi;
-            __m512 dv, mv;
-            decode512(f, wr + 4 * bs * g, &lo, &hi, &dv, &mv);
+            __m512i lo[2], hi[2];
+            __m512 dv[2], mv[2];
+            for (int k = 0; k < nr; k++) decode512(f, wr + k * row_bytes + 4 * bs * g, &lo[k], &hi[k], &dv[k], &mv[k]);
             for (int i = 0; i < ni; i++) {
                 const xg512 *p = xg + i * ng + g;
-                __m512i t = fmt_has_min(f) ? _mm512_setzero_si512() : _mm512_load_si512(p->corr);
-                t = _mm512_dpbusd_epi32(t, lo, _mm512_load_si512(p->lo));
-                t = _mm512_dpbusd_epi32(t, hi, _mm512_load_si512(p->hi));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, _mm512_load_ps(p->dx)), acc[i]);
-                if (fmt_has_min(f)) acc[i] = _mm512_fmadd_ps(mv, _mm512_load_ps(p->s), acc[i]);
+                const __m512i xl = _mm512_load_si512(p->lo), xh = _mm512_load_si512(p->hi);
+                const __m512 dx = _mm512_load_ps(p->dx);
+                const __m512i c = fmt_has_min(f) ? _mm512_setzero_si512() : _mm512_load_si512(p->corr);
+                for (int k = 0; k < nr; k++) {
+                    __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, lo[k], xl), hi[k], xh);
+                    acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv[k], dx), acc[k][i]);
+                    if (fmt_has_min(f)) acc[k][i] = _mm512_fmadd_ps(mv[k], _mm512_load_ps(p->s), acc[k][i]);
+                }
             }
         }
-        for (int i = 0; i < ni; i++) {
-            float s = _mm512_reduce_add_ps(acc[i]);
-            for (int64_t b = 4 * ng; b < kblocks; b++) s += block_dot(f, wr + bs * b, xa + i * kblocks + b);
-            y[i * ldy + r] = s;
-        }
+        for (int k = 0; k < nr; k++)
+            for (int i = 0; i < ni; i++) {
+                float s = _mm512_reduce_add_ps(acc[k][i]);
+                for (int64_t b = 4 * ng; b < kblocks; b++)
+                    s += block_dot(f, wr + k * row_bytes + bs * b, xa + i * kblocks + b);
+                y[i * ldy + r + k] = s;
+            }
     }
 }
 
+/* Activation rows in chunks of <= 8; weight rows in pairs, an odd last one alone. */
 ALWAYS_INLINE void gemm_avx512(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                const void *x, int64_t n, float *y, int64_t ldy) {
     const sw_a32 *xa = (const sw_a32 *)x;
@@ -352,14 +361,20 @@ ALWAYS_INLINE void gemm_avx512(int f, const uint8_t *w, size_t row_bytes, int64_
         gemm_avx2(f, w, row_bytes, rows, kblocks, x, n, y, ldy);
         return;
     }
+    const int64_t even = rows & ~(int64_t)1;
+    const uint8_t *wlast = w + even * row_bytes;
     for (int64_t i0 = 0; i0 < n;) {
         int64_t left = n - i0;
         const xg512 *g = xg + i0 * ng;
         const sw_a32 *xi = xa + i0 * kblocks;
         float *yi = y + i0 * ldy;
-#define RUN(k) rows512(f, k, w, row_bytes, rows, kblocks, g, xi, yi, ldy), i0 += k
-        if (left >= 16) RUN(16);
-        else if (left >= 8) RUN(8);
+#define RUN(k)                                                                                          \
+    do {                                                                                                \
+        rows512(f, 2, k, w, row_bytes, even, kblocks, g, xi, yi, ldy);                                  \
+        if (rows & 1) rows512(f, 1, k, wlast, row_bytes, 1, kblocks, g, xi, yi + even, ldy);            \
+        i0 += k;                                                                                        \
+    } while (0)
+        if (left >= 8) RUN(8);
         else if (left >= 4) RUN(4);
         else if (left == 3) RUN(3);
         else if (left == 2) RUN(2);
