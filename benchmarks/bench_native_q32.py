@@ -80,6 +80,85 @@ def weights(fmt: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray
     return raw.reshape(rows, nb * nbytes)
 
 
+def bench_format(
+    fmt: str,
+    rows: int,
+    k: int,
+    x: torch.Tensor,
+    xq: torch.Tensor,
+    args: argparse.Namespace,
+    rng: np.random.Generator,
+    isas: list[str],
+) -> list[dict]:
+    """One format at one shape on every ISA; prints a table row each."""
+    t, kb = FORMATS[fmt][0], k // 32
+    w = weights(fmt, rows, k, rng)
+    y = torch.empty(max(NS), rows)
+    ones = torch.ones(w.nbytes // 4)
+    ceil_hot = w.nbytes / best_time(ones.sum, args.repeats) / 1e9
+    copies = 0 if args.quick else max(2, -(-args.cold_mib * 2**20 // w.nbytes))
+    pool = np.tile(w, (copies, 1)) if copies else None
+    ceil_cold = float("nan")
+    if pool is not None:
+        pool_ones = torch.ones(pool.nbytes // 4).view(copies, -1)
+        ceil_cold = w.nbytes / mean_time([pool_ones[c].sum for c in range(copies)]) / 1e9
+        del pool_ones
+    out = []
+    for isa_name in isas:
+        isa = native.ISA_NAMES.index(isa_name)
+
+        def call(n: int, ptr: int = w.ctypes.data, isa: int = isa) -> None:
+            native.gemm(t, isa, ptr, w.shape[1], rows, kb, xq.data_ptr(), n, y.data_ptr(), rows)
+
+        us = {n: best_time(lambda n=n: call(n), args.repeats) * 1e6 for n in NS}
+        row = {
+            "shape": [rows, k],
+            "format": fmt,
+            "isa": isa_name,
+            "mb": w.nbytes / 1e6,
+            "us": us,
+            "ceiling_hot_gbs": ceil_hot,
+        }
+        cold = "|"
+        if pool is not None:
+            cold_us = mean_time([lambda p=pool.ctypes.data + c * w.nbytes: call(1, p) for c in range(copies)]) * 1e6
+            row |= {"cold_us": cold_us, "ceiling_cold_gbs": ceil_cold}
+            cold = f"{cold_us:.0f} | {w.nbytes / cold_us / 1e3:.1f}"
+        print(
+            f"| {fmt} | {isa_name} | {w.nbytes / 1e6:.2f} | {us[1]:.0f} | {w.nbytes / us[1] / 1e3:.1f} | {us[4]:.0f} | "
+            f"{us[16]:.0f} | {us[16] / us[1]:.2f} | {cold} | {ceil_hot:.1f} / {ceil_cold:.1f} |",
+            flush=True,
+        )
+        out.append(row)
+    return out
+
+
+def bench_shape(rows: int, k: int, args: argparse.Namespace, rng: np.random.Generator, isas: list[str]) -> list[dict]:
+    kb = k // 32
+    x = torch.randn(max(NS), k)
+    xq = torch.empty(max(NS) * kb * native.A32_BYTES, dtype=torch.uint8)
+    top = len(isas) - 1
+    quant_us = {
+        n: best_time(lambda n=n: native.quantize(32, top, x.data_ptr(), k, n, k, xq.data_ptr()), args.repeats) * 1e6
+        for n in NS
+    }
+    wf = torch.randn(rows, k)
+    fp32 = {n: best_time(lambda n=n: F.linear(x[:n], wf), args.repeats) * 1e6 for n in NS}
+    print(
+        f"\n## {rows} x {k}: fp32 F.linear {' / '.join(f'{fp32[n]:.0f}' for n in NS)} us at n = {NS}; "
+        f"activation quantization ({isas[top]}) {' / '.join(f'{quant_us[n]:.1f}' for n in NS)} us"
+    )
+    print(
+        "| format | ISA | MB | n=1 us | GB/s | n=4 us | n=16 us | n=16 / n=1 | cold n=1 us | cold GB/s | ceiling hot / cold GB/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    out = []
+    for fmt in FORMATS:
+        for row in bench_format(fmt, rows, k, x, xq, args, rng, isas):
+            out.append(row | {"fp32_us": fp32, "quant_us": quant_us})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -94,73 +173,9 @@ def main() -> None:
     gcc = subprocess.run(["gcc", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; CPU {cpu()}; {os.cpu_count()} cores")
     print(f"# load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; one thread; {gcc}; ISAs {isas}")
-    results = []
-    shapes = SHAPES[:2] if args.quick else SHAPES
-    for rows, k in shapes:
-        kb = k // 32
-        x = torch.randn(max(NS), k)
-        xq = torch.empty(max(NS) * kb * native.A32_BYTES, dtype=torch.uint8)
-        top = len(isas) - 1
-        quant_us = {
-            n: best_time(lambda n=n: native.quantize(32, top, x.data_ptr(), k, n, k, xq.data_ptr()), args.repeats) * 1e6
-            for n in NS
-        }
-        y = torch.empty(max(NS), rows)
-        wf = torch.randn(rows, k)
-        fp32 = {n: best_time(lambda n=n: F.linear(x[:n], wf), args.repeats) * 1e6 for n in NS}
-        print(
-            f"\n## {rows} x {k}: fp32 F.linear {' / '.join(f'{fp32[n]:.0f}' for n in NS)} us at n = {NS}; "
-            f"activation quantization {' / '.join(f'{quant_us[n]:.1f}' for n in NS)} us"
-        )
-        print(
-            "| format | ISA | MB | n=1 us | GB/s | n=4 us | n=16 us | n=16 / n=1 | cold n=1 us | cold GB/s | ceiling hot / cold GB/s |"
-        )
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for fmt, (t, nbytes, _) in FORMATS.items():
-            w = weights(fmt, rows, k, rng)
-            mb = w.nbytes / 1e6
-            ones = torch.ones(w.nbytes // 4)
-            ceil_hot = w.nbytes / best_time(ones.sum, args.repeats) / 1e9
-            copies = 1 if args.quick else max(2, -(-args.cold_mib * 2**20 // w.nbytes))
-            pool = np.tile(w, (copies, 1)) if copies > 1 else None
-            if pool is not None:
-                pool_ones = torch.ones(pool.nbytes // 4).view(copies, -1)
-                ceil_cold = w.nbytes / mean_time([pool_ones[c].sum for c in range(copies)]) / 1e9
-            for isa_name in isas:
-                isa = native.ISA_NAMES.index(isa_name)
-
-                def call(n: int, ptr: int = w.ctypes.data, isa: int = isa) -> None:
-                    native.gemm(t, isa, ptr, w.shape[1], rows, kb, xq.data_ptr(), n, y.data_ptr(), rows)
-
-                us = {n: best_time(lambda n=n: call(n), args.repeats) * 1e6 for n in NS}
-                row = {
-                    "shape": [rows, k],
-                    "format": fmt,
-                    "isa": isa_name,
-                    "mb": mb,
-                    "us": us,
-                    "fp32_us": fp32,
-                    "quant_us": quant_us,
-                    "ceiling_hot_gbs": ceil_hot,
-                }
-                cold = ""
-                if pool is not None:
-                    stride = w.nbytes
-                    cold_us = (
-                        mean_time([lambda c=c: call(1, pool.ctypes.data + c * stride) for c in range(copies)]) * 1e6
-                    )
-                    row |= {"cold_us": cold_us, "ceiling_cold_gbs": ceil_cold}
-                    cold = f"{cold_us:.0f} | {w.nbytes / cold_us / 1e3:.1f}"
-                else:
-                    cold = "|"
-                ceil = f"{ceil_hot:.1f} / {ceil_cold:.1f}" if pool is not None else f"{ceil_hot:.1f} / -"
-                print(
-                    f"| {fmt} | {isa_name} | {mb:.2f} | {us[1]:.0f} | {w.nbytes / us[1] / 1e3:.1f} | {us[4]:.0f} | {us[16]:.0f} | "
-                    f"{us[16] / us[1]:.2f} | {cold} | {ceil} |",
-                    flush=True,
-                )
-                results.append(row)
-            del pool
+    results: list[dict] = []
+    for rows, k in SHAPES[:2] if args.quick else SHAPES:
+        results += bench_shape(rows, k, args, rng, isas)
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu(), "load": load, "results": results}, indent=1))
 
