@@ -27,6 +27,7 @@ K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "phi3": "phi3"}
 _ARCH["gpt2"] = "gpt2"
+_ARCH["gemma3_text"] = "gemma3"
 _CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
 
@@ -96,7 +97,7 @@ def write_gguf(
             a = a.T
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             a = _permute(a, heads if ".q_proj." in hf_name else kv)
-        if arch == "gemma" and hf_name.endswith("norm.weight"):
+        if arch in ("gemma", "gemma3") and hf_name.endswith("norm.weight"):
             a = a + 1
         g = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert g is not None, hf_name
@@ -131,11 +132,24 @@ def write_metadata(w, cfg: dict) -> tuple[int, int, int]:
     w.add_head_count_kv(kv)
     w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
     rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (llama.cpp fixes the local ones)
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_rope_dimension_count(hd)
-    if hd != hidden // heads:
+    gemma3 = cfg["model_type"] == "gemma3_text"
+    if hd != hidden // heads or gemma3:
         w.add_key_length(hd)
         w.add_value_length(hd)
+    if cfg.get("sliding_window") and cfg["model_type"] in ("mistral", "gemma3_text"):
+        w.add_sliding_window(cfg["sliding_window"])
+    if gemma3:  # llama.cpp's Gemma 3 keys: linear rope scaling; the layer pattern when not every 6th is global
+        import gguf
+
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(float(rope["factor"]))
+        local = [t == "sliding_attention" for t in cfg["layer_types"]]
+        if local != [(i + 1) % 6 != 0 for i in range(layers)]:
+            w.add_sliding_window_pattern(local)
     return heads, kv, layers
 
 

@@ -18,6 +18,11 @@ engine/slots.py (see there): the rows' new keys are written through their tables
 row's keys are gathered through its table into (B, K) columns. That gather is the slot
 cache's gather with other indices (one flat index per key), so a step costs what it did.
 
+A model whose every layer attends within a sliding window (Mistral) frees a sequence's
+blocks as they fall behind its window (BlockTables(window=...), `kept_window`): the table
+keeps its length, a freed entry reads as block 0, whose keys the window masks out. Gemma 3's
+global layers read every position, so its blocks are all kept.
+
 BLOCK_SIZE = 16, as vLLM: a sequence wastes at most 15 positions of its last block, a
 2k-token sequence needs a 128-entry table, and a shared prefix is reused in units of 16
 tokens. The gather indexes single positions, so the size does not change a step's cost.
@@ -34,7 +39,16 @@ from shardwise.memory import zeros_on_touch
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.modules import KVCache
 
-__all__ = ["BLOCK_SIZE", "OutOfBlocks", "BlockPool", "BlockTables", "PagedKVCache", "PagedCaches", "blocks_for"]
+__all__ = [
+    "BLOCK_SIZE",
+    "OutOfBlocks",
+    "BlockPool",
+    "BlockTables",
+    "PagedKVCache",
+    "PagedCaches",
+    "blocks_for",
+    "kept_window",
+]
 
 BLOCK_SIZE = 16
 
@@ -46,6 +60,17 @@ class OutOfBlocks(RuntimeError):
 def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
     """Blocks that hold `tokens` positions."""
     return -(-tokens // block_size)
+
+
+_DROPPED = -1
+"""A table entry whose block fell behind the sliding window and went back to the pool."""
+
+
+def kept_window(cfg) -> int | None:
+    """The sliding window past which a sequence's blocks can be freed: cfg.sliding_window when
+    every layer slides (Mistral), None when some layer reads every position (Gemma 3's global
+    layers) or none slides."""
+    return cfg.sliding_window if cfg.sliding_window is not None and cfg.sliding_layers is None else None
 
 
 class BlockPool:
@@ -99,9 +124,17 @@ class BlockTables:
     block before it (so by everything before it, exactly: no hash collisions), once the
     sequence has cached it. A new sequence whose prompt starts with keyed blocks shares
     them (reference counts) instead of computing them. A keyed block stays keyed after its
-    last holder leaves, until the pool hands it out again."""
+    last holder leaves, until the pool hands it out again.
 
-    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, *, prefix_caching: bool = True) -> None:
+    window: every layer attends to the last `window` positions only (kept_window); a block
+    no future query of its sequence can see is released (drop_behind_window)."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int = BLOCK_SIZE, *, prefix_caching: bool = True, window: int | None = None
+    ) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window must be >= 1 position, got {window}")
+        self.window = window
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.tables: dict[int, list[int]] = {}
@@ -140,7 +173,21 @@ class BlockTables:
         for s in seqs:
             self._keyed.pop(s, None)
             for block in self.tables.pop(s, ()):
-                freed += self.pool.release(block)
+                if block != _DROPPED:
+                    freed += self.pool.release(block)
+        return freed
+
+    def drop_behind_window(self, seq: int, cached: int) -> int:
+        """`seq` holds `cached` positions: release its blocks wholly before the window of its next
+        query (position `cached` sees positions > cached - window); returns blocks freed. Their
+        entries stay in the table as dropped, so that positions still index it."""
+        if self.window is None:
+            return 0
+        table, freed = self.tables.get(seq, []), 0
+        for i in range(min(len(table), max(0, cached + 1 - self.window) // self.block_size)):
+            if table[i] != _DROPPED:
+                freed += self.pool.release(table[i])
+                table[i] = _DROPPED
         return freed
 
     # ---- prefix caching --------------------------------------------------------------------
@@ -171,6 +218,9 @@ class BlockTables:
         bs, table = self.block_size, self.tables.get(seq, [])
         done, parent = self._keyed.get(seq, (0, -1))
         for i in range(done, min(len(tokens) // bs, len(table))):
+            if table[i] == _DROPPED:  # behind the window before it was keyed: nothing after it is keyed
+                self._keyed[seq] = (1 << 62, -1)
+                return
             key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
             block = self._key_block.get(key)
             if block is None and table[i] not in self._block_key:
@@ -185,12 +235,13 @@ class BlockTables:
         self._keyed[seq] = (done, parent)
 
     def rows(self, seqs: list[int], device=None) -> torch.Tensor:
-        """(B, W) block ids of these sequences' tables, W the longest; 0 past a table's end."""
+        """(B, W) block ids of these sequences' tables, W the longest; 0 past a table's end and
+        for a dropped block (its keys are outside every query's window: masked)."""
         width = max((len(self.tables.get(s, ())) for s in seqs), default=0)
         out = torch.zeros(len(seqs), max(width, 1), dtype=torch.long)
         for b, s in enumerate(seqs):
             t = self.tables.get(s, ())
-            out[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+            out[b, : len(t)] = torch.tensor(t, dtype=torch.long).clamp(min=0)
         return out.to(device)
 
 

@@ -15,6 +15,8 @@ than num_slots sequences run); before a decode step every row is given the block
 token needs, and when the pool has none left the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue with every token it has seen,
 to be prefilled again (recomputation; the tokens it already delivered are not resampled).
+When every layer attends within a sliding window, the blocks a sequence's window has left
+go back to the pool after each step (BlockTables.drop_behind_window).
 Each step carries its rows' block tables to every rank.
 
 NOTE: prefill and decode rows are never mixed in one step: a step pads every row to
@@ -259,6 +261,7 @@ class Scheduler:
                 if self.blocks is not None:
                     seq.seen += seq.feed
                     self.blocks.cache_prefix(seq.id, seq.seen)
+                    self.blocks.drop_behind_window(seq.id, seq.cached)  # a sliding window's old blocks
                 seq.feed = [tokens[b]]
                 if seq.done:
                     continue

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.comm import Communicator, ParallelDims, tp_only
-from shardwise.engine.paged import BlockTables, PagedCaches, blocks_for
+from shardwise.engine.paged import BlockTables, PagedCaches, blocks_for, kept_window
 from shardwise.engine.pipeline import StageForward
 from shardwise.engine.slots import StepBatch
 from shardwise.engine.text import load_tokenizer, stop_ids
@@ -146,6 +146,21 @@ class _Engine:
         return self.caches.forward(self.model, batch)
 
 
+def window_text(cfg, block_size: int) -> str:
+    """What the paged cache keeps of a sliding-window model, for the start-up log."""
+    w = cfg.sliding_window
+    if kept_window(cfg) is not None:
+        return (
+            f"every layer attends to the last {w} positions: a sequence keeps the blocks of its last {w} "
+            f"positions (at most {blocks_for(w - 1, block_size) + 1} of {block_size}), older ones are freed"
+        )
+    local = len(cfg.sliding_layers or ())
+    return (
+        f"{local} of {cfg.num_layers} layers attend to the last {w} positions; the others read every position, "
+        "so a sequence keeps all its blocks"
+    )
+
+
 def serve_rank(world: Communicator, opts: ServeOptions) -> None:
     setup_logging(world.rank, world.size)
     engine = _Engine(world, opts)
@@ -165,7 +180,9 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
         max_queue=opts.max_queue,
         metrics=metrics,
         stale_s=opts.health_timeout,
-        blocks=BlockTables(caches.num_blocks, caches.block_size, prefix_caching=opts.prefix_caching),
+        blocks=BlockTables(
+            caches.num_blocks, caches.block_size, prefix_caching=opts.prefix_caching, window=kept_window(model.cfg)
+        ),
     )
     metrics.blocks_total = metrics.blocks_free = caches.num_blocks
     state = ServerState(
@@ -204,6 +221,8 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
         opts.budget().summary(), caches.num_blocks, caches.num_blocks * caches.block_size,
         caches.num_blocks // blocks_for(opts.max_model_len, caches.block_size), opts.max_model_len,
     )  # fmt: skip
+    if model.cfg.sliding_window is not None:
+        log.info("sliding window: %s", window_text(model.cfg, caches.block_size))
     try:
         if ticks is not None:
             _lead_pipelined(ticks, scheduler, metrics, http_thread)
