@@ -115,9 +115,9 @@ class ModelConfig:
         if self.sliding_layers is not None:
             if self.sliding_window is None:
                 raise ValueError(f"sliding_layers={list(self.sliding_layers)} needs a sliding_window")
-            bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+            bad = [i for i in self.sliding_layers if i < 0]  # NOTE: indices past num_layers are ignored, as moe_layers'
             if bad:
-                raise ValueError(f"sliding_layers {bad} outside the {self.num_layers} layers")
+                raise ValueError(f"sliding_layers {bad} must be layer indices >= 0")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
