@@ -224,7 +224,7 @@ def _staged_tokens(world, path: str, vocab: int, layers: int, tp: int, pp: int) 
 @pytest.mark.parametrize(
     "name",
     [
-        "gemma3",
+        pytest.param("gemma3", marks=pytest.mark.full),
         pytest.param("gemma3-256-gguf", marks=pytest.mark.full),
         pytest.param("mistral-gguf", marks=pytest.mark.full),
     ],
