@@ -52,13 +52,15 @@ def files(tmp_path_factory):
     return get
 
 
-def _logits_and_tokens(world, cases: list[tuple[str, str, int]]) -> dict:
-    """{key: logits, greedy tokens, bytes read} for each (key, GGUF file, vocab) case."""
+def _logits_and_tokens(world, cases: list[tuple]) -> dict:
+    """{key: logits, greedy tokens, bytes read} for each (key, GGUF file, vocab[, expert
+    parallel]) case."""
     from shardwise.hf import load_pretrained
 
     out = {}
-    for key, path, vocab in cases:
-        model, report = load_pretrained(path, comm=tp_group(world))
+    for key, path, vocab, *ep in cases:
+        # --quantize none: the file's blocks dequantized, as transformers does (native: test_native_models.py)
+        model, report = load_pretrained(path, comm=tp_group(world), expert_parallel=bool(ep and ep[0]), quantize="none")
         ids, mask = prompts(vocab)
 
         def fwd(i, m, pos, model=model):
@@ -71,7 +73,9 @@ def _logits_and_tokens(world, cases: list[tuple[str, str, int]]) -> dict:
     return out
 
 
-def _staged_tokens(world, cases: list[tuple[str, str, int]], tp: int, pp: int) -> dict:
+def _staged_tokens(world, cases: list[tuple], tp: int, pp: int) -> dict:
+    """{key: greedy tokens, layers held} for each (key, GGUF file, vocab[, layers[, expert
+    parallel]]) case across pp stages of tp ranks."""
     from shardwise.comm import ParallelDims
     from shardwise.engine import StageForward, generate
     from shardwise.hf import load_pretrained
@@ -79,8 +83,10 @@ def _staged_tokens(world, cases: list[tuple[str, str, int]], tp: int, pp: int) -
 
     mesh = ParallelDims(world_size=world.size, tp=tp, pp=pp).build(world)
     out = {}
-    for qtype, path, vocab in cases:
-        model, _ = load_pretrained(path, comm=mesh.tp, stage=(StageLayout.build(2, pp), mesh.pp_rank))
+    for qtype, path, vocab, *more in cases:
+        layers, ep = (more + [2, False][len(more) :])[:2]
+        stage = (StageLayout.build(layers, pp), mesh.pp_rank)
+        model, _ = load_pretrained(path, comm=mesh.tp, stage=stage, expert_parallel=ep, quantize="none")
         ids, mask = prompts(vocab)
         lists = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
         res = generate(model, lists, comm=mesh.tp, max_new_tokens=STEPS, stages=StageForward(model, mesh))
@@ -164,11 +170,45 @@ def test_k_quants_are_random_blocks(files):
 
 # Families transformers' GGUF loader cannot read (transformers 5.x with this gguf package):
 # gemma (no GGUF support), qwen3 and gpt2 (shapes it maps wrong), phi3 (its padding id),
-# mistral (its general.name makes transformers ask gguf for a "mistral" arch it lacks).
-# Their reference is transformers on the safetensors checkpoint the file was written from:
-# F32 files hold its weights exactly; F16 files its matrices rounded to fp16, which the
-# reference model gets too.
-SOURCE_FAMILIES = {"mistral": {"sliding_window": None}, "qwen3": {}, "gemma": {}, "phi3": {}, "gpt2": {}}
+# mistral (its general.name makes transformers ask gguf for a "mistral" arch it lacks),
+# and the mixtures of experts (llama.cpp's stacked ffn_*_exps): Mixtral, written as llama
+# with expert_count, loads as a dense Llama (logits off by 114%), and qwen2moe / qwen3moe
+# fail on their expert widths (transformers reads no expert_feed_forward_length and builds
+# its default 1408 / 768). Their reference is transformers on the safetensors checkpoint
+# the file was written from: F32 files hold its weights exactly; F16 and Q8_0 files its
+# matrices rounded as the writer rounded them, which the reference model gets too.
+# qwen2 is read by transformers' GGUF loader: its reference is that load of the file.
+SOURCE_FAMILIES = {
+    "mistral": {"sliding_window": None},
+    "qwen3": {},
+    "gemma": {},
+    "phi3": {},
+    "gpt2": {},
+    "qwen2": {},
+    "mixtral": {},  # 8 experts of width 40, top-2: expert-parallel at tp=3 deals 3/3/2
+    "qwen2_moe": {"mlp_only_layers": []},  # llama.cpp's qwen2moe has no dense layers; shared expert + gate
+    "qwen3_moe": {},  # q/k norm, top-3 of 8 renormalized
+}
+GGUF_REFERENCE = ("qwen2",)
+"""Families whose reference is transformers' own GGUF load of the file."""
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _as_written(model, qtype: str) -> None:
+    """Round the reference model's matrices as write_gguf stored them (F16, or Q8_0 where
+    rows are whole 32-blocks; the rest F32)."""
+    import gguf
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() < 2 or qtype == "F32":
+                continue
+            if qtype == "F16":
+                p.copy_(p.half().float())
+            elif p.shape[-1] % 32 == 0:
+                qt = gguf.GGMLQuantizationType[qtype]
+                a = p.detach().float().numpy()
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, qt), qt)).reshape(p.shape))
 
 
 @pytest.fixture(scope="module")
@@ -182,12 +222,11 @@ def sources(tmp_path_factory):
         if (family, qtype) not in cache:
             hf = save_tiny(family, root, overrides=SOURCE_FAMILIES[family])
             path = write_gguf(hf, root / f"{family}.{qtype}.gguf", qtype)
-            model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
-            if qtype == "F16":  # the file's matrices are fp16-rounded; norms and biases stay F32
-                with torch.no_grad():
-                    for p in model.parameters():
-                        if p.dim() == 2:
-                            p.copy_(p.half().float())
+            if family in GGUF_REFERENCE:
+                model = reference_logits(path, *prompts(transformers.AutoConfig.from_pretrained(hf).vocab_size))[0]
+            else:
+                model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+                _as_written(model, qtype)  # norms and biases stay F32
             vocab = model.config.vocab_size
             ids, mask = prompts(vocab)
 
@@ -204,13 +243,16 @@ def sources(tmp_path_factory):
 
 
 def _source_params():
-    everything = [(f, q) for f in SOURCE_FAMILIES for q in ("F32", "F16")]
+    everything = [(f, q) for f in SOURCE_FAMILIES for q in ("F32", "F16")] + [(f, "Q8_0") for f in MOE]
+    tp4 = [(f, q) for f in ("phi3", "gpt2", "qwen2", *MOE) for q in ("F32", "F16")]
     return [
         pytest.param(3, [("gemma", "F32")], id="tp3-gemma-gate"),  # uneven: 4 q heads 2/1/1, 1 KV head shared
+        # uneven: qwen2's 12 heads 4/4/4 of an MLP 96 in 32s, Mixtral's 4 heads 2/1/1 and experts 40 wide 14/13/13
+        pytest.param(3, [("qwen2", "F32"), ("mixtral", "Q8_0"), ("qwen2_moe", "F32")], id="tp3-moe-gate"),
         pytest.param(1, everything, id="tp1", marks=pytest.mark.full),
         pytest.param(2, everything, id="tp2", marks=pytest.mark.full),
-        pytest.param(3, everything, id="tp3", marks=pytest.mark.full),  # mistral, qwen3, gemma uneven
-        pytest.param(4, [(f, q) for f in ("phi3", "gpt2") for q in ("F32", "F16")], id="tp4", marks=pytest.mark.full),
+        pytest.param(3, everything, id="tp3", marks=pytest.mark.full),  # mistral, qwen3, gemma, the MoEs uneven
+        pytest.param(4, tp4, id="tp4", marks=pytest.mark.full),
     ]
 
 
@@ -220,16 +262,61 @@ def test_families_transformers_cannot_read_match_their_source_checkpoint(rank_po
     (uneven heads and MLP splits at 3 and 4), against transformers on the source checkpoint."""
     jobs = [(f"{f}-{q}", sources(f, q)[0], sources(f, q)[1]) for f, q in cases]
     results = rank_pool.run(_logits_and_tokens, tp, args=(jobs,))
+    _check_against_sources(sources, cases, results, tp)
+
+
+def _check_against_sources(sources, cases, results, tp: int, *, ep: bool = False) -> None:
     failures = []
     for family, qtype in cases:
         key, (_, vocab, ref, ref_tokens) = f"{family}-{qtype}", sources(family, qtype)
         real = prompts(vocab)[1].bool()
+        where = f"{key} tp={tp}" + " expert-parallel" * ep
         for rank, r in enumerate(results):
             err = _err(r[key]["logits"], ref, real)
             if err > TOL:
-                failures.append(f"{key} tp={tp} rank {rank}: logits differ from the source checkpoint by {err:.2e}")
+                failures.append(f"{where} rank {rank}: logits differ from the reference by {err:.2e}")
             if not torch.equal(r[key]["tokens"], ref_tokens):
-                failures.append(
-                    f"{key} tp={tp} rank {rank}: tokens {r[key]['tokens'].tolist()} != {ref_tokens.tolist()}"
-                )
+                failures.append(f"{where} rank {rank}: tokens {r[key]['tokens'].tolist()} != {ref_tokens.tolist()}")
+    assert not failures, "\n".join(failures)
+
+
+def _ep_params():
+    every = [(f, q) for f in MOE for q in ("F32", "Q8_0")]
+    out = [pytest.param(3, [("mixtral", "Q8_0"), ("qwen2_moe", "F32")], id="tp3-gate")]  # 8 experts 3/3/2, 6 2/2/2
+    return out + [pytest.param(tp, every, id=f"tp{tp}", marks=pytest.mark.full) for tp in (1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("tp,cases", _ep_params())
+def test_moe_files_with_expert_parallel_match_their_source_checkpoint(rank_pool, sources, tp, cases):
+    """Mixtral, Qwen2-MoE and Qwen3-MoE GGUF files with --expert-parallel (each rank reads
+    only its whole experts' rows of the stacked ffn_*_exps tensors) against transformers on
+    the source checkpoint."""
+    jobs = [(f"{f}-{q}", sources(f, q)[0], sources(f, q)[1], True) for f, q in cases]
+    results = rank_pool.run(_logits_and_tokens, tp, args=(jobs,))
+    _check_against_sources(sources, cases, results, tp, ep=True)
+
+
+def _layers(path: str) -> int:
+    from shardwise.gguf import GGUFFile
+
+    f = GGUFFile(path)
+    return f.get(f"{f.get('general.architecture')}.block_count")
+
+
+STAGED = [(f, "F32", False) for f in SOURCE_FAMILIES] + [(f, "Q8_0", True) for f in MOE]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
+def test_every_family_across_stages_matches_its_reference(rank_pool, sources, tp, pp):
+    """Greedy tokens of every architecture's file across pp stages of tp ranks (the MoEs
+    expert-parallel) equal the reference's."""
+    jobs = [(f"{f}-{q}", sources(f, q)[0], sources(f, q)[1], _layers(sources(f, q)[0]), ep) for f, q, ep in STAGED]
+    results = rank_pool.run(_staged_tokens, tp * pp, args=(jobs, tp, pp))
+    failures = []
+    for key, *_ in jobs:
+        want = sources(*key.split("-"))[3].tolist()
+        for rank, r in enumerate(results):
+            if r[key]["tokens"] != want:
+                failures.append(f"{key} tp={tp} pp={pp} rank {rank}: {r[key]['tokens']} != {want}")
     assert not failures, "\n".join(failures)

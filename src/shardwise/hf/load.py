@@ -39,7 +39,8 @@ from shardwise.hf.checkpoint import Checkpoint, CheckpointError, raw_config
 from shardwise.hf.families import Family, family_for, supported_model_types
 from shardwise.hf.fill import DTYPES, LoadReport, assign, bytes_read, dtype_name, refuse_unexpected
 from shardwise.hf.sources import read_shard, read_shard_blocks, read_shard_rows, segments
-from shardwise.kernels import BlockWeight
+from shardwise.kernels import NATIVE_FORMATS, BlockWeight
+from shardwise.kernels.blocks import FORMATS
 from shardwise.layers import ShardError, model_shard_specs
 from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
@@ -169,7 +170,10 @@ def load_pretrained(
     except ShardError as e:
         raise ShardError(f"{Path(path) if gguf else Path(path) / 'config.json'}: {e}") from None
     if gguf:  # GGUF tensor names, q/k un-permuted and blocks dequantized as read
-        ckpt = GGUFCheckpoint(GGUFFile(path), cfg, dtype=DTYPES[cfg.dtype])
+        f = GGUFFile(path)
+        if not quantize and not as_floats:  # the MLP cut on the file's own blocks
+            cfg = replace(cfg, weight_block=weight_block(f))
+        ckpt = GGUFCheckpoint(f, cfg, dtype=DTYPES[cfg.dtype])
         table = gguf_names(family.names(cfg, family.prefixes[0]), ckpt.file)
     else:
         ckpt = Checkpoint(path)
@@ -215,6 +219,13 @@ def load_pretrained(
     ckpt.close()
     assign(model, loaded)
     return model.eval(), LoadReport(family.name, cfg, weight_bytes(model), n_read)
+
+
+def weight_block(f: GGUFFile) -> int:
+    """The largest block of the formats computed as stored among a GGUF file's MLP down
+    projections (what a row-parallel cut of them must fall on); 1 when none is."""
+    blocks = [FORMATS[t.type].block for n, t in f.tensors.items() if "ffn_down" in n and t.type in NATIVE_FORMATS]
+    return max(blocks, default=1)
 
 
 def _cpu(model: nn.Module) -> bool:

@@ -40,6 +40,13 @@ NATIVE_FORMATS = tuple(GGML_IDS)
 FLOAT_FORMATS = ("F32", "F16", "BF16")
 _ACT_BYTES = {32: 40, 256: 292}
 """Bytes of one activation block (sw_a32, sw_a256)."""
+PREFILL_ROWS = 64
+"""From this many activation rows on (prefill, large batches), a block-format part is
+dequantized a tile of rows at a time and multiplied by MKL in fp32 with unquantized
+activations, which measured faster than the integer kernels there
+(benchmarks/bench_block_linear.py); below it, the integer kernels."""
+_TILE_WEIGHTS = 1 << 20
+"""Weights dequantized at a time on the prefill path (4 MiB of fp32)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,12 @@ class BlockWeight:
                 y[:, o : o + p.rows] = F.linear(x[:, : self.shape[1]], p.data.float())
                 continue
             f = _fmt(p.fmt)
+            if n >= PREFILL_ROWS:  # tiles of dequantized rows through MKL
+                step = max(1, _TILE_WEIGHTS // kp)
+                for r in range(0, p.rows, step):
+                    e = min(r + step, p.rows)
+                    y[:, o + r : o + e] = F.linear(x, _dequantize(p.fmt, p.data[r:e]))
+                continue
             a = acts.get(f.block)
             if a is None:
                 a = acts[f.block] = quantize_activations(x, f.block)
@@ -189,6 +202,9 @@ class BlockWeight:
                 y[:, o : o + p.rows] = F.linear(x[:, : self.shape[1]], p.data.float())
                 continue
             f = _fmt(p.fmt)
+            if x.shape[0] >= PREFILL_ROWS:  # as the native path: float activations
+                y[:, o : o + p.rows] = F.linear(x, dequantize_blocks(p.data, f).to(x.device))
+                continue
             a = acts.get(f.block)
             if a is None:
                 a = acts[f.block] = fake_quantize(x, f.block)

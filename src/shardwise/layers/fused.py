@@ -221,11 +221,14 @@ class MergedColumnParallelLinear(nn.Module):
         bias: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        unit: int | None = None,
     ) -> None:
         super().__init__()
         self.comm = comm
         self.in_features, self.output_sizes = in_features, list(output_sizes)
-        self.ranges = [split_ranges(s, comm.size, what=f"output_sizes[{k}]") for k, s in enumerate(output_sizes)]
+        self.ranges = [
+            split_ranges(s, comm.size, unit=unit, what=f"output_sizes[{k}]") for k, s in enumerate(output_sizes)
+        ]
         """Per part, every rank's [start, end) of it (uneven when tp does not divide the part)."""
         self.local_sizes = [r[comm.rank][1] - r[comm.rank][0] for r in self.ranges]
         rows = sum(self.local_sizes)
@@ -236,14 +239,14 @@ class MergedColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, output_sizes: list[int], *, comm: Communicator
+        cls, linear: nn.Linear, output_sizes: list[int], *, comm: Communicator, unit: int | None = None
     ) -> MergedColumnParallelLinear:
         """This rank's slices of a fused nn.Linear whose output is [part_1 | part_2 | ...]."""
         if sum(output_sizes) != linear.out_features:
             raise ShardError(f"output_sizes {output_sizes} sum to {sum(output_sizes)}, not {linear.out_features}")
         w = linear.weight.detach().split(output_sizes)
         b = linear.bias.detach().split(output_sizes) if linear.bias is not None else None
-        return cls._from_parts(list(w), list(b) if b else None, linear.in_features, comm)
+        return cls._from_parts(list(w), list(b) if b else None, linear.in_features, comm, unit)
 
     @classmethod
     def from_linears(cls, *linears: nn.Linear, comm: Communicator) -> MergedColumnParallelLinear:
@@ -258,9 +261,9 @@ class MergedColumnParallelLinear(nn.Module):
         return cls._from_parts(w, b, linears[0].in_features, comm)
 
     @classmethod
-    def _from_parts(cls, w, b, in_features, comm) -> MergedColumnParallelLinear:
+    def _from_parts(cls, w, b, in_features, comm, unit=None) -> MergedColumnParallelLinear:
         sizes = [p.shape[0] for p in w]
-        layer = cls(in_features, sizes, comm=comm, bias=b is not None, device="meta", dtype=w[0].dtype)
+        layer = cls(in_features, sizes, comm=comm, bias=b is not None, device="meta", dtype=w[0].dtype, unit=unit)
         if w[0].is_meta:  # NOTE: a model built on meta (models.meta): its meta parameters are the shard
             return layer
         ranges = [r[comm.rank] for r in layer.ranges]

@@ -87,6 +87,10 @@ class ModelConfig:
     """Layers whose MLP is an MoE block; None: every layer (when num_experts > 0)."""
     router_aux_loss_coef: float = 0.0
     """Weight of the load-balancing loss in training (Switch Transformer; transformers' own)."""
+    weight_block: int = 1
+    """The block, in weights, a row-parallel cut of the MLP's input must fall on: a GGUF
+    file's largest block along its down projections (32, or 256 for the K-quants), so that
+    every rank holds whole blocks; 1 for float weights."""
     extra: dict = field(default_factory=dict)
     """Family-specific values carried through from the source config."""
 

@@ -66,7 +66,8 @@ def _split(path: str, what: str, size: int, tp: int, unit: int = 1, unit_name: s
         raise ShardError(f"{path}: {what}={size} is not a multiple of {unit_name}={unit}")
     units = size // unit
     if units < tp:
-        count = f"{what}={size}" if unit == 1 else f"{what}={size} ({units} heads of {unit_name}={unit})"
+        kind = "blocks" if unit_name == "weight block" else "heads"
+        count = f"{what}={size}" if unit == 1 else f"{what}={size} ({units} {kind} of {unit_name}={unit})"
         raise ShardError(f"{path}.weight: {count} cannot give each of tp={tp} ranks a share; valid tp sizes: 1-{units}")
 
 
@@ -221,16 +222,19 @@ class MergedColwise(Style):
     parts: int = 2
     sequence_parallel: bool = False
     """The input is a sequence shard, all-gathered in forward."""
+    unit: int | None = None
+    """Each part is dealt in blocks of this many rows (a GGUF file's weight block); None: automatic."""
 
     def check(self, path, module, tp):
         _require(path, module, (nn.Linear,), self)
         if module.out_features % self.parts:
             raise ShardError(f"{path}: out_features={module.out_features} is not {self.parts} equal parts")
-        _split(path, "out_features per part", module.out_features // self.parts, tp)
+        _split(path, "out_features per part", module.out_features // self.parts, tp, self.unit or 1, "weight block")
 
     def apply(self, module, comm):
         sizes = [module.out_features // self.parts] * self.parts
-        return _sequence(MergedColumnParallelLinear.from_linear(module, sizes, comm=comm), self.sequence_parallel)
+        merged = MergedColumnParallelLinear.from_linear(module, sizes, comm=comm, unit=self.unit)
+        return _sequence(merged, self.sequence_parallel)
 
 
 @dataclass(frozen=True)

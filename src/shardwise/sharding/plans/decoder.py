@@ -35,10 +35,16 @@ def attention_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: boo
 
 def mlp_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: bool = False) -> Plan:
     """An MLP (models/modules.py): up by columns (gate and up each, when gated), down by rows."""
-    if not sequence_parallel:
+    sp = sequence_parallel
+    unit = cfg.weight_block if cfg.weight_block > 1 else None  # NOTE: cut on whole blocks of a GGUF file's down
+    if not sp and unit is None:
         return {f"{prefix}up": "merged_colwise" if cfg.gated_mlp else "colwise", f"{prefix}down": "rowwise"}
-    up = MergedColwise(sequence_parallel=True) if cfg.gated_mlp else Colwise(sequence_parallel=True)
-    return {f"{prefix}up": up, f"{prefix}down": Rowwise(sequence_parallel=True)}
+    up = (
+        MergedColwise(sequence_parallel=sp, unit=unit)
+        if cfg.gated_mlp
+        else Colwise(sequence_parallel=sp, head_dim=unit)
+    )
+    return {f"{prefix}up": up, f"{prefix}down": Rowwise(sequence_parallel=sp, head_dim=unit)}
 
 
 def layer_plan(cfg: ModelConfig, prefix: str = "", *, sequence_parallel: bool = False) -> Plan:
