@@ -205,3 +205,28 @@ def test_mpiexec_across_two_namespace_hosts_trains_tp2_dp2(tmp_path):
     # the dp all-reduce of the gradients crosses the link once a step: each tp rank's half of
     # the parameters (about 35k fp32) each way; more than that, not a shared-memory shortcut
     assert min(sent.values()) > STEPS * 35_000 * 4 / 2, sent
+
+
+def test_a_host_cut_off_during_decode_is_named_and_its_rank_exits():
+    argv = ["-m", "shardwise", "generate", "--tp", "2", "--backend", "gloo", "--max-new-tokens", "450"]
+    argv += ["--allow-cross-host-tp", "--timeout", "5"]
+    with netns.make_hosts(2, "1gbit") as cluster:
+        procs = cluster.torchrun(
+            TORCHRUN, 1, argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        time.sleep(5)  # loaded and decoding (about 20 ms a token here: 450 take 9 s)
+        cluster.cut(1)
+        _, err = procs[0].communicate(timeout=60)
+        assert procs[0].returncode != 0
+        assert "shardwise: error: rank 1 failed: stuck: never arrived at all_reduce/tp #" in err, err[-3000:]
+        assert " on host1; no heartbeat for " in err, err[-3000:]
+        # host 1's rank times out too and exits (its board, on host 0, unreachable: bounded);
+        # torchrun's own agent on host 1 waits for its rendezvous on host 0: close() ends it
+        agent = procs[1].pid
+        deadline = time.monotonic() + 30
+        while [p for p in cluster.hosts[1].pids() if p != agent] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [p for p in cluster.hosts[1].pids() if p != agent]
+        assert left == [], f"host1's rank processes still running 30 s after the cut: {left}"
+        assert cluster.hosts[0].pids() == []
+    procs[1].wait(timeout=10)

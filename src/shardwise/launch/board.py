@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -87,7 +88,48 @@ def _torchrun_store() -> Sink | None:
         return None
     store = store_client(addr, int(port))
     run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return StoreSink(store, f"shardwise/board/{run}")
+    return _Bounded(StoreSink(store, f"shardwise/board/{run}"))
+
+
+class _Bounded:
+    """A sink whose every write and read returns within `limit_s`. NOTE: a TCPStore client's
+    socket reads have no timeout: with the store's host cut off (its link down, tested in
+    tests/e2e/test_netns.py) a read blocks for good, and the rank whose collective timed out
+    never gets to raise. An operation that overruns marks the sink dead: it does nothing after."""
+
+    def __init__(self, sink: Sink, limit_s: float = 5.0) -> None:
+        self.sink, self.limit_s, self.dead = sink, limit_s, False
+
+    def _call(self, fn, *args):
+        if self.dead:
+            return None
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append((True, fn(*args)))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                box.append((False, e))
+
+        t = threading.Thread(target=run, name="shardwise-board-op", daemon=True)
+        t.start()
+        t.join(self.limit_s)
+        if not box:
+            self.dead = True  # the thread stays blocked; a daemon, it never holds the process
+            return None
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def write(self, rank: int, text: str) -> None:
+        self._call(self.sink.write, rank, text)
+
+    def read(self, rank: int) -> str | None:
+        return self._call(self.sink.read, rank)
+
+    def __repr__(self) -> str:
+        return repr(self.sink)
 
 
 def _named_by_rank0(world: Communicator) -> str | None:
