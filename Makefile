@@ -17,12 +17,15 @@ export PYTHONDONTWRITEBYTECODE =
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# The native kernels (src/shardwise/kernels/csrc) are built by the editable install (setup.py);
+# editing them reinstalls.
+$(STAMP): pyproject.toml Makefile setup.py $(wildcard src/shardwise/kernels/csrc/*)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile $(TORCH_PIN)
 	$(PY) -m pip install -q --no-compile -e '.[dev,hf,mpi,serve,plot]'
 	@# compile (and cache) what every command and test imports, once, instead of in each first process
 	@$(PY) -c "import torch, torch._dynamo, torch.fx.experimental.symbolic_shapes, transformers.modeling_utils, shardwise.cli.main, shardwise.serve.http, mpi4py.MPI, pytest, xdist"
+	@$(PY) -c "from shardwise.kernels import native; print(native.describe())"
 	@touch $@
 
 demo: install
