@@ -32,6 +32,7 @@ import json
 from pathlib import Path
 
 from shardwise.cli.common import (
+    add_comm_dtype_arg,
     add_expert_parallel_arg,
     add_model_args,
     add_pp_arg,
@@ -71,6 +72,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     p.add_argument("--batch", type=int, default=4, help="windows per forward (default 4)")
     add_run_args(p)
+    add_comm_dtype_arg(p)
 
 
 def _tokens(path: Path, model_dir: Path, max_tokens: int | None) -> list[int]:
@@ -92,6 +94,7 @@ def _tokens(path: Path, model_dir: Path, max_tokens: int | None) -> list[int]:
 def _ppl_rank(world: Communicator, opts: dict) -> dict:
     setup_logging(world.rank, world.size)
     from shardwise.hf import load_pretrained
+    from shardwise.planner.wire import choose_wire
 
     pp = opts["pp"]
     mesh = stage = None
@@ -111,6 +114,7 @@ def _ppl_rank(world: Communicator, opts: dict) -> dict:
         expert_parallel=opts["expert_parallel"],
         **quantize,
     )
+    tp.wire = choose_wire(opts.get("comm_dtype", "auto"), tp, world, values=opts["batch"] * model.cfg.hidden_size)
     res = perplexity(
         model,
         opts["ids"],
@@ -128,6 +132,7 @@ def _ppl_rank(world: Communicator, opts: dict) -> dict:
         "backend": tp.backend,
         "dtype": report.config.dtype,
         "quantize": opts.get("quantize"),
+        "comm_dtype": tp.wire,
         "context": opts["context"],
         "stride": opts["stride"],
         "batch": opts["batch"],
@@ -170,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         "num_layers": cfg.num_layers,
         "pp_layers": layout.layers if layout is not None else None,
         "expert_parallel": args.expert_parallel,
+        "comm_dtype": args.comm_dtype,
     }
     r = job(
         _ppl_rank,
@@ -187,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     where = f"tp={r['tp']}" if r["pp"] == 1 else f"tp={r['tp']} x pp={r['pp']}"
     quant = f", weights {r['quantize']}" if r["quantize"] else ""
+    quant += f", {r['comm_dtype']} on the wire" if r["comm_dtype"] != "fp32" else ""
     print(f"eval-ppl: {r['text']}, {r['model']} model, {where} ({r['backend']}), {r['dtype']}{quant}")
     print(
         f"{r['text_tokens']:,} tokens, {r['windows']:,} windows of {r['context']} tokens "

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from shardwise.cli.common import (
+    add_comm_dtype_arg,
     add_expert_parallel_arg,
     add_model_args,
     add_pp_arg,
@@ -58,6 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-tp1", action="store_true", help="also run at tp=1 and report whether the tokens match")
     p.add_argument("--debug-fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     add_run_args(p)
+    add_comm_dtype_arg(p)
     add_force_arg(p)
 
 
@@ -77,6 +79,7 @@ def _prompts(args, model_dir: Path) -> list[list[int]]:
 def _generate_rank(world: Communicator, opts: dict) -> dict:
     setup_logging(world.rank, world.size)
     from shardwise.hf import load_pretrained
+    from shardwise.planner.wire import choose_wire
     from shardwise.quant.layout import decode_layout
 
     pp = opts.get("pp", 1)
@@ -97,6 +100,9 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
             quantize=opts.get("quantize"),
         )
     decode_layout(model, rows=len(opts["prompts"]))  # fp32 on CPU: the weight order measured fastest
+    tp.wire = choose_wire(
+        opts.get("comm_dtype", "auto"), tp, world, values=len(opts["prompts"]) * model.cfg.hidden_size
+    )
     log.debug("rank %d/%d holds %.1f MiB of parameters", world.rank, world.size, report.param_bytes / 2**20)
     if opts["fail_rank"] == world.rank:  # after loading, so the others are already in a collective
         raise RuntimeError(f"injected failure on rank {world.rank} (--debug-fail-rank)")
@@ -143,6 +149,7 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
         "model": opts["model_name"],
         "dtype": report.config.dtype,
         "quantize": opts.get("quantize"),
+        "comm_dtype": tp.wire,
         "prefill_ms": round(res.prefill_ms, 3),
         "decode_ms_per_token": round(statistics.median(res.decode_ms), 3) if res.decode_ms else None,
         "param_bytes_per_rank": per_rank[:, 0].tolist(),
@@ -185,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         "num_layers": cfg.num_layers,
         "pp_layers": layout.layers if layout is not None else None,
         "expert_parallel": args.expert_parallel,
+        "comm_dtype": args.comm_dtype,
     }
     longest = max(map(len, prompts))
     check_inference(
@@ -205,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if result is None:  # a non-zero rank under an external launcher
         return 0
     if args.compare_tp1:
-        tp1 = {**opts, "stream": False, "progress": False, "pp": 1, "expert_parallel": False}
+        tp1 = {**opts, "stream": False, "progress": False, "pp": 1, "expert_parallel": False, "comm_dtype": "fp32"}
         ref = job(_generate_rank, 1, tp1, **run_opts)
         result["matches_tp1"] = ref["tokens"] == result["tokens"]
     if args.json:
@@ -224,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{where} ({result['backend']}), {result['dtype']}"
         + (f", {result['quantize']} weights" if result["quantize"] else "")
+        + (f", {result['comm_dtype']} on the wire" if result["comm_dtype"] != "fp32" else "")
         + f": {n} tokens, "
         f"prefill {result['prefill_ms']:.1f} ms, decode {result['decode_ms_per_token'] or 0:.2f} ms/token (median), "
         f"{calls} collectives/token" + (" along the pipeline" if result["pp"] > 1 else "")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from shardwise.cli.common import (
     CliError,
+    add_comm_dtype_arg,
     add_expert_parallel_arg,
     add_host_args,
     add_pp_arg,
@@ -95,6 +96,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--health-timeout", type=float, default=3.0, help="/health is 503 when no step completed for this long (s)"
     )
     add_host_args(p)
+    add_comm_dtype_arg(p)
     add_force_arg(p)
     p.add_argument("--debug-fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     p.add_argument("--debug-fail-after", type=int, default=0, help=argparse.SUPPRESS)
@@ -238,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         kv_budget=pool.budget,
         activation_bytes=pool.activations,
         prefix_caching=args.prefix_caching,
+        comm_dtype=args.comm_dtype,
     )
     if default:
         print(

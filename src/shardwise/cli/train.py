@@ -98,6 +98,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
     # accepted only to be refused with the reason (quantized weights are for inference)
     p.add_argument("--quantize", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--comm-dtype", default=None, help=argparse.SUPPRESS)  # likewise (compression is inference's)
     add_host_args(p)
     add_force_arg(p)
 
@@ -425,6 +426,11 @@ def run(args: argparse.Namespace) -> int:
     from shardwise.quant import QuantizeError, check_quantize
     from shardwise.train import ConfigError, DataError
 
+    if args.comm_dtype not in (None, "fp32"):
+        return fail(
+            f"--comm-dtype {args.comm_dtype} is for inference (generate, serve, eval-ppl): training "
+            "keeps its all-reduces exact (compressing activations and their gradients would bias the gradients)"
+        )
     try:
         check_quantize(args.quantize, training=True)
         cfg = load_config(args)

@@ -16,7 +16,8 @@ group's replicas stay bitwise equal). Wire formats (`WIRES`):
 - "bf16": each value as bfloat16, 2 bytes (fp32's 4).
 - "q8": blocks of 32 values with one scale, like llama.cpp's Q8_0: d = amax / 127,
   q = round(x / d) in [-127, 127]; 36 bytes per 32 values (the scale kept in fp32, so no
-  block's scale underflows or overflows as fp16's would): 1.125 bytes a value.
+  block's scale underflows or overflows as fp16's would): 1.125 bytes a value. A chunk is
+  its scales, then its values (two runs, so that each side is one tensor operation).
 
 The error bound (`error_bound`), for element i of block b, with x_r rank r's input:
 quantizing a block costs at most d/2 = amax/254 per element (q8) or |v| * 2**-8 (bf16's
@@ -45,6 +46,7 @@ WIRES = ("fp32", "bf16", "q8")
 BLOCK = 32
 """Values per q8 block (one fp32 scale each)."""
 _Q8_ROW = 4 + BLOCK  # bytes per block: the scale, then 32 int8
+_TINY = torch.finfo(torch.float32).tiny
 _BF16_EPS = 2.0**-8  # bf16 round-to-nearest: 8 significant bits, relative error <= 2**-8
 
 
@@ -68,21 +70,19 @@ def wire_bytes(n: int, wire: str) -> int:
 
 
 def encode(x: torch.Tensor, wire: str) -> torch.Tensor:
-    """(rows, c) fp32 -> (rows, wire_bytes(c)) uint8. q8: per block, the fp32 scale's 4 bytes
-    then the 32 int8 values (c a multiple of BLOCK)."""
+    """(rows, c) fp32 -> (rows, wire_bytes(c)) uint8. q8: each row holds its c / 32 fp32
+    scales, then its c int8 values (c a multiple of BLOCK)."""
     rows, c = x.shape
     if wire == "bf16":
         return x.to(torch.bfloat16).view(torch.uint8)
     if wire == "fp32":
         return x.contiguous().view(torch.uint8)
     blocks = x.reshape(rows, c // BLOCK, BLOCK)  # (rows, nb, 32)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127  # (rows, nb, 1)
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))  # an all-zero block: scale 0, values 0
-    q = (blocks * inv).round_().clamp_(-127, 127).to(torch.int8)  # (rows, nb, 32)
-    out = torch.empty(rows, c // BLOCK, _Q8_ROW, dtype=torch.uint8, device=x.device)
-    out[..., :4] = d.view(torch.uint8)  # (rows, nb, 4)
-    out[..., 4:] = q.view(torch.uint8)
-    return out.view(rows, -1)
+    d = blocks.abs().amax(dim=-1, keepdim=True).div_(127)  # (rows, nb, 1)
+    # NOTE: no clamp to [-127, 127] needed: |x| / (amax / 127) rounds to at most 127; an
+    # all-zero block divides by the smallest normal float and stays 0
+    q = blocks.div(d.clamp(min=_TINY)).round_().to(torch.int8)  # (rows, nb, 32)
+    return torch.cat([d.view(rows, -1).view(torch.uint8), q.view(rows, c).view(torch.uint8)], dim=1)
 
 
 def decode(raw: torch.Tensor, wire: str) -> torch.Tensor:
@@ -92,10 +92,10 @@ def decode(raw: torch.Tensor, wire: str) -> torch.Tensor:
         return raw.view(torch.bfloat16).float()
     if wire == "fp32":
         return raw.view(torch.float32)
-    blocks = raw.view(rows, -1, _Q8_ROW)  # (rows, nb, 36)
-    d = blocks[..., :4].contiguous().view(torch.float32)  # (rows, nb, 1)
-    q = blocks[..., 4:].view(torch.int8).float()  # (rows, nb, 32)
-    return (q * d).view(rows, -1)
+    nb = raw.shape[1] // _Q8_ROW
+    d = raw[:, : 4 * nb].view(torch.float32)  # (rows, nb)
+    q = raw[:, 4 * nb :].view(torch.int8).view(rows, nb, BLOCK)  # (rows, nb, 32)
+    return (q * d.unsqueeze(-1)).view(rows, -1)  # int8 * fp32 -> fp32
 
 
 def compressed_all_reduce(x: torch.Tensor, comm: Communicator, wire: str) -> torch.Tensor:

@@ -82,6 +82,8 @@ class ServeOptions:
 
     prefix_caching: bool = True
     """Share the KV blocks of identical prompt prefixes (engine/paged.BlockTables)."""
+    comm_dtype: str = "auto"
+    """What the tp group's all-reduces carry on the wire (shardwise.planner.wire.choose_wire)."""
 
     def budget(self) -> KVBudget:
         cap = self.max_batch_size * blocks_for(self.max_model_len)
@@ -126,6 +128,10 @@ class _Engine:
             quantize=opts.quantize,
         )
         decode_layout(self.model, rows=opts.max_batch_size)  # fp32 on CPU: the order measured fastest
+        from shardwise.planner.wire import choose_wire
+
+        values = opts.max_batch_size * self.model.cfg.hidden_size  # a full decode step's all-reduce
+        self.tp.wire = choose_wire(opts.comm_dtype, self.tp, world, values=values)
         if stage is not None:
             self.stages = StageForward(self.model, mesh)
             self.stage_text = stage[0].describe().replace(", loss", "")

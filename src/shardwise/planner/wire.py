@@ -1,0 +1,104 @@
+"""Which wire format a tensor-parallel group's all-reduces carry (shardwise.comm.compress).
+
+    all_reduce_s(link, values, p, "q8")   # predicted seconds of one all-reduce of `values`
+    best_wire(link, values, p)            # ("q8", {"fp32": ..., "bf16": ..., "q8": ...})
+    choose_wire("auto", tp, world, values=batch * hidden)   # at run time, every rank of tp
+
+fp32 is one all-reduce on the link (specs.Link's alpha-beta time). bf16 and q8 are an
+all_to_all and an all_gather (each rank sends (p - 1) / p of the payload twice, as a ring
+all-reduce does) of 2 or 1.125 bytes a value, plus the encoding and decoding on the CPU:
+CODEC_US per call and CODEC_NS a value (measured on this host, one core per rank). On a fast
+link the two extra latencies and the codec cost more than the bytes saved; on a slow one
+(a tp group across hosts) the bytes win.
+
+At run time `auto` is fp32 unless this tp group spans hosts (the ranks' host labels, as
+shardwise.launch.hosts gathers them); then the group measures its link (a tiny and a 1 MiB
+all-reduce, the slowest rank's times) and takes the format predicted fastest here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from shardwise.comm import Communicator
+from shardwise.comm.compress import WIRES
+from shardwise.log import get_logger
+from shardwise.planner.specs import Link
+
+__all__ = ["WIRE_BYTES", "CODEC_US", "CODEC_NS", "all_reduce_s", "best_wire", "probe_link", "choose_wire"]
+
+log = get_logger("wire")
+
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "q8": 36 / 32}
+"""Bytes a value on the wire."""
+CODEC_US = {"fp32": 0.0, "bf16": 23.0, "q8": 70.0}
+"""Encoding and decoding one all-reduce, fixed part (microseconds; measured at 576 values)."""
+CODEC_NS = {"fp32": 0.0, "bf16": 0.7, "q8": 1.7}
+"""... and per value (nanoseconds; the slope between 576 and 65536 values)."""
+_PROBE_VALUES = 1 << 18  # 1 MiB of fp32
+
+
+def all_reduce_s(link: Link, values: float, p: int, wire: str) -> float:
+    """Predicted seconds of one all-reduce of `values` values over p ranks on `link`."""
+    if p <= 1:
+        return 0.0
+    if wire == "fp32":
+        return link.all_reduce_s(values * 4, p)
+    share = values * WIRE_BYTES[wire] / p  # one rank's chunk
+    return 2 * link.all_gather_s(share, p) + (CODEC_US[wire] + values * CODEC_NS[wire] * 1e-3) * 1e-6
+
+
+def best_wire(link: Link, values: float, p: int) -> tuple[str, dict[str, float]]:
+    """The fastest wire format for an all-reduce of `values` over p ranks, and each one's seconds."""
+    times = {w: all_reduce_s(link, values, p, w) for w in WIRES}
+    return min(times, key=times.get), times
+
+
+def probe_link(tp: Communicator) -> Link:
+    """This group's link, measured: latency from a 1-value all-reduce, bus bandwidth from a
+    1 MiB one (best of a few each; the slowest rank's, so every rank gets the same Link)."""
+    times = []
+    for n, repeats in ((1, 5), (_PROBE_VALUES, 3)):
+        x = torch.zeros(n)
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            tp.all_reduce(x)
+            best = min(best, time.perf_counter() - t0)
+        times.append(best)
+    small, big = tp.all_reduce(torch.tensor(times, dtype=torch.float64), op="max").tolist()
+    p = tp.size
+    busbw = 2 * (p - 1) / p * _PROBE_VALUES * 4 / max(big - small, 1e-9) / 1e9
+    return Link("probed", busbw_gbps=busbw, latency_us=small * 1e6 / math.ceil(math.log2(p)))
+
+
+def choose_wire(requested: str, tp: Communicator, world: Communicator, *, values: int) -> str:
+    """The wire format for `tp` (--comm-dtype): `requested`, or for "auto" the planner's choice
+    (see the module docstring) for all-reduces of `values` values. Collective on `world` when
+    auto and the job's ranks are on several hosts; every rank of the job must call it."""
+    if requested != "auto":
+        if requested not in WIRES:
+            raise ValueError(f"--comm-dtype {requested!r} is not one of auto, {', '.join(WIRES)}")
+        return requested
+    from shardwise.launch.env import external_rank
+    from shardwise.launch.hosts import gather_hosts
+
+    ext = external_rank()
+    if tp.size == 1 or ext is None or ext.local_world_size == ext.world_size:
+        return "fp32"  # one host: its links are fast
+    hosts = gather_hosts(world, ext.host)
+    if len({hosts.labels[r] for r in tp.members}) == 1:
+        return "fp32"
+    link = probe_link(tp)
+    wire, times = best_wire(link, values, tp.size)
+    if tp.rank == 0:
+        shown = ", ".join(f"{w} {s * 1e3:.3f} ms" for w, s in times.items())
+        log.info(
+            "tp group %s spans hosts; its link measured %.3f GB/s, %.0f us: an all-reduce of %d values "
+            "predicted %s -> --comm-dtype %s",
+            list(tp.members), link.busbw_gbps, link.latency_us, values, shown, wire,
+        )  # fmt: skip
+    return wire
