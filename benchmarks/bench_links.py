@@ -1,0 +1,138 @@
+"""Decode across shaped links: tp=2 inside one host, tp=2 across a link, pp=2 across a link.
+
+    python benchmarks/bench_links.py [--model DIR] [--rates 100mbit,1gbit] [--out docs/benchmarks/bench_links.json]
+
+Needs root (hosts are network namespaces: shardwise.bench.netns). Each layout runs
+`torchrun ... -m shardwise generate --json` with one rank per host (both ranks on host 0
+for the one-host layout, over its loopback), greedy, gloo, twice: with SHORT and with
+LONG new tokens. Decode ms/token is the LONG run's median; bytes per token on the link
+are (tx bytes of every host's link in the LONG run - in the SHORT run) / (LONG - SHORT), so
+the rendezvous, loading and prefill cancel. tp=2 across a link also runs with
+--comm-dtype q8 (8-bit blocks on the wire). Writes JSON and a plot (ms/token against rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from shardwise.bench import netns  # noqa: E402
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+SHORT, LONG = 8, 40
+LAYOUTS = {  # name: (hosts, ranks per host, generate's layout flags)
+    "tp=2 in one host": (1, 2, ["--tp", "2"]),
+    "tp=2 across the link": (2, 1, ["--tp", "2", "--allow-cross-host-tp"]),
+    "tp=2 across, q8 wire": (2, 1, ["--tp", "2", "--allow-cross-host-tp", "--comm-dtype", "q8"]),
+    "pp=2 across the link": (2, 1, ["--tp", "1", "--pp", "2"]),
+}
+
+
+def _generate(
+    cluster: netns.Cluster, per_host: int, flags: list[str], tokens: int, model: list[str]
+) -> tuple[dict, int]:
+    argv = ["-m", "shardwise", "generate", *model, *flags, "--backend", "gloo", "--ignore-eos", "--json"]
+    argv += ["--max-new-tokens", str(tokens)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    before = sum(cluster.tx_bytes().values())
+    if len(cluster.hosts) == 1:
+        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(per_host), *argv]
+        procs = [
+            cluster.hosts[0].popen(
+                cmd, env={**env, **cluster.env()}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        ]
+    else:
+        procs = cluster.torchrun(
+            TORCHRUN, per_host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    outs = [p.communicate(timeout=900) for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("\n".join(e[-2000:] for _, e in outs))
+    sent = sum(cluster.tx_bytes().values()) - before
+    line = next(x for o, _ in outs for x in o.splitlines() if x.startswith("{"))
+    return json.loads(line), sent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="Hugging Face directory (default: the built-in model)")
+    ap.add_argument("--rates", default="100mbit,1gbit")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/bench_links.json")
+    a = ap.parse_args()
+    model = ["--model", a.model] if a.model else []
+    rows = []
+    for rate in a.rates.split(","):
+        for name, (n, per_host, flags) in LAYOUTS.items():
+            if n == 1 and rows and any(r["layout"] == name for r in rows):
+                continue  # inside one host the link does not matter: once
+            with netns.make_hosts(n, rate) as cluster:
+                short, sent_short = _generate(cluster, per_host, flags, SHORT, model)
+                long, sent_long = _generate(cluster, per_host, flags, LONG, model)
+            row = {
+                "layout": name,
+                "rate": rate if n > 1 else "loopback",
+                "decode_ms_per_token": long["decode_ms_per_token"],
+                "link_bytes_per_token": round((sent_long - sent_short) / (LONG - SHORT)),
+                "tokens": long["tokens"],
+            }
+            rows.append(row)
+            print(
+                f"{name:24s} {row['rate']:9s} {row['decode_ms_per_token']:8.2f} ms/token {row['link_bytes_per_token']:9d} B/token",
+                flush=True,
+            )
+    for r in rows:  # greedy tokens of the q8 wire against fp32's at the same rate
+        fp32 = [x for x in rows if x["layout"] == "tp=2 across the link" and x["rate"] == r["rate"]]
+        if "q8" in r["layout"] and fp32:
+            r["same_tokens_as_fp32"] = r["tokens"] == fp32[0]["tokens"]
+    load = os.getloadavg()
+    cpu = (
+        next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name"))
+        .split(":")[1]
+        .strip()
+    )
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load": load,
+        "cpu": cpu,
+        "model": a.model or "built-in",
+    }
+    meta.update({"short": SHORT, "long": LONG, "backend": "gloo", "threads_per_rank": 1})
+    a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    _plot(rows, a.out.with_suffix(".png"))
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    rates = [r["rate"] for r in rows if r["rate"] != "loopback"]
+    order = list(dict.fromkeys(rates))
+    for name in LAYOUTS:
+        pts = [r for r in rows if r["layout"] == name]
+        if pts and pts[0]["rate"] == "loopback":
+            ax.axhline(pts[0]["decode_ms_per_token"], ls="--", color="gray", label=f"{name} (loopback)")
+        elif pts:
+            ax.plot([order.index(r["rate"]) for r in pts], [r["decode_ms_per_token"] for r in pts], "o-", label=name)
+    ax.set_xticks(range(len(order)), order)
+    ax.set_xlabel("link rate (tbf)")
+    ax.set_ylabel("decode ms/token (median)")
+    ax.set_title("decode across a shaped link (2 ranks, gloo)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
