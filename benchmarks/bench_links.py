@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--rates", default="100mbit,1gbit")
     ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/bench_links.json")
     a = ap.parse_args()
-    model = ["--model", a.model] if a.model else []
+    # a random-weight directory has no tokenizer: a fixed prompt of 16 ids
+    model = ["--model", a.model, "--prompt-ids", ",".join(str(100 + 7 * i) for i in range(16))] if a.model else []
     rows = []
     for rate in a.rates.split(","):
         for name, (n, per_host, flags) in LAYOUTS.items():
