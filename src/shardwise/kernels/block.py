@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardwise.kernels import native
+import shardwise.kernels.native as native
 from shardwise.kernels.blocks import FORMATS, Format, dequantize_blocks
 
 __all__ = ["GGML_IDS", "NATIVE_FORMATS", "Part", "BlockWeight", "quantize_activations", "fake_quantize"]

@@ -18,7 +18,7 @@ from shardwise.log import get_logger
 __all__ = ["lib", "ISAS", "isa", "isa_name", "use_isa", "available", "describe", "note_fallback"]
 
 try:
-    from shardwise.kernels import _native as lib
+    import shardwise.kernels._native as lib
 except ImportError as e:  # not built (no compiler at install, or an unsupported platform)
     lib = None
     _WHY = str(e)

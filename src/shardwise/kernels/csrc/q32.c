@@ -350,6 +350,179 @@ ALWAYS_INLINE void rows512(int f, int nr, int ni, const uint8_t *w, size_t row_b
     }
 }
 
+/* The nibble formats (Q4_0, Q4_1, Q5_0, Q5_1) take 8 blocks at a time: 4 zmm of weights hold
+ * bytes 8t .. 8t + 7 of each of 8 blocks (t = 0..3), so each 32-bit lane holds one of 2 lanes
+ * of one block, and 8 blocks cost 4 vpdpbusd and one float scale-and-add per activation row
+ * (8 and 2 for 4-block groups). A last group of fewer than 8 blocks is padded: zero
+ * activations (and zero dx, correction, s), against block 0's weights read again. */
+typedef struct {
+    int8_t q[4][64]; /* q[t][8j .. 8j + 7] = a[8t .. 8t + 7] of block j */
+    float dx[16];    /* block j's dx in lanes 2j, 2j + 1 */
+    union {
+        int32_t corr[16]; /* Q4_0 / Q5_0: -offset * (the sum of the 16 a's lane l takes) */
+        float s[16];      /* Q4_1 / Q5_1: s in lane 2j, 0 in 2j + 1 */
+    };
+} xg8; /* 384 bytes */
+
+static const xg8 *repack8(int f, const sw_a32 *xa, int64_t n, int64_t kblocks) {
+    static __thread xg8 *buf;
+    static __thread size_t cap;
+    int64_t ng = (kblocks + 7) / 8;
+    size_t need = (size_t)(n * ng);
+    if (need > cap) {
+        free(buf);
+        cap = need + need / 2 + 16;
+        buf = aligned_alloc(64, cap * sizeof(xg8));
+        if (!buf) {
+            cap = 0;
+            return NULL;
+        }
+    }
+    const int off = fmt_offset(f);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t g = 0; g < ng; g++) {
+            xg8 *o = buf + i * ng + g;
+            memset(o, 0, sizeof *o);
+            for (int j = 0; j < 8 && 8 * g + j < kblocks; j++) {
+                const sw_a32 *xb = xa + i * kblocks + 8 * g + j;
+                for (int t = 0; t < 4; t++) memcpy(o->q[t] + 8 * j, xb->q + 8 * t, 8);
+                for (int h = 0; h < 2; h++) {
+                    int sum = 0; /* lane 2j + h: a[8t + 4h .. 8t + 4h + 3], t = 0..3 */
+                    for (int t = 0; t < 4; t++)
+                        for (int u = 0; u < 4; u++) sum += xb->q[8 * t + 4 * h + u];
+                    o->dx[2 * j + h] = xb->d;
+                    if (!fmt_has_min(f)) o->corr[2 * j + h] = -off * sum;
+                }
+                if (fmt_has_min(f)) o->s[2 * j] = xb->s;
+            }
+        }
+    return buf;
+}
+
+/* 8 blocks at b[0..7] -> w[t] (bytes 8t .. 8t + 7 of each block, u8), d (and m) per lane pair. */
+ALWAYS_INLINE void decode8(int f, const uint8_t *const b[8], __m512i w[4], __m512 *dv, __m512 *mv) {
+    const int qs = fmt_qs(f);
+    __m512i z1 = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b[0] + qs)));
+    __m512i z2 = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b[4] + qs)));
+    for (int j = 1; j < 4; j++) {
+        z1 = _mm512_inserti32x4(z1, _mm_loadu_si128((const __m128i *)(b[j] + qs)), j);
+        z2 = _mm512_inserti32x4(z2, _mm_loadu_si128((const __m128i *)(b[4 + j] + qs)), j);
+    }
+    /* qword 2j of z: qs[0..7] of block j (weights 0-7 low, 16-23 high); 2j + 1: qs[8..15] */
+    __m512i pe = _mm512_permutex2var_epi64(z1, _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), z2);
+    __m512i po = _mm512_permutex2var_epi64(z1, _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15), z2);
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    w[0] = _mm512_and_si512(pe, nib);
+    w[1] = _mm512_and_si512(po, nib);
+    w[2] = _mm512_and_si512(_mm512_srli_epi16(pe, 4), nib);
+    w[3] = _mm512_and_si512(_mm512_srli_epi16(po, 4), nib);
+    if (f == F_Q5_0 || f == F_Q5_1) {
+        const int qh = fmt_qh(f);
+        __m256i h = _mm256_setr_epi32((int)load_u32(b[0] + qh), (int)load_u32(b[1] + qh), (int)load_u32(b[2] + qh),
+                                      (int)load_u32(b[3] + qh), (int)load_u32(b[4] + qh), (int)load_u32(b[5] + qh),
+                                      (int)load_u32(b[6] + qh), (int)load_u32(b[7] + qh));
+        /* byte transpose: qword t = byte t of each block's qh = the 5th bits of w[t] */
+        h = _mm256_shuffle_epi8(h, _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12, 1,
+                                                     5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+        h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        __m128i h01 = _mm256_castsi256_si128(h), h23 = _mm256_extracti128_si256(h, 1);
+        const __m512i b4 = _mm512_set1_epi8(0x10);
+        w[0] = _mm512_mask_add_epi8(w[0], _cvtu64_mask64((uint64_t)_mm_cvtsi128_si64(h01)), w[0], b4);
+        w[1] = _mm512_mask_add_epi8(w[1], _cvtu64_mask64((uint64_t)_mm_extract_epi64(h01, 1)), w[1], b4);
+        w[2] = _mm512_mask_add_epi8(w[2], _cvtu64_mask64((uint64_t)_mm_cvtsi128_si64(h23)), w[2], b4);
+        w[3] = _mm512_mask_add_epi8(w[3], _cvtu64_mask64((uint64_t)_mm_extract_epi64(h23, 1)), w[3], b4);
+    }
+    const __m512i idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m128i d = _mm_setr_epi16((short)load_u16(b[0]), (short)load_u16(b[1]), (short)load_u16(b[2]),
+                               (short)load_u16(b[3]), (short)load_u16(b[4]), (short)load_u16(b[5]),
+                               (short)load_u16(b[6]), (short)load_u16(b[7]));
+    *dv = _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_cvtph_ps(d)));
+    if (fmt_has_min(f)) {
+        __m128i m = _mm_setr_epi16((short)load_u16(b[0] + 2), (short)load_u16(b[1] + 2), (short)load_u16(b[2] + 2),
+                                   (short)load_u16(b[3] + 2), (short)load_u16(b[4] + 2), (short)load_u16(b[5] + 2),
+                                   (short)load_u16(b[6] + 2), (short)load_u16(b[7] + 2));
+        *mv = _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_cvtph_ps(m)));
+    } else {
+        *mv = _mm512_setzero_ps();
+    }
+}
+
+/* Group g of row wr: its 8 block pointers (a last partial group repeats block 0). */
+ALWAYS_INLINE void group8(int f, const uint8_t *wr, int64_t g, int64_t kblocks, const uint8_t *b[8]) {
+    const int bs = fmt_bytes(f);
+    for (int j = 0; j < 8; j++) b[j] = wr + bs * (8 * g + j < kblocks ? 8 * g + j : 0);
+}
+
+/* Like rows512, on 8-block groups (nr 1 or 2 weight rows, ni <= 8 activation rows). */
+ALWAYS_INLINE void rows8(int f, int nr, int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                         const xg8 *xg, float *y, int64_t ldy) {
+    const int bs = fmt_bytes(f);
+    const int64_t ng = (kblocks + 7) / 8, full = kblocks / 8;
+    for (int64_t r = 0; r < rows; r += nr) {
+        const uint8_t *wr = w + r * row_bytes;
+        __m512 acc[2][8];
+        for (int k = 0; k < nr; k++)
+            for (int i = 0; i < ni; i++) acc[k][i] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ng; g++) {
+            __m512i wq[2][4];
+            __m512 dv[2], mv[2];
+            for (int k = 0; k < nr; k++) {
+                const uint8_t *b[8];
+                if (g < full)
+                    for (int j = 0; j < 8; j++) b[j] = wr + k * row_bytes + bs * (8 * g + j);
+                else group8(f, wr + k * row_bytes, g, kblocks, b);
+                decode8(f, b, wq[k], &dv[k], &mv[k]);
+            }
+            for (int i = 0; i < ni; i++) {
+                const xg8 *p = xg + i * ng + g;
+                const __m512 dx = _mm512_load_ps(p->dx);
+                const __m512i c = fmt_has_min(f) ? _mm512_setzero_si512() : _mm512_load_si512(p->corr);
+                for (int k = 0; k < nr; k++) {
+                    __m512i t = _mm512_dpbusd_epi32(c, wq[k][0], _mm512_load_si512(p->q[0]));
+                    t = _mm512_dpbusd_epi32(t, wq[k][1], _mm512_load_si512(p->q[1]));
+                    t = _mm512_dpbusd_epi32(t, wq[k][2], _mm512_load_si512(p->q[2]));
+                    t = _mm512_dpbusd_epi32(t, wq[k][3], _mm512_load_si512(p->q[3]));
+                    acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv[k], dx), acc[k][i]);
+                    if (fmt_has_min(f)) acc[k][i] = _mm512_fmadd_ps(mv[k], _mm512_load_ps(p->s), acc[k][i]);
+                }
+            }
+        }
+        for (int k = 0; k < nr; k++)
+            for (int i = 0; i < ni; i++) y[i * ldy + r + k] = _mm512_reduce_add_ps(acc[k][i]);
+    }
+}
+
+ALWAYS_INLINE void gemm8_avx512(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                                const void *x, int64_t n, float *y, int64_t ldy) {
+    const sw_a32 *xa = (const sw_a32 *)x;
+    if (n <= 0 || rows <= 0) return;
+    const int64_t ng = (kblocks + 7) / 8;
+    const xg8 *xg = ng ? repack8(f, xa, n, kblocks) : NULL;
+    if (ng && !xg) { /* out of memory for the repacked activations: the AVX2 path needs none */
+        gemm_avx2(f, w, row_bytes, rows, kblocks, x, n, y, ldy);
+        return;
+    }
+    const int64_t even = rows & ~(int64_t)1;
+    const uint8_t *wlast = w + even * row_bytes;
+    for (int64_t i0 = 0; i0 < n;) {
+        int64_t left = n - i0;
+        const xg8 *g = xg + i0 * ng;
+        float *yi = y + i0 * ldy;
+#define RUN(k)                                                                                \
+    do {                                                                                      \
+        rows8(f, 2, k, w, row_bytes, even, kblocks, g, yi, ldy);                              \
+        if (rows & 1) rows8(f, 1, k, wlast, row_bytes, 1, kblocks, g, yi + even, ldy);        \
+        i0 += k;                                                                              \
+    } while (0)
+        if (left >= 8) RUN(8);
+        else if (left >= 4) RUN(4);
+        else if (left == 3) RUN(3);
+        else if (left == 2) RUN(2);
+        else RUN(1);
+#undef RUN
+    }
+}
+
 /* Activation rows in chunks of <= 8; weight rows in pairs, an odd last one alone. */
 ALWAYS_INLINE void gemm_avx512(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                const void *x, int64_t n, float *y, int64_t ldy) {
@@ -420,7 +593,8 @@ ALWAYS_INLINE void dequant_avx512(int f, const uint8_t *w, size_t row_bytes, int
     }                                                                                                                \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))) static void               \
         gemm_##name##_avx512(SW_GEMM_ARGS) {                                                                         \
-        gemm_avx512(F, w, row_bytes, rows, kblocks, x, n, y, ldy);                                                   \
+        if (F == F_Q8_0) gemm_avx512(F, w, row_bytes, rows, kblocks, x, n, y, ldy);                                 \
+        else gemm8_avx512(F, w, row_bytes, rows, kblocks, x, n, y, ldy);                                             \
     }                                                                                                                \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))) static void               \
         dequant_##name##_avx512(SW_DEQ_ARGS) {                                                                       \
