@@ -18,7 +18,11 @@ LAYOUTS = [(1, 2), (2, 2), (1, 4)]  # (tp, pp)
 def _save(family: str, root) -> str:
     """TINY[family] with 4 decoder layers, saved by transformers."""
     layers = "n_layer" if family == "gpt2" else "num_hidden_layers"
-    return str(save_tiny(family, root, overrides={layers: 4}))
+    overrides = {layers: 4}
+    if "layer_types" in TINY[family][2]:  # Gemma 3's pattern, one entry a layer: repeated to 4
+        types = TINY[family][2]["layer_types"]
+        overrides["layer_types"] = [types[i % len(types)] for i in range(4)]
+    return str(save_tiny(family, root, overrides=overrides))
 
 
 def _prompt_lists(vocab: int) -> list[list[int]]:
