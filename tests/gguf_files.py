@@ -18,6 +18,7 @@ tiny models'); the reference is then the file itself, dequantized by transformer
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,8 @@ import torch
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "phi3": "phi3"}
-_ARCH["gpt2"] = "gpt2"
-_ARCH["gemma3_text"] = "gemma3"
+_ARCH |= {"gemma3_text": "gemma3", "gpt2": "gpt2", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
 
@@ -89,6 +90,7 @@ def write_gguf(
     state: dict[str, torch.Tensor] = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         state |= load_file(str(f))
+    state = _stack_experts(state)
     for i, (hf_name, t) in enumerate(sorted(state.items())):
         if hf_name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")):
             continue
@@ -107,6 +109,21 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     tmp.rename(out)
+    return out
+
+
+def _stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (experts.{e}.w1) stacked as llama.cpp's converter does: one
+    (E, rows, cols) tensor under the name without the index (experts.w1)."""
+    out, stacks = {}, {}
+    for name, t in state.items():
+        m = _EXPERT.search(name)
+        if m is None:
+            out[name] = t
+        else:
+            stacks.setdefault(_EXPERT.sub(".experts.", name), {})[int(m[1])] = t
+    for name, experts in stacks.items():
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
     return out
 
 
@@ -150,6 +167,14 @@ def write_metadata(w, cfg: dict) -> tuple[int, int, int]:
         local = [t == "sliding_attention" for t in cfg["layer_types"]]
         if local != [(i + 1) % 6 != 0 for i in range(layers)]:
             w.add_sliding_window_pattern(local)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:  # llama.cpp's MoE keys
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     return heads, kv, layers
 
 
@@ -173,7 +198,7 @@ def _rope_freqs(rope: dict, hd: int) -> np.ndarray:
 def _add(w, name: str, a: np.ndarray, qtype: str, seed: int) -> None:
     import gguf
 
-    kind = qtype if a.ndim == 2 else "F32"
+    kind = qtype if a.ndim >= 2 else "F32"
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
     if a.shape[-1] % block:
         kind = "Q8_0" if a.shape[-1] % 32 == 0 else "F32"  # as llama.cpp falls back
@@ -181,7 +206,8 @@ def _add(w, name: str, a: np.ndarray, qtype: str, seed: int) -> None:
     if kind == "F32":
         w.add_tensor(name, a)
     elif kind in K_QUANTS:
-        w.add_tensor(name, random_blocks(*a.shape, kind, seed), raw_dtype=qt)
+        rows = random_blocks(int(np.prod(a.shape[:-1])), a.shape[-1], kind, seed)
+        w.add_tensor(name, rows.reshape(*a.shape[:-1], -1), raw_dtype=qt)
     else:
         w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
 
