@@ -84,7 +84,12 @@ def test_weight_bytes_per_rank_match_the_real_sharded_model(name, tp, expert_par
             real = _real_bytes(cfg, model, width, quantize)
             # NOTE: the planner counts 34 / 32 bytes a weight; rows padded to whole blocks of 32
             # (these tiny models: widths of 16-96 per rank) hold up to 25% more; on real widths (multiples of 32) none
-            assert ours == real if quantize != "int8" else ours == pytest.approx(real, rel=0.25), (width, quantize, ours, real)
+            assert ours == real if quantize != "int8" else ours == pytest.approx(real, rel=0.25), (
+                width,
+                quantize,
+                ours,
+                real,
+            )
     for quantize in QUANTIZE:  # and what the runtime would convert (shardwise.quant, fp32 model)
         ours = weight_bytes(cfg, tp, width=4, quantize=quantize, expert_parallel=expert_parallel)
         assert ours == pytest.approx(runtime_weight_bytes(model, quantize), rel=0 if quantize == "fp16" else 0.25)
