@@ -162,20 +162,19 @@ class BlockWeight:
         x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], out)  # (N, out)
         if x2.shape[0] and out:
-            if native.lib is not None and x2.device.type == "cpu":
-                self._native(x2, y)
-            else:
-                self._fallback(x2, y)
+            self._run(x2, y)
         y = y.view(*lead, out)
         if y.dtype is not x.dtype:
             y = y.to(x.dtype)
         return y if bias is None else y + bias
 
-    def _native(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y (N, out) = x (N, padded in) times every part, into its columns. The native kernels
+        where built (else the same arithmetic in torch); from PREFILL_ROWS rows on, tiles of
+        dequantized rows against the float activations on either path."""
         n, kp = x.shape
-        out = y.shape[1]
-        isa, lib = native.isa(), native.lib
-        acts: dict[int, torch.Tensor] = {}
+        lib = native.lib if x.device.type == "cpu" else None
+        acts: dict[int, torch.Tensor] = {}  # activation blocks, once per block length
         for p, o in zip(self.parts, self._offsets, strict=True):
             if p.fmt in FLOAT_FORMATS:
                 y[:, o : o + p.rows] = F.linear(x[:, : self.shape[1]], p.data.float())
@@ -185,30 +184,18 @@ class BlockWeight:
                 step = max(1, _TILE_WEIGHTS // kp)
                 for r in range(0, p.rows, step):
                     e = min(r + step, p.rows)
-                    y[:, o + r : o + e] = F.linear(x, _dequantize(p.fmt, p.data[r:e]))
+                    y[:, o + r : o + e] = F.linear(x, _dequantize(p.fmt, p.data[r:e]).to(x.device))
                 continue
             a = acts.get(f.block)
             if a is None:
-                a = acts[f.block] = quantize_activations(x, f.block)
+                a = acts[f.block] = quantize_activations(x, f.block) if lib else fake_quantize(x, f.block)
+            if lib is None:
+                y[:, o : o + p.rows] = F.linear(a, dequantize_blocks(p.data, f).to(x.device))
+                continue
             lib.gemm(
-                GGML_IDS[p.fmt], isa, p.data.data_ptr(), p.data.stride(0), p.rows, kp // f.block,
-                a.data_ptr(), n, y.data_ptr() + 4 * o, out,
+                GGML_IDS[p.fmt], native.isa(), p.data.data_ptr(), p.data.stride(0), p.rows, kp // f.block,
+                a.data_ptr(), n, y.data_ptr() + 4 * o, y.shape[1],
             )  # fmt: skip
-
-    def _fallback(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        acts: dict[int, torch.Tensor] = {}
-        for p, o in zip(self.parts, self._offsets, strict=True):
-            if p.fmt in FLOAT_FORMATS:
-                y[:, o : o + p.rows] = F.linear(x[:, : self.shape[1]], p.data.float())
-                continue
-            f = _fmt(p.fmt)
-            if x.shape[0] >= PREFILL_ROWS:  # as the native path: float activations
-                y[:, o : o + p.rows] = F.linear(x, dequantize_blocks(p.data, f).to(x.device))
-                continue
-            a = acts.get(f.block)
-            if a is None:
-                a = acts[f.block] = fake_quantize(x, f.block)
-            y[:, o : o + p.rows] = F.linear(a, dequantize_blocks(p.data, f).to(x.device))
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float (len(rows), in) matrix of rows `rows` (all when None), in float32."""
