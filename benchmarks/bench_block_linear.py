@@ -1,0 +1,58 @@
+"""One BlockWeight linear per format, rows and path: the integer kernels against tiles of
+dequantized rows through MKL, and fp32 F.linear, thread time, best of 5, one thread.
+What PREFILL_ROWS (shardwise.kernels.block) was chosen from.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_block_linear.py
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+import shardwise.kernels.block as block
+from shardwise.kernels import BlockWeight, native, quantize_rows
+
+
+def bench(f, reps: int = 5) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t = time.thread_time()
+        f()
+        best = min(best, time.thread_time() - t)
+    return best * 1e3
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    cpu = next(
+        ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln
+    )
+    print(
+        f"{cpu}; {native.describe()}; load {Path('/proc/loadavg').read_text().split()[:3]}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    saved = block.PREFILL_ROWS
+    for fmt in ("Q8_0", "Q4_K"):
+        for o, k in ((1536, 576), (2048, 2048), (8192, 2048)):
+            if k % (256 if fmt.endswith("K") else 32):
+                continue
+            w = BlockWeight.of([(fmt, quantize_rows(torch.randn(o, k), fmt))], k)
+            wf = torch.randn(o, k)
+            for n in (1, 4, 16, 32, 64):
+                x = torch.randn(n, k)
+                block.PREFILL_ROWS = 1 << 30
+                ti = bench(lambda w=w, x=x: w.linear(x))
+                block.PREFILL_ROWS = 1
+                td = bench(lambda w=w, x=x: w.linear(x))
+                tf = bench(lambda wf=wf, x=x: torch.nn.functional.linear(x, wf))
+                print(
+                    f"{fmt} {o}x{k} n={n}: integer {ti:.3f} ms  dequantized+MKL {td:.3f} ms  fp32 {tf:.3f} ms",
+                    flush=True,
+                )
+    block.PREFILL_ROWS = saved
+
+
+if __name__ == "__main__":
+    main()
