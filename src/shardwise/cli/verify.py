@@ -46,6 +46,11 @@ LENGTHS = (8, 5)  # real tokens of the 2 prompts; the second is padded to the fi
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2, "fp16": 2e-2, "int8": 2e-1}
 """Default max relative error by dtype, or by --quantize scheme (int8: activations are
 quantized per call, per tensor, so a rank's slice and the whole row round differently)."""
+BLOCK_TOLERANCE = 5e-2
+"""Against transformers, where weights are computed in GGUF block formats as stored (a GGUF
+file without --quantize, or --quantize q8_0/q4_k/...): each layer input is quantized to 8-bit
+blocks, which transformers' dequantized fp32 does not do (about 1e-2 measured on Q8_0 files).
+The sharded model and its unsharded twin quantize the same blocks: they keep the dtype's bound."""
 Err = dict | None  # {"max_abs", "max_rel"} (None values: non-finite), or None: not compared
 
 
@@ -217,6 +222,7 @@ def _verify_rank(world: Communicator, opts: dict) -> dict | None:
         sharded, sharded_final = _forward(model, family, ids, mask)
         if tp.rank != 0:
             return None
+    blocks = _block_formats(model)
     del model
     full, _ = load_pretrained(opts["model"], comm=LocalCommunicator(), dtype=opts["dtype"], quantize=opts["quantize"])
     unsharded, unsharded_final = _forward(full, family, ids, mask)
@@ -242,6 +248,7 @@ def _verify_rank(world: Communicator, opts: dict) -> dict | None:
         "backend": world.backend,
         "dtype": str(dtype).replace("torch.", ""),
         "quantize": opts["quantize"],
+        "block_formats": blocks,
         "lengths": list(LENGTHS),
         "layers": layers,
         "final": {
@@ -252,6 +259,14 @@ def _verify_rank(world: Communicator, opts: dict) -> dict | None:
         "transformers_compared": hf is not None,
         "transformers_note": note,
     }
+
+
+def _block_formats(model: nn.Module) -> list[str]:
+    """The GGUF block formats this rank's weights are computed in (empty: none)."""
+    from shardwise.kernels import BlockWeight
+
+    held = {f for m in model.modules() for v in vars(m).values() if isinstance(v, BlockWeight) for f in v.formats}
+    return sorted(held - {"F32", "F16", "BF16"})
 
 
 def _ok(e: Err, tol: float) -> bool:
@@ -305,13 +320,16 @@ def run(args: argparse.Namespace) -> int:
     )
     if r is None:  # a non-zero rank under an external launcher
         return 0
-    tol = args.tolerance if args.tolerance is not None else TOLERANCE[r["quantize"] or r["dtype"]]
+    tol = args.tolerance if args.tolerance is not None else TOLERANCE.get(r["quantize"] or "", TOLERANCE[r["dtype"]])
+    hf_tol = tol
+    if args.tolerance is None and r["block_formats"]:
+        hf_tol = max(tol, BLOCK_TOLERANCE)
     layers, final = r["layers"], r["final"]
-    within = lambda x: _ok(x["vs_unsharded"], tol) and _ok(x["vs_transformers"], tol)
+    within = lambda x: _ok(x["vs_unsharded"], tol) and _ok(x["vs_transformers"], hf_tol)
     first = next((x["layer"] for x in layers if not within(x)), None)
     overall = {k: _worst([x[k] for x in [*layers, final]]) for k in ("vs_unsharded", "vs_transformers")}
     passed = first is None and within(final)
-    result = {**r, "tolerance": tol, "overall": overall, "first_diverging_layer": first, "passed": passed}
+    result = {**r, "tolerance": tol, "transformers_tolerance": hf_tol, "overall": overall, "first_diverging_layer": first, "passed": passed}
     if args.json:
         print(json.dumps(result))
         return 0 if passed else 1
@@ -338,9 +356,13 @@ def run(args: argparse.Namespace) -> int:
         f"{r['transformers_note']}{normed}" if r["transformers_compared"] else f"not compared: {r['transformers_note']}"
     )
     print(f"\ntransformers: {seen}")
+    bound = f"{tol:g} relative error"
+    if hf_tol != tol:
+        formats = ", ".join(r["block_formats"])
+        bound += f" ({hf_tol:g} against transformers: weights in {formats} blocks, activations in 8-bit blocks)"
     if passed:
-        print(f"PASS: {layout} matches within {tol:g} relative error")
+        print(f"PASS: {layout} matches within {bound}")
     else:
         where = f"first diverging layer: {first}" if first is not None else f"the final {final['output']} diverge"
-        print(f"FAIL: {layout} exceeds {tol:g} relative error; {where}")
+        print(f"FAIL: {layout} exceeds {bound}; {where}")
     return 0 if passed else 1
