@@ -11,6 +11,7 @@ import torch
 from gguf_files import K_QUANTS, reference_logits, write_gguf
 from helpers import tp_group
 from hf_models import greedy, prompts, save_tiny
+from measured import record
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -121,6 +122,7 @@ def test_every_type_matches_transformers_gguf_load(rank_pool, files, tp, types):
         _, _, ref, ref_tokens = files(qtype)
         for rank, r in enumerate(results):
             err = _err(r[qtype]["logits"], ref, real)
+            record("gguf-types", "llama", qtype, f"tp{tp}", err, rank=rank)
             if err > TOL:
                 failures.append(f"{qtype} rank {rank}: logits differ from transformers by {err:.2e}")
             if not torch.equal(r[qtype]["tokens"], ref_tokens):
@@ -273,11 +275,17 @@ def _check_against_sources(sources, cases, results, tp: int, *, ep: bool = False
         where = f"{key} tp={tp}" + " expert-parallel" * ep
         for rank, r in enumerate(results):
             err = _err(r[key]["logits"], ref, real)
+            layout = f"tp{tp}" + "-ep" * ep
+            record("gguf-families", family, qtype, layout, err, rank=rank, reference=_reference_of(family))
             if err > TOL:
                 failures.append(f"{where} rank {rank}: logits differ from the reference by {err:.2e}")
             if not torch.equal(r[key]["tokens"], ref_tokens):
                 failures.append(f"{where} rank {rank}: tokens {r[key]['tokens'].tolist()} != {ref_tokens.tolist()}")
     assert not failures, "\n".join(failures)
+
+
+def _reference_of(family: str) -> str:
+    return "transformers GGUF load" if family in GGUF_REFERENCE else "transformers on the source checkpoint"
 
 
 def _ep_params():

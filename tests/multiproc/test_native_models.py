@@ -13,6 +13,7 @@ import torch
 from gguf_files import reference_logits, write_gguf
 from helpers import tp_group
 from hf_models import prompts, save_tiny
+from measured import record
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -92,12 +93,14 @@ def test_sharded_native_equals_unsharded_and_holds_its_share(rank_pool, files, t
         ref = files(q)[1]
         base = one[q]["logits"]
         e_ref = ((base[real] - ref[real]).norm() / ref[real].norm()).item()
+        record("native-vs-transformers", "llama", q, "tp1 native", e_ref)
         from shardwise.kernels.blocks import FORMATS
 
         if e_ref > REFERENCE_TOL[FORMATS[q].block] or one[q]["formats"] != [q] or one[q]["blocks"] < 5:
             failures.append(f"{q}: tp=1 native {e_ref:.2e} from transformers, formats {one[q]['formats']}")
         for rank, r in enumerate(results):
             err = ((r[q]["logits"][real] - base[real]).norm() / base[real].norm()).item()
+            record("native-vs-unsharded", "llama", q, f"tp{tp} native", err, rank=rank)
             if err > SHARDED_TOL:
                 failures.append(f"{q} rank {rank}: {err:.2e} from the unsharded native logits")
             share = r[q]["bytes"] / one[q]["bytes"]

@@ -23,6 +23,7 @@ import torch
 from gguf_files import reference_logits, write_gguf
 from helpers import tp_group
 from hf_models import greedy, prompts, save_tiny
+from measured import record
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -116,6 +117,7 @@ def test_gguf_files_match_transformers(rank_pool, models, tp):
         real = prompts(vocab)[1].bool()
         for rank, r in enumerate(results):
             err = _err(r[name]["logits"], ref, real)
+            record("sliding-window-gguf", name, "as written", f"tp{tp}", err, rank=rank)
             if err > TOL:
                 failures.append(f"{name} tp={tp} rank {rank}: logits differ from transformers by {err:.2e}")
             if not torch.equal(r[name]["tokens"], ref_tokens):
