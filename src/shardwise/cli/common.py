@@ -25,6 +25,7 @@ __all__ = [
     "add_comm_dtype_arg",
     "resolve_model",
     "resolve_stages",
+    "resolve_auto",
     "fail",
     "job",
     "CliError",
@@ -155,10 +156,16 @@ def resolve_stages(cfg, tp: int, pp: int, pp_layers: list[int] | None = None):
     return layout
 
 
-def resolve_model(model: Path | None, tp: int, *, auto: bool = False, expert_parallel: bool = False):
+def resolve_model(
+    model: Path | None, tp: int, *, auto: bool = False, expert_parallel: bool = False, quantize: str | None = None
+):
     """(model dir, ModelConfig) after checking the directory and the tp size (shardwise.hf.resolve_model);
     exits with a one-line error. auto=True also accepts a model for the automatic plan (ModelConfig None).
-    expert_parallel: tp is checked against whole experts; a model without experts is refused."""
+    expert_parallel: tp is checked against whole experts; a model without experts is refused.
+    A GGUF file without --quantize (`quantize`) is computed in its own block formats: the
+    config is the one the load builds (shardwise.hf.loaded_config: the MLP cut on whole
+    blocks, the bytes per weight the planner counts), and a tp that would cut a row-parallel
+    tensor inside a block is refused here, for every rank, before any starts."""
     from shardwise.gguf import is_gguf
     from shardwise.hf import CheckpointError
     from shardwise.hf import resolve_model as resolve
@@ -174,9 +181,38 @@ def resolve_model(model: Path | None, tp: int, *, auto: bool = False, expert_par
         if tp < 1:
             raise ShardError(f"--tp must be >= 1, got {tp}")
         resolved = resolve(model_dir, tp=tp, auto=auto, expert_parallel=expert_parallel)
+        cfg = resolved.config
+        if cfg is not None and is_gguf(model_dir) and quantize is None:
+            from shardwise.hf import loaded_config
+            from shardwise.hf.stored import check_block_cuts
+
+            cfg = loaded_config(model_dir, cfg)
+            if cfg.stored_bytes_per_weight:
+                check_block_cuts(model_dir, cfg, tp=tp, expert_parallel=expert_parallel)
     except (CheckpointError, ShardError, NotImplementedError) as e:
         raise CliError(fail(str(e))) from None
-    return model_dir, resolved.config
+    return model_dir, cfg
+
+
+def resolve_auto(model_dir: Path, pp: int, pp_layers: list[int] | None, *, command: str):
+    """The AutoModelInfo of a model of the automatic plan (resolve_model's config None) for a
+    command that runs a causal LM; exits with a one-line error when it is not one, or when
+    pipeline stages are asked for (the automatic plan is tp only, in verify's words)."""
+    from shardwise.engine.auto import AutoModelInfo
+
+    if pp != 1:
+        raise CliError(fail(f"--pp {pp}: pipeline stages need a decoder family, not the automatic plan; use --pp 1"))
+    if pp_layers is not None:
+        raise CliError(fail("--pp-layers: pipeline stages need a decoder family, not the automatic plan"))
+    try:
+        info = AutoModelInfo.load(model_dir)
+    except (ValueError, OSError) as e:
+        raise CliError(fail(f"{model_dir / 'config.json'}: {e}")) from None
+    if not info.causal:
+        raise CliError(
+            fail(f"{command} needs a causal LM; transformers builds model_type {info.model_type!r} without an LM head")
+        )
+    return info
 
 
 def job(

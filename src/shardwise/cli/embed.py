@@ -65,7 +65,7 @@ def _embed_rank(world: Communicator, opts: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    model_dir, cfg = resolve_model(args.model, args.tp)
+    model_dir, cfg = resolve_model(args.model, args.tp, quantize=args.quantize)
     if args.pp != 1:  # NOTE: stages are cut from a DecoderLM (shardwise.pipeline.stage); BertEncoder has none
         return fail(f"--pp {args.pp}: pipeline stages need a decoder family; embed's encoders (bert) run at --pp 1")
     if cfg.causal:

@@ -93,6 +93,22 @@ def _tensor_bytes(model, width: int, quantize: str | None, *, local: bool = True
     return out
 
 
+def _stored_bytes(model_dir, cfg, tp: int, rank: int, expert_parallel: bool) -> dict[str, tuple[int, str]]:
+    """{parameter name: (bytes, formats)} rank `rank` holds of a GGUF file in its own block formats."""
+    from shardwise.hf.stored import stored_layout
+
+    layout = stored_layout(model_dir, cfg, tp=tp, rank=rank, expert_parallel=expert_parallel)
+    return {name: (sum(held.values()), "+".join(held)) for name, held in layout.items()}
+
+
+def _by_format(tensors: list[dict]) -> dict[str, int]:
+    """{format: bytes on rank 0}, largest first (a mixed tensor's bytes under its first format)."""
+    out: dict[str, int] = {}
+    for t in tensors:
+        out[t["format"]] = out.get(t["format"], 0) + t["bytes_per_rank"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def describe(
     model_dir,
     cfg,
@@ -115,7 +131,8 @@ def describe(
     parallelize(model, _plan(family, cfg, expert_parallel), comm=comm)
     specs = model_shard_specs(model)
     width = _BYTES[dtype]
-    sized = _tensor_bytes(model, width, quantize)
+    stored = quantize is None and cfg.stored_bytes_per_weight > 0  # a GGUF file in its own formats
+    sized = _stored_bytes(model_dir, cfg, tp, 0, expert_parallel) if stored else _tensor_bytes(model, width, quantize)
     tensors = [
         {
             "name": name,
@@ -127,7 +144,10 @@ def describe(
         }
         for name, spec in specs.items()
     ]
-    full = sum(b for b, _ in _tensor_bytes(model, width, quantize, local=False).values())
+    if stored:
+        full = sum(b for b, _ in _stored_bytes(model_dir, cfg, 1, 0, expert_parallel).values())
+    else:
+        full = sum(b for b, _ in _tensor_bytes(model, width, quantize, local=False).values())
     bal = balance(cfg, tp, expert_parallel=expert_parallel) if tp > 1 else None
     per_rank = [sum(t["bytes_per_rank"] for t in tensors)]
     experts = [_experts(model)] if cfg.num_experts else []
@@ -136,7 +156,9 @@ def describe(
             with on_meta():
                 other = family.model(cfg)
             parallelize(other, _plan(family, cfg, expert_parallel), comm=DryRunCommunicator(tp, r))
-            per_rank.append(sum(b for b, _ in _tensor_bytes(other, width, quantize).values()))
+            other_sized = _stored_bytes(model_dir, cfg, tp, r, expert_parallel) if stored else None
+            other_sized = other_sized or _tensor_bytes(other, width, quantize)
+            per_rank.append(sum(b for b, _ in other_sized.values()))
             if experts:
                 experts.append(_experts(other))
     counts = {}
@@ -156,6 +178,7 @@ def describe(
         "dtype": dtype,
         "quantize": quantize,
         "tensors": tensors,
+        "bytes_by_format": _by_format(tensors),
         "bytes_per_rank": per_rank[0],
         "bytes_by_rank": per_rank if len(per_rank) == tp else per_rank * tp,
         "bytes_unsharded": full,
@@ -252,7 +275,7 @@ def _expert_table(info: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model_dir, cfg = resolve_model(args.model, args.tp, expert_parallel=args.expert_parallel)
+    model_dir, cfg = resolve_model(args.model, args.tp, expert_parallel=args.expert_parallel, quantize=args.quantize)
     layout = resolve_stages(cfg, args.tp, args.pp, args.pp_layers) if cfg.causal or args.pp == 1 else None
     if args.pp != 1 and layout is None:
         print(f"shardwise: error: --pp {args.pp}: pipeline stages need a decoder family, not {cfg.family}")
@@ -282,6 +305,8 @@ def run(args: argparse.Namespace) -> int:
         f"\n{'weights' if q else 'parameters'} per rank: {info['bytes_per_rank'] / mib:.2f} MiB of {info['bytes_unsharded'] / mib:.2f} MiB "
         f"unsharded ({info['bytes_per_rank'] / info['bytes_unsharded']:.0%})"
     )
+    formats = ", ".join(f"{f} {b / mib:.2f}" for f, b in info["bytes_by_format"].items())
+    print(f"by format on rank 0 (MiB): {formats}")
     if info["balance"] is not None:
         print(f"split over tp={args.tp}: {info['balance']['text']}")
         if not info["balance"]["even"] and not info["experts_by_rank"]:

@@ -286,7 +286,9 @@ def _fmt(e: Err, key: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     # auto: models without shardwise code
-    model_dir, cfg = resolve_model(args.model, args.tp, auto=True, expert_parallel=args.expert_parallel)
+    model_dir, cfg = resolve_model(
+        args.model, args.tp, auto=True, expert_parallel=args.expert_parallel, quantize=args.quantize
+    )
     if args.tolerance is not None and not args.tolerance >= 0:
         return fail(f"--tolerance must be >= 0, got {args.tolerance}")
     if args.pp != 1:

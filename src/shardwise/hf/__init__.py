@@ -4,7 +4,7 @@ loading from safetensors (family code or the automatic plan, decided in one plac
 from shardwise.hf.checkpoint import Checkpoint, CheckpointError, raw_config
 from shardwise.hf.families import FAMILIES, Family, family_for, supported_model_types
 from shardwise.hf.fill import DTYPES, LoadReport
-from shardwise.hf.load import ResolvedModel, load_pretrained, read_config, resolve_model
+from shardwise.hf.load import ResolvedModel, load_pretrained, loaded_config, read_config, resolve_model
 
 __all__ = [
     "Checkpoint",
@@ -20,4 +20,5 @@ __all__ = [
     "resolve_model",
     "read_config",
     "load_pretrained",
+    "loaded_config",
 ]

@@ -38,7 +38,7 @@ from shardwise.hf.families import supported_model_types
 from shardwise.hf.fill import DTYPES, LoadReport, assign, bytes_read, dtype_name, refuse_unexpected
 from shardwise.hf.sources import Src, read_shard, segments
 from shardwise.layers import ShardError, model_shard_specs, split_sizes, valid_tp_sizes
-from shardwise.quant.convert import conversion_targets, convert_param, release_freed, weight_bytes
+from shardwise.quant.convert import bytes_by_format, conversion_targets, convert_param, release_freed, weight_bytes
 from shardwise.quant.schemes import conversion
 from shardwise.sharding import Colwise, Rowwise, Style, Vocab, parallelize
 
@@ -307,7 +307,9 @@ def load_auto(
     left = [f"{p}.{k}".lstrip(".") for p, m in model.named_modules() for k, v in _tensors(m).items() if v.is_meta]
     if left:
         raise CheckpointError(f"{path}: tensors still on the meta device after loading: {', '.join(left)}")
-    return model.eval(), LoadReport(f"auto:{model_type}", hf_config, weight_bytes(model), n_read)
+    return model.eval(), LoadReport(
+        f"auto:{model_type}", hf_config, weight_bytes(model), n_read, bytes_by_format(model)
+    )
 
 
 def _name_map(ckpt: Checkpoint, model: nn.Module, probe: str):

@@ -5,7 +5,7 @@ tensors, and filling a meta model with this rank's loaded tensors."""
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,6 +27,8 @@ class LoadReport:
     """Bytes of parameters this rank holds."""
     bytes_read: int
     """Bytes of tensor data this rank read from the checkpoint (in the checkpoint's dtype)."""
+    bytes_by_format: dict = field(default_factory=dict)
+    """{format: bytes} of param_bytes ("Q4_K", "Q6_K", "F32", ...; quant.convert.bytes_by_format)."""
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:

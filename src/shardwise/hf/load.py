@@ -25,6 +25,7 @@ No collective runs here, so bad input fails on every rank identically and at onc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -46,12 +47,19 @@ from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.meta import on_meta
 from shardwise.pipeline.stage import keep_stage
-from shardwise.quant.convert import conversion_targets, convert_rows, install, release_freed, weight_bytes
+from shardwise.quant.convert import (
+    bytes_by_format,
+    conversion_targets,
+    convert_rows,
+    install,
+    release_freed,
+    weight_bytes,
+)
 from shardwise.quant.schemes import NONE, check_quantize, conversion
 from shardwise.sharding import parallelize
 from shardwise.sharding.plans import check_tp
 
-__all__ = ["ResolvedModel", "resolve_model", "read_config", "load_pretrained"]
+__all__ = ["ResolvedModel", "resolve_model", "read_config", "load_pretrained", "loaded_config", "stored_config"]
 
 
 @dataclass(frozen=True)
@@ -172,7 +180,7 @@ def load_pretrained(
     if gguf:  # GGUF tensor names, q/k un-permuted and blocks dequantized as read
         f = GGUFFile(path)
         if not quantize and not as_floats:  # the MLP cut on the file's own blocks
-            cfg = replace(cfg, weight_block=weight_block(f))
+            cfg = stored_config(f, cfg)
         ckpt = GGUFCheckpoint(f, cfg, dtype=DTYPES[cfg.dtype])
         table = gguf_names(family.names(cfg, family.prefixes[0]), ckpt.file)
     else:
@@ -218,7 +226,35 @@ def load_pretrained(
         n_read = ckpt.bytes_read
     ckpt.close()
     assign(model, loaded)
-    return model.eval(), LoadReport(family.name, cfg, weight_bytes(model), n_read)
+    return model.eval(), LoadReport(family.name, cfg, weight_bytes(model), n_read, bytes_by_format(model))
+
+
+def loaded_config(path: str | Path, cfg: ModelConfig, quantize: str | None = None) -> ModelConfig:
+    """`cfg` as load_pretrained builds the model on the CPU: a GGUF file loaded without
+    --quantize computes its matrices in their own block formats (stored_config); anything
+    else is as read."""
+    if not is_gguf(path) or quantize is not None:
+        return cfg
+    f = GGUFFile(path)
+    try:
+        return stored_config(f, cfg)
+    finally:
+        f.close()
+
+
+def stored_config(f: GGUFFile, cfg: ModelConfig) -> ModelConfig:
+    """cfg with the file's block (the MLP's row-parallel cut falls on whole blocks) and the
+    bytes per weight its matrices hold in their own formats (float matrices count as fp32)."""
+    if not any(t.type in NATIVE_FORMATS for t in f.tensors.values()):
+        return cfg
+    held = elements = 0
+    for t in f.tensors.values():
+        if len(t.shape) < 2:
+            continue
+        n = math.prod(t.shape)
+        elements += n
+        held += t.nbytes if t.type in NATIVE_FORMATS else 4 * n
+    return replace(cfg, weight_block=weight_block(f), stored_bytes_per_weight=held / max(elements, 1))
 
 
 def weight_block(f: GGUFFile) -> int:

@@ -91,10 +91,16 @@ class ModelConfig:
     """The block, in weights, a row-parallel cut of the MLP's input must fall on: a GGUF
     file's largest block along its down projections (32, or 256 for the K-quants), so that
     every rank holds whole blocks; 1 for float weights."""
+    stored_bytes_per_weight: float = 0.0
+    """Bytes per weight of the matrices (projections, experts, embedding, head) as a GGUF file
+    computed in its own block formats holds them (Q4_K 0.5625, Q8_0 1.0625; a mix averages);
+    0: in the model's dtype. For the planner's memory and time models."""
     extra: dict = field(default_factory=dict)
     """Family-specific values carried through from the source config."""
 
     def __post_init__(self) -> None:
+        if not self.stored_bytes_per_weight >= 0:
+            raise ValueError(f"stored_bytes_per_weight must be >= 0, got {self.stored_bytes_per_weight}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -20,12 +20,14 @@ tests/unit/test_planner_moe.py checks these counts against the real sharded MoE 
 
 Weights stored quantized (`--quantize`, inference only; weight_bytes): every projection of
 the blocks (attention qkv and o, the MLP's up/gate and down, routed and shared experts) and
-the LM head at 2 bytes a weight (fp16) or 1 byte a weight plus one fp32 scale per output row
-of the rank's local matrix (int8); the input embedding table in the same format (int8: a
-scale per row). A tied head and table are two converted copies once quantized (the packed
-head cannot be looked up). Norms, biases, routers (and the shared expert's gate) and learned
-positions stay in the model's dtype. tests/unit/test_planner_quantize.py checks these bytes
-against the real sharded model.
+the LM head at 2 bytes a weight (fp16) or a block format's bytes per weight (int8 is Q8_0 on
+the CPU: 34 bytes per 32 weights; Q4_K 144 per 256, ...); the input embedding table in the
+same format. A tied head and table are two copies in fp16, one block-format matrix. A GGUF
+file loaded without --quantize holds its matrices in their own formats: at the file's average
+bytes per weight (ModelConfig.stored_bytes_per_weight, shardwise.hf.load.stored_config).
+Norms, biases, routers (and the shared expert's gate) and learned positions stay in the
+model's dtype. tests/unit/test_planner_quantize.py checks these bytes against the real
+sharded model.
 """
 
 from __future__ import annotations
@@ -317,7 +319,8 @@ def weight_bytes(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0, *, widt
     `width` bytes, or with the projections, the head and the embedding table stored as
     `quantize` (the module docstring), the rest in `width`."""
     n = stage_params(cfg, tp, pp, stage, layers=layers, expert_parallel=expert_parallel)
-    if quantize in (None, "none"):
+    stored = cfg.stored_bytes_per_weight if quantize is None else 0.0  # a GGUF file computed as stored
+    if quantize in (None, "none") and not stored:
         return n * width
     layers = cfg.num_layers // pp if layers is None else layers
     proj = projections(cfg, tp, layers, expert_parallel=expert_parallel)
@@ -325,11 +328,13 @@ def weight_bytes(cfg: ModelConfig, tp: int, pp: int = 1, stage: int = 0, *, widt
     first, last = stage == 0, stage == pp - 1
     counted = first + (last and (not cfg.tie_embeddings or not first))  # table copies in stage_params
     copies = first + last  # quantized, a tied head is a copy of its own (fp16) ...
-    if cfg.tie_embeddings and first and last and quantize in BLOCK_SCHEMES:
+    if cfg.tie_embeddings and first and last and (stored or quantize in BLOCK_SCHEMES):
         copies = 1  # ... but one block-format matrix serves the head and the lookup
     plain = n - proj.params - counted * vocab * cfg.hidden_size
-    q = quantized_bytes(quantize, proj.params + copies * vocab * cfg.hidden_size, proj.rows + copies * vocab)
-    return plain * width + q
+    matrices = proj.params + copies * vocab * cfg.hidden_size
+    if stored:  # the file's own blocks, at its matrices' average bytes per weight
+        return plain * width + stored * matrices
+    return plain * width + quantized_bytes(quantize, matrices, proj.rows + copies * vocab)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, tp: int, width: int, layers: int | None = None) -> int:

@@ -44,6 +44,7 @@ from shardwise.quant.schemes import SCHEMES
 
 __all__ = [
     "Target",
+    "bytes_by_format",
     "empty_rows",
     "quantize_weight",
     "conversion_targets",
@@ -258,3 +259,34 @@ def weight_bytes(model: nn.Module, scheme: str | None = None) -> int:
                 seen.add(id(v))
                 total += v.nbytes
     return total
+
+
+_FLOAT_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def bytes_by_format(model: nn.Module) -> dict[str, int]:
+    """{format: bytes} of what this rank holds, each tensor once, largest first: block-format
+    parts by their GGUF type ("Q4_K", ...), float parameters by dtype ("F32"), fbgemm or CUDA
+    packed weights as "fp16" / "int8". Sums to weight_bytes(model)."""
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+
+    def add(fmt: str, n: int) -> None:
+        out[fmt] = out.get(fmt, 0) + n
+
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                add(_FLOAT_NAMES.get(p.dtype, str(p.dtype)), p.numel() * p.element_size())
+        for v in vars(module).values():
+            if id(v) in seen:
+                continue
+            if isinstance(v, BlockWeight):
+                seen.add(id(v))
+                for part in v.parts:
+                    add(part.fmt, part.nbytes)
+            elif isinstance(v, QuantizedWeight | QuantizedExperts | QuantizedTable):
+                seen.add(id(v))
+                add(getattr(v, "scheme", type(v).__name__), v.nbytes)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
