@@ -21,13 +21,25 @@
  * Integer bounds: |q_j . qa_j| <= 32 * 31 * 127 (Q5_K); a block's sum <= 8 * 63 * 126k, and
  * for Q6_K 16 * 128 * 16 * 63 * 127: both well inside int32.
  *
- * Each gemm: for each weight row, for each group of up to 4 activation rows, for each block,
- * the weight block is decoded once into registers and dotted with the group's rows. */
+ * Variants (registered into sw_gemm_table / sw_dequant_table):
+ *   portable  plain C: each block unpacked to bytes, integer dots per sub-block.
+ *   avx2      a sub-block's 32 weights in one ymm as u8 (Q6_K: q, 0..63), times the s8
+ *             activations by vpmaddubsw, then vpmaddwd by the sub-scale as int16: the int32
+ *             lanes hold exact partial sums of sc * dot. Q4_K/Q5_K: each row's lanes scaled
+ *             per block in fp32 (da d isum - da dmin imin, imin by one vpmaddwd of bsum and
+ *             the mins); Q6_K: the -32 enters as -32 sc bsum, which cancels against the
+ *             unsigned dot, so a block's lanes are summed in integers first (4 rows at once).
+ *   avx512    the same with one zmm per 64 weights and vpdpwssd (VNNI) for the scale step.
+ *             Dequantizing runs the avx2 code.
+ * The SIMD gemms take the weight rows a tile of K_TILE at a time and the activation rows in
+ * groups of up to 4: each weight block is decoded into registers once per group and dotted
+ * with the group's rows, and a tile stays in cache while the groups pass over it. */
 #include <immintrin.h>
 
 #include "sw.h"
 
 enum { Q4K_BYTES = 144, Q5K_BYTES = 176, Q6K_BYTES = 210 };
+enum { K_TILE = 16 }; /* weight rows per tile in the SIMD gemms */
 
 /* Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 mins. Bytes 0-3: scales 0-3 (low 6 bits)
  * with the top 2 bits of scales 4-7; bytes 4-7: the same for the mins; bytes 8-11: the low
@@ -182,11 +194,431 @@ static void dequant_q6_k_portable(const uint8_t *w, size_t row_bytes, int64_t ro
         }
 }
 
+/* ---------------------------------------------------------------- AVX2 */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+static inline uint16_t k_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline float k_hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* int16 lane 2j, 2j + 1 = byte j of a 64-bit word broadcast to every 64 bits (pshufb, 0x80 = 0). */
+static inline __m256i k_pairs16(uint64_t v) {
+    const __m256i idx = _mm256_setr_epi8(0, -128, 0, -128, 1, -128, 1, -128, 2, -128, 2, -128, 3, -128, 3, -128, 4,
+                                         -128, 4, -128, 5, -128, 5, -128, 6, -128, 6, -128, 7, -128, 7, -128);
+    return _mm256_shuffle_epi8(_mm256_set1_epi64x((long long)v), idx);
+}
+
+/* Sub-block j (32 weights, u8) of a Q4_K / Q5_K block: the nibbles v of qs[32 (j / 2) ..],
+ * and for Q5_K bit j of each byte of qh (h) as bit 4. */
+ALWAYS_INLINE __m256i k45_sub_avx2(int q5, int j, __m256i v, __m256i h) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+    __m256i q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, nib);
+    if (q5) { /* bit j of a byte to bit 4 (16-bit shifts: the masked bit never crosses bytes) */
+        __m256i hb = j == 4 ? h : j < 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
+        q = _mm256_or_si256(q, _mm256_and_si256(hb, b4));
+    }
+    return q;
+}
+
+/* ni (<= 4) activation rows against every weight row: per block, sub-block j's weights are
+ * decoded once and dotted with the ni rows (maddubs: u8 weights x s8 activations, then madd
+ * by the sub-scale as int16: the 8 int32 lanes hold exact partial sums of sc[j] * dot_j). */
+ALWAYS_INLINE void k45_rows_avx2(int q5, int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                                 const sw_a256 *xa, float *y, int64_t ldy) {
+    const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES, qs_off = q5 ? 48 : 16;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        __m256 acc[4];
+        for (int i = 0; i < ni; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < kblocks; b++) {
+            const uint8_t *blk = wr + bytes * b;
+            uint64_t sc, mn;
+            k_scales64(blk + 4, &sc, &mn);
+            const __m256i scb = _mm256_set1_epi64x((long long)sc);
+            const __m256i h = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+            __m256i isum[4];
+            for (int i = 0; i < ni; i++) isum[i] = _mm256_setzero_si256();
+            for (int k = 0; k < 4; k++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + qs_off + 32 * k));
+                for (int j = 2 * k; j < 2 * k + 2; j++) {
+                    const __m256i q = k45_sub_avx2(q5, j, v, h);
+                    const __m256i s = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x8000 | j)));
+                    for (int i = 0; i < ni; i++) {
+                        const __m256i a = _mm256_loadu_si256((const __m256i *)(xa[i * kblocks + b].q + 32 * j));
+                        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), s));
+                    }
+                }
+            }
+            const __m256i mn16 = k_pairs16(mn);
+            const __m256 vd = _mm256_set1_ps(_cvtsh_ss(k_u16(blk))), vm = _mm256_set1_ps(_cvtsh_ss(k_u16(blk + 2)));
+            for (int i = 0; i < ni; i++) {
+                const sw_a256 *a = xa + i * kblocks + b;
+                const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), mn16);
+                const __m256 da = _mm256_set1_ps(a->d);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(vd, da), acc[i]);
+                acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(vm, da), acc[i]);
+            }
+        }
+        for (int i = 0; i < ni; i++) y[i * ldy + r] = k_hsum8(acc[i]);
+    }
+}
+
+/* Q6_K, 32 weights t of half hf (weights 128 hf + 32 t ..): 4 low bits from ql0 / ql1
+ * (qs[64 hf ..], qs[64 hf + 32 ..]), 2 high from qh[32 hf ..] bits 2t, 2t + 1; u8 0..63. */
+ALWAYS_INLINE __m256i q6_sub_avx2(int t, __m256i ql0, __m256i ql1, __m256i qh) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+    const __m256i l = t & 1 ? ql1 : ql0;
+    const __m256i lo = _mm256_and_si256(t < 2 ? l : _mm256_srli_epi16(l, 4), nib);
+    const __m256i hb = t == 0   ? _mm256_slli_epi16(qh, 4)
+                       : t == 1 ? _mm256_slli_epi16(qh, 2)
+                       : t == 2 ? qh
+                                : _mm256_srli_epi16(qh, 2);
+    return _mm256_or_si256(lo, _mm256_and_si256(hb, hi2));
+}
+
+/* The integer sums of up to 4 rows (8 int32 lanes each, unused rows zero) -> their 4 totals,
+ * exact (the lanes are not: unsigned Q6_K weights and the -32 * bsum term cancel). */
+static inline __m128i k_total4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+    return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+/* Q6_K: the same shape; weights as u8 0..63 and the -32 through bsum: each row's integer sum
+ * starts at -32 * sum_g sc[g] * bsum[g] (madd of bsum and the int16 scales). The lanes hold
+ * the unsigned dot and the offset apart, which cancel, so a block's lanes are summed in
+ * integers (4 rows at once) and its total scaled as the portable path does:
+ * y += da * d * (float)isum. */
+ALWAYS_INLINE void q6_rows_avx2(int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                                const sw_a256 *xa, float *y, int64_t ldy) {
+    /* per 128-bit lane: int16 sc[2t] (lane 0) or sc[2t + 1] (lane 1) of a half's 8 scales */
+    __m256i sidx[4];
+    for (int t = 0; t < 4; t++)
+        sidx[t] = _mm256_setr_m128i(_mm_set1_epi16((short)((4 * t + 1) << 8 | 4 * t)),
+                                    _mm_set1_epi16((short)((4 * t + 3) << 8 | (4 * t + 2))));
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        __m128 acc = _mm_setzero_ps(); /* lane i: row i */
+        for (int64_t b = 0; b < kblocks; b++) {
+            const uint8_t *blk = wr + Q6K_BYTES * b;
+            const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+            const __m256i sc16 = _mm256_cvtepi8_epi16(sc8); /* int16 sc[0 .. 15] */
+            __m256i isum[4];
+            float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int i = 0; i < 4; i++) isum[i] = _mm256_setzero_si256();
+            for (int i = 0; i < ni; i++) {
+                const sw_a256 *a = xa + i * kblocks + b;
+                const __m256i c = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), sc16);
+                isum[i] = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(c, 5));
+                da[i] = a->d;
+            }
+            for (int hf = 0; hf < 2; hf++) {
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hf));
+                const __m256i sh = _mm256_broadcastsi128_si256(hf ? _mm256_extracti128_si256(sc16, 1)
+                                                                  : _mm256_castsi256_si128(sc16));
+                for (int t = 0; t < 4; t++) {
+                    const __m256i q = q6_sub_avx2(t, ql0, ql1, qh);
+                    const __m256i s = _mm256_shuffle_epi8(sh, sidx[t]);
+                    for (int i = 0; i < ni; i++) {
+                        const int8_t *a = xa[i * kblocks + b].q + 128 * hf + 32 * t;
+                        const __m256i av = _mm256_loadu_si256((const __m256i *)a);
+                        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, av), s));
+                    }
+                }
+            }
+            const __m128 f = _mm_mul_ps(_mm_loadu_ps(da), _mm_set1_ps(_cvtsh_ss(k_u16(blk + 208))));
+            acc = _mm_add_ps(acc, _mm_mul_ps(f, _mm_cvtepi32_ps(k_total4(isum[0], isum[1], isum[2], isum[3]))));
+        }
+        float out[4];
+        _mm_storeu_ps(out, acc);
+        for (int i = 0; i < ni; i++) y[i * ldy + r] = out[i];
+    }
+}
+
+/* Weight rows a tile at a time (K_TILE rows stay in cache while every group of activation
+ * rows passes over them: the weights are read from memory once), activation rows in groups
+ * of 4 (then 3, 2, 1). fmt 4, 5 (Q4_K, Q5_K) or 6 (Q6_K). */
+ALWAYS_INLINE void gemm_k_avx2(int fmt, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                               const void *x, int64_t n, float *y, int64_t ldy) {
+    const sw_a256 *xa = (const sw_a256 *)x;
+    for (int64_t r0 = 0; r0 < rows; r0 += K_TILE) {
+        const int64_t nr = rows - r0 < K_TILE ? rows - r0 : K_TILE;
+        const uint8_t *wt = w + r0 * row_bytes;
+        for (int64_t i0 = 0; i0 < n;) {
+            const int64_t left = n - i0;
+            const int ni = left >= 4 ? 4 : (int)left;
+            const sw_a256 *xi = xa + i0 * kblocks;
+            float *yi = y + i0 * ldy + r0;
+#define K_RUN(k)                                                                                \
+    (fmt == 6 ? q6_rows_avx2(k, wt, row_bytes, nr, kblocks, xi, yi, ldy)                          \
+              : k45_rows_avx2(fmt == 5, k, wt, row_bytes, nr, kblocks, xi, yi, ldy))
+            if (ni == 4) K_RUN(4);
+            else if (ni == 3) K_RUN(3);
+            else if (ni == 2) K_RUN(2);
+            else K_RUN(1);
+#undef K_RUN
+            i0 += ni;
+        }
+    }
+}
+
+/* 16 u8 (or, signed, s8) weights q times s, minus m -> o[0 .. 15], rounded as the portable
+ * path rounds s * q - m (a product, then a difference: no fused multiply-add). */
+ALWAYS_INLINE void k_store16_avx2(int is_signed, __m128i q, float s, float m, float *o) {
+    const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
+    for (int k = 0; k < 2; k++) {
+        const __m128i part = k ? _mm_srli_si128(q, 8) : q;
+        const __m256i v = is_signed ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+        _mm256_storeu_ps(o + 8 * k, _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), vs), vm));
+    }
+}
+
+ALWAYS_INLINE void dequant_k45_avx2(int q5, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                                    float *out) {
+    const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES, qs_off = q5 ? 48 : 16;
+    uint8_t sc[8], mn[8];
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < kblocks; b++) {
+            const uint8_t *blk = w + r * row_bytes + bytes * b;
+            const float d = _cvtsh_ss(k_u16(blk)), dmin = _cvtsh_ss(k_u16(blk + 2));
+            float *o = out + (r * kblocks + b) * 256;
+            k_scales(blk + 4, sc, mn);
+            const __m256i h = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+            for (int k = 0; k < 4; k++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + qs_off + 32 * k));
+                for (int j = 2 * k; j < 2 * k + 2; j++) {
+                    const __m256i q = k45_sub_avx2(q5, j, v, h);
+                    const float s = d * sc[j], m = dmin * mn[j];
+                    k_store16_avx2(0, _mm256_castsi256_si128(q), s, m, o + 32 * j);
+                    k_store16_avx2(0, _mm256_extracti128_si256(q, 1), s, m, o + 32 * j + 16);
+                }
+            }
+        }
+}
+
+ALWAYS_INLINE void dequant_q6_avx2(const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks, float *out) {
+    const __m256i off = _mm256_set1_epi8(32);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < kblocks; b++) {
+            const uint8_t *blk = w + r * row_bytes + Q6K_BYTES * b;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = _cvtsh_ss(k_u16(blk + 208));
+            float *o = out + (r * kblocks + b) * 256;
+            for (int hf = 0; hf < 2; hf++) {
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hf));
+                for (int t = 0; t < 4; t++) {
+                    const __m256i q = _mm256_sub_epi8(q6_sub_avx2(t, ql0, ql1, qh), off);
+                    const int g = 8 * hf + 2 * t; /* sub-blocks g, g + 1: 16 weights each */
+                    k_store16_avx2(1, _mm256_castsi256_si128(q), d * sc[g], 0.0f, o + 128 * hf + 32 * t);
+                    k_store16_avx2(1, _mm256_extracti128_si256(q, 1), d * sc[g + 1], 0.0f, o + 128 * hf + 32 * t + 16);
+                }
+            }
+        }
+}
+
+#pragma GCC pop_options
+
+/* ---------------------------------------------------------------- AVX-512 VNNI */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+
+/* One zmm holds 64 weights (two 32-weight sub-blocks for Q4_K / Q5_K, four 16-weight ones
+ * for Q6_K) in weight order, so the activations are read as stored. Per zmm and activation
+ * row: vpmaddubsw (u8 weights x s8 activations -> s16 pairs, at most 2 * 63 * 127: no
+ * saturation) and vpdpwssd by the int16 sub-scales into the row's int32 lanes (exact). */
+
+/* Q4_K / Q5_K: zmm k = sub-blocks 2k (bytes 0-31: the low nibbles of qs[32k ..]) and 2k + 1
+ * (bytes 32-63: the high nibbles); Q5_K's bit 2k / 2k + 1 of qh as bit 4. */
+ALWAYS_INLINE __m512i k45_sub512(int q5, int k, const uint8_t *qs, __m512i h) {
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1); /* 0 | 4 */
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * k)));
+    __m512i q = _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(0x0F));
+    if (q5) {
+        const __m512i bit =
+            _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * k)), _mm256_set1_epi8((char)(1 << (2 * k + 1))), 1);
+        q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(h, bit), q, _mm512_set1_epi8(0x10));
+    }
+    return q;
+}
+
+ALWAYS_INLINE void k45_rows512(int q5, int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                               const sw_a256 *xa, float *y, int64_t ldy) {
+    const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES, qs_off = q5 ? 48 : 16;
+    /* int16 lanes 0-15 <- byte 2k of a broadcast 64-bit word, 16-31 <- byte 2k + 1 */
+    __m512i sidx[4];
+    for (int k = 0; k < 4; k++)
+        sidx[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(0x8000 | 2 * k))),
+                                     _mm256_set1_epi16((short)(0x8000 | (2 * k + 1))), 1);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        __m512 acc[4];
+        for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < kblocks; b++) {
+            const uint8_t *blk = wr + bytes * b;
+            uint64_t sc, mn;
+            k_scales64(blk + 4, &sc, &mn);
+            const __m512i scb = _mm512_set1_epi64((long long)sc);
+            const __m512i h =
+                q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16))) : _mm512_setzero_si512();
+            __m512i isum[4];
+            for (int i = 0; i < ni; i++) isum[i] = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++) {
+                const __m512i q = k45_sub512(q5, k, blk + qs_off, h);
+                const __m512i s = _mm512_shuffle_epi8(scb, sidx[k]);
+                for (int i = 0; i < ni; i++) {
+                    const __m512i a = _mm512_loadu_si512((const void *)(xa[i * kblocks + b].q + 64 * k));
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(q, a), s);
+                }
+            }
+            const __m256i mn16 = k_pairs16(mn);
+            const __m512 vd = _mm512_set1_ps(_cvtsh_ss(k_u16(blk)));
+            const __m256 vm = _mm256_set1_ps(_cvtsh_ss(k_u16(blk + 2)));
+            for (int i = 0; i < ni; i++) {
+                const sw_a256 *a = xa + i * kblocks + b;
+                const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), mn16);
+                const __m256 mf = _mm256_mul_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(vm, _mm256_set1_ps(a->d)));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(vd, _mm512_set1_ps(a->d)), acc[i]);
+                acc[i] = _mm512_sub_ps(acc[i], _mm512_zextps256_ps512(mf));
+            }
+        }
+        for (int i = 0; i < ni; i++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i]);
+    }
+}
+
+/* Q6_K half hf: zmm lo = weights 128 hf + 0 .. 63 (t = 0, 1), hi = 64 .. 127 (t = 2, 3). */
+ALWAYS_INLINE void q6_half512(const uint8_t *blk, int hf, __m512i *lo, __m512i *hi) {
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); /* 0 | 2 */
+    const __m512i nib = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
+    const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * hf));
+    /* qh, and qh >> 2 in the upper half: bits 0-1 (t = 0) | 2-3 (t = 1) at 0-1, 4-5 | 6-7 at 4-5 */
+    const __m256i qh8 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hf));
+    const __m512i qh = _mm512_srlv_epi16(_mm512_broadcast_i64x4(qh8), shift);
+    *lo = _mm512_or_si512(_mm512_and_si512(ql, nib), _mm512_and_si512(_mm512_slli_epi16(qh, 4), hi2));
+    *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib), _mm512_and_si512(qh, hi2));
+}
+
+/* As q6_rows_avx2: a block's lanes summed in integers, 4 rows at once. */
+ALWAYS_INLINE void q6_rows512(int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                              const sw_a256 *xa, float *y, int64_t ldy) {
+    /* zmm k covers sub-blocks 4k .. 4k + 3, one per 128-bit lane: int16 lane l <- sc[4k + l / 8] */
+    __m512i sidx[4];
+    for (int k = 0; k < 4; k++)
+        sidx[k] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16((short)(4 * k)), _mm_set1_epi16((short)(4 * k + 1)))),
+            _mm256_setr_m128i(_mm_set1_epi16((short)(4 * k + 2)), _mm_set1_epi16((short)(4 * k + 3))), 1);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        __m128 acc = _mm_setzero_ps(); /* lane i: row i */
+        for (int64_t b = 0; b < kblocks; b++) {
+            const uint8_t *blk = wr + Q6K_BYTES * b;
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            const __m512i scz = _mm512_castsi256_si512(sc16); /* the upper half is never indexed */
+            __m512i isum[4];
+            float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int i = 0; i < ni; i++) { /* -32 * sum_g sc[g] * bsum[g] */
+                const sw_a256 *a = xa + i * kblocks + b;
+                const __m256i c = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), sc16);
+                isum[i] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(c, 5)));
+                da[i] = a->d;
+            }
+            for (int hf = 0; hf < 2; hf++) {
+                __m512i q[2];
+                q6_half512(blk, hf, &q[0], &q[1]);
+                for (int u = 0; u < 2; u++) {
+                    const __m512i s = _mm512_permutexvar_epi16(sidx[2 * hf + u], scz);
+                    for (int i = 0; i < ni; i++) {
+                        const __m512i a = _mm512_loadu_si512((const void *)(xa[i * kblocks + b].q + 128 * hf + 64 * u));
+                        isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(q[u], a), s);
+                    }
+                }
+            }
+            __m256i h[4];
+            for (int i = 0; i < 4; i++)
+                h[i] = i < ni ? _mm256_add_epi32(_mm512_castsi512_si256(isum[i]), _mm512_extracti64x4_epi64(isum[i], 1))
+                              : _mm256_setzero_si256();
+            const __m128 f = _mm_mul_ps(_mm_loadu_ps(da), _mm_set1_ps(_cvtsh_ss(k_u16(blk + 208))));
+            acc = _mm_add_ps(acc, _mm_mul_ps(f, _mm_cvtepi32_ps(k_total4(h[0], h[1], h[2], h[3]))));
+        }
+        float out[4];
+        _mm_storeu_ps(out, acc);
+        for (int i = 0; i < ni; i++) y[i * ldy + r] = out[i];
+    }
+}
+
+ALWAYS_INLINE void gemm_k_avx512(int fmt, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                                 const void *x, int64_t n, float *y, int64_t ldy) {
+    const sw_a256 *xa = (const sw_a256 *)x;
+    for (int64_t r0 = 0; r0 < rows; r0 += K_TILE) {
+        const int64_t nr = rows - r0 < K_TILE ? rows - r0 : K_TILE;
+        const uint8_t *wt = w + r0 * row_bytes;
+        for (int64_t i0 = 0; i0 < n;) {
+            const int64_t left = n - i0;
+            const int ni = left >= 4 ? 4 : (int)left;
+            const sw_a256 *xi = xa + i0 * kblocks;
+            float *yi = y + i0 * ldy + r0;
+#define K_RUN(k)                                                                                \
+    (fmt == 6 ? q6_rows512(k, wt, row_bytes, nr, kblocks, xi, yi, ldy)                          \
+              : k45_rows512(fmt == 5, k, wt, row_bytes, nr, kblocks, xi, yi, ldy))
+            if (ni == 4) K_RUN(4);
+            else if (ni == 3) K_RUN(3);
+            else if (ni == 2) K_RUN(2);
+            else K_RUN(1);
+#undef K_RUN
+            i0 += ni;
+        }
+    }
+}
+
+#pragma GCC pop_options
+
+/* ---------------------------------------------------------------- the tables */
+
+#define K_GEMM_ARGS \
+    const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks, const void *x, int64_t n, float *y, int64_t ldy
+#define K_DEQ_ARGS const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks, float *out
+#define K_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define K_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+K_AVX2 static void gemm_q4_k_avx2(K_GEMM_ARGS) { gemm_k_avx2(4, w, row_bytes, rows, kblocks, x, n, y, ldy); }
+K_AVX2 static void gemm_q5_k_avx2(K_GEMM_ARGS) { gemm_k_avx2(5, w, row_bytes, rows, kblocks, x, n, y, ldy); }
+K_AVX2 static void gemm_q6_k_avx2(K_GEMM_ARGS) { gemm_k_avx2(6, w, row_bytes, rows, kblocks, x, n, y, ldy); }
+K_AVX512 static void gemm_q4_k_avx512(K_GEMM_ARGS) { gemm_k_avx512(4, w, row_bytes, rows, kblocks, x, n, y, ldy); }
+K_AVX512 static void gemm_q5_k_avx512(K_GEMM_ARGS) { gemm_k_avx512(5, w, row_bytes, rows, kblocks, x, n, y, ldy); }
+K_AVX512 static void gemm_q6_k_avx512(K_GEMM_ARGS) { gemm_k_avx512(6, w, row_bytes, rows, kblocks, x, n, y, ldy); }
+/* AVX-512 dequantizes with the AVX2 code: the table's fallback to the next ISA down. */
+K_AVX2 static void dequant_q4_k_avx2(K_DEQ_ARGS) { dequant_k45_avx2(0, w, row_bytes, rows, kblocks, out); }
+K_AVX2 static void dequant_q5_k_avx2(K_DEQ_ARGS) { dequant_k45_avx2(1, w, row_bytes, rows, kblocks, out); }
+K_AVX2 static void dequant_q6_k_avx2(K_DEQ_ARGS) { dequant_q6_avx2(w, row_bytes, rows, kblocks, out); }
+
 void sw_register_qk(void) {
     sw_gemm_table[SW_Q4_K][SW_ISA_PORTABLE] = gemm_q4_k_portable;
     sw_gemm_table[SW_Q5_K][SW_ISA_PORTABLE] = gemm_q5_k_portable;
     sw_gemm_table[SW_Q6_K][SW_ISA_PORTABLE] = gemm_q6_k_portable;
+    sw_gemm_table[SW_Q4_K][SW_ISA_AVX2] = gemm_q4_k_avx2;
+    sw_gemm_table[SW_Q5_K][SW_ISA_AVX2] = gemm_q5_k_avx2;
+    sw_gemm_table[SW_Q6_K][SW_ISA_AVX2] = gemm_q6_k_avx2;
+    sw_gemm_table[SW_Q4_K][SW_ISA_AVX512] = gemm_q4_k_avx512;
+    sw_gemm_table[SW_Q5_K][SW_ISA_AVX512] = gemm_q5_k_avx512;
+    sw_gemm_table[SW_Q6_K][SW_ISA_AVX512] = gemm_q6_k_avx512;
     sw_dequant_table[SW_Q4_K][SW_ISA_PORTABLE] = dequant_q4_k_portable;
     sw_dequant_table[SW_Q5_K][SW_ISA_PORTABLE] = dequant_q5_k_portable;
     sw_dequant_table[SW_Q6_K][SW_ISA_PORTABLE] = dequant_q6_k_portable;
+    sw_dequant_table[SW_Q4_K][SW_ISA_AVX2] = dequant_q4_k_avx2;
+    sw_dequant_table[SW_Q5_K][SW_ISA_AVX2] = dequant_q5_k_avx2;
+    sw_dequant_table[SW_Q6_K][SW_ISA_AVX2] = dequant_q6_k_avx2;
 }
