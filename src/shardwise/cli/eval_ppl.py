@@ -22,6 +22,10 @@ sequences, so positions past 128 are new to it: at --context 128 its perplexity 
 (--stride 64: 9.639). --json prints one object: the layout, context, stride, text_tokens,
 windows, tokens_scored, nll (mean, nats), ppl and wall_s.
 
+A model without shardwise code is scored through the automatic plan (shardwise.hf.auto) at
+any tp `verify` accepts, with the same windows (shardwise.engine.auto: transformers' module
+behind DecoderLM's calls); it has no pipeline stages (--pp 1).
+
 Exit status: 0, or 2 for bad input (a one-line error), 1 when a rank fails.
 """
 
@@ -39,10 +43,12 @@ from shardwise.cli.common import (
     add_run_args,
     fail,
     job,
+    resolve_auto,
     resolve_model,
     resolve_stages,
 )
 from shardwise.comm import Communicator, ParallelDims, tp_only
+from shardwise.engine.auto import AutoLM
 from shardwise.engine.perplexity import check_windows, perplexity
 from shardwise.engine.pipeline import StageForward
 from shardwise.engine.text import DEFAULT_MODEL, load_tokenizer
@@ -114,6 +120,8 @@ def _ppl_rank(world: Communicator, opts: dict) -> dict:
         expert_parallel=opts["expert_parallel"],
         **quantize,
     )
+    if opts.get("auto"):  # transformers' module: driven through DecoderLM's calls
+        model = AutoLM(model)
     tp.wire = choose_wire(opts.get("comm_dtype", "auto"), tp, world, values=opts["batch"] * model.cfg.hidden_size)
     res = perplexity(
         model,
@@ -127,10 +135,11 @@ def _ppl_rank(world: Communicator, opts: dict) -> dict:
     return {
         "text": opts["text"],
         "model": opts["model_name"],
+        "family": report.family,
         "tp": tp.size,
         "pp": pp,
         "backend": tp.backend,
-        "dtype": report.config.dtype,
+        "dtype": model.cfg.dtype,
         "quantize": opts.get("quantize"),
         "comm_dtype": tp.wire,
         "context": opts["context"],
@@ -147,17 +156,22 @@ def _ppl_rank(world: Communicator, opts: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    model_dir, cfg = resolve_model(args.model, args.tp, expert_parallel=args.expert_parallel)
-    if not cfg.causal:
+    model_dir, cfg = resolve_model(  # auto: models without shardwise code (cfg None)
+        args.model, args.tp, auto=True, expert_parallel=args.expert_parallel, quantize=args.quantize
+    )
+    if cfg is None:  # the automatic plan
+        sizes, layout = resolve_auto(model_dir, args.pp, args.pp_layers, command="eval-ppl"), None
+    elif not cfg.causal:
         return fail(f"eval-ppl needs a causal LM; {model_dir} is a {cfg.family} encoder")
-    layout = resolve_stages(cfg, args.tp, args.pp, args.pp_layers)
-    context = min(DEFAULT_CONTEXT, cfg.max_positions) if args.context is None else args.context
+    else:
+        sizes, layout = cfg, resolve_stages(cfg, args.tp, args.pp, args.pp_layers)
+    context = min(DEFAULT_CONTEXT, sizes.max_positions) if args.context is None else args.context
     stride = context if args.stride is None else args.stride
     try:
         if args.batch < 1:
             raise ValueError(f"--batch must be >= 1, got {args.batch}")
         ids = _tokens(args.text, model_dir, args.max_tokens)
-        check_windows(len(ids), context, stride, cfg.max_positions)
+        check_windows(len(ids), context, stride, sizes.max_positions)
     except ValueError as e:
         return fail(str(e))
     opts = {
@@ -172,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
         "batch": args.batch,
         "progress": not args.json,
         "pp": args.pp,
-        "num_layers": cfg.num_layers,
+        "auto": cfg is None,
+        "num_layers": cfg.num_layers if cfg is not None else 0,
         "pp_layers": layout.layers if layout is not None else None,
         "expert_parallel": args.expert_parallel,
         "comm_dtype": args.comm_dtype,
@@ -192,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(r))
         return 0
     where = f"tp={r['tp']}" if r["pp"] == 1 else f"tp={r['tp']} x pp={r['pp']}"
-    quant = f", weights {r['quantize']}" if r["quantize"] else ""
+    quant = f", automatic plan ({r['family']})" if opts["auto"] else ""
+    quant += f", weights {r['quantize']}" if r["quantize"] else ""
     quant += f", {r['comm_dtype']} on the wire" if r["comm_dtype"] != "fp32" else ""
     print(f"eval-ppl: {r['text']}, {r['model']} model, {where} ({r['backend']}), {r['dtype']}{quant}")
     print(

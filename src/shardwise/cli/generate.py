@@ -3,6 +3,10 @@
 Everything that can be wrong with the input (model directory, tp size, prompts) is
 checked here, in the parent, before any rank starts; then the ranks are started
 (or joined, under torchrun / mpiexec) and rank 0 streams the text.
+
+A model without shardwise code runs through the automatic plan (shardwise.hf.auto) at any
+tp `verify` accepts, on transformers' own KV cache (shardwise.engine.auto); it has no
+pipeline stages (--pp 1).
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from shardwise.cli.common import (
     add_run_args,
     fail,
     job,
+    resolve_auto,
     resolve_model,
     resolve_stages,
 )
 from shardwise.cli.memcheck import add_force_arg, check_inference
 from shardwise.comm import Communicator, ParallelDims, tp_only
 from shardwise.engine import PromptError, SamplingParams, StageForward, generate, validate_prompts
+from shardwise.engine.auto import AutoLM
 from shardwise.engine.pipeline import gather_snapshots
 from shardwise.engine.text import DEFAULT_MODEL, StreamDecoder, load_tokenizer, stop_ids
 from shardwise.launch.env import resolve_backend
@@ -99,6 +105,8 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
             expert_parallel=opts.get("expert_parallel", False),
             quantize=opts.get("quantize"),
         )
+    if opts.get("auto"):  # transformers' module: driven through DecoderLM's calls
+        model = AutoLM(model)
     decode_layout(model, rows=len(opts["prompts"]))  # fp32 on CPU: the weight order measured fastest
     tp.wire = choose_wire(
         opts.get("comm_dtype", "auto"), tp, world, values=len(opts["prompts"]) * model.cfg.hidden_size
@@ -147,7 +155,8 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
         "pp": pp,
         "backend": tp.backend,
         "model": opts["model_name"],
-        "dtype": report.config.dtype,
+        "family": report.family,
+        "dtype": model.cfg.dtype,
         "quantize": opts.get("quantize"),
         "comm_dtype": tp.wire,
         "prefill_ms": round(res.prefill_ms, 3),
@@ -163,11 +172,16 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    model_dir, cfg = resolve_model(args.model, args.tp, expert_parallel=args.expert_parallel)
-    layout = resolve_stages(cfg, args.tp, args.pp, args.pp_layers)
+    model_dir, cfg = resolve_model(  # auto: models without shardwise code (cfg None)
+        args.model, args.tp, auto=True, expert_parallel=args.expert_parallel, quantize=args.quantize
+    )
+    if cfg is None:  # the automatic plan
+        sizes, layout = resolve_auto(model_dir, args.pp, args.pp_layers, command="generate"), None
+    else:
+        sizes, layout = cfg, resolve_stages(cfg, args.tp, args.pp, args.pp_layers)
     try:
         prompts = _prompts(args, model_dir)
-        validate_prompts(prompts, cfg.vocab_size, cfg.max_positions, args.max_new_tokens)
+        validate_prompts(prompts, sizes.vocab_size, sizes.max_positions, args.max_new_tokens)
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     except (PromptError, ValueError) as e:
         return fail(str(e))
@@ -189,17 +203,19 @@ def run(args: argparse.Namespace) -> int:
         "progress": not args.json,
         "fail_rank": args.debug_fail_rank,
         "pp": args.pp,
-        "num_layers": cfg.num_layers,
+        "auto": cfg is None,
+        "num_layers": cfg.num_layers if cfg is not None else 0,
         "pp_layers": layout.layers if layout is not None else None,
         "expert_parallel": args.expert_parallel,
         "comm_dtype": args.comm_dtype,
     }
     longest = max(map(len, prompts))
-    check_inference(
-        cfg, tp=args.tp, pp_layers=opts["pp_layers"], dtype=args.dtype, quantize=args.quantize,
-        expert_parallel=args.expert_parallel, batch=len(prompts), prompt_len=longest,
-        kv_tokens=longest + args.max_new_tokens, backend=args.backend, force=args.force,
-    )  # fmt: skip
+    if cfg is not None:  # the automatic plan's models have no formulas: not checked (as in verify)
+        check_inference(
+            cfg, tp=args.tp, pp_layers=opts["pp_layers"], dtype=args.dtype, quantize=args.quantize,
+            expert_parallel=args.expert_parallel, batch=len(prompts), prompt_len=longest,
+            kv_tokens=longest + args.max_new_tokens, backend=args.backend, force=args.force,
+        )  # fmt: skip
     # NOTE: `auto` resolved before the prompt is echoed, so that its note (gloo for lack of MPI)
     # is not printed in the middle of the streamed text
     backend = resolve_backend(args.backend, world_size=args.tp * args.pp)
@@ -231,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
     where += ", expert-parallel" if args.expert_parallel else ""
     print(
         f"{where} ({result['backend']}), {result['dtype']}"
+        + (f", automatic plan ({result['family']})" if opts["auto"] else "")
         + (f", {result['quantize']} weights" if result["quantize"] else "")
         + (f", {result['comm_dtype']} on the wire" if result["comm_dtype"] != "fp32" else "")
         + f": {n} tokens, "

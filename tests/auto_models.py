@@ -1,0 +1,86 @@
+"""A tiny OLMo checkpoint written by transformers, for the automatic plan (OLMo has no
+shardwise model code), with a word-level tokenizer, and transformers' own answers on it:
+greedy generation (model.generate) and sliding-window negative log-likelihoods.
+
+    path = save_olmo(tmp_path)                     # config.json, model.safetensors, tokenizer.json
+    hf_greedy(path, PROMPTS, 10)                   # [[10 ids], [10 ids]]
+    hf_nll(path, ids, context=40, stride=20)       # (sum of NLL, tokens scored)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hf_models import INIT_STD
+
+__all__ = ["OLMO", "PROMPTS", "save_olmo", "hf_greedy", "hf_nll", "text_ids"]
+
+OLMO = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,  # tp=3 splits them 2/1/1
+    vocab_size=101,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,  # no stop token: every run makes its max_new_tokens
+)
+PROMPTS = [[5, 17, 33, 2, 90, 61, 7], [44, 12, 8, 71]]  # unequal lengths: the second is left-padded
+
+
+def save_olmo(root: Path) -> Path:
+    """transformers' OlmoForCausalLM, random (INIT_STD), and a tokenizer of words w0..w99 (ids 1..100)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    model = transformers.OlmoForCausalLM(transformers.OlmoConfig(**OLMO, initializer_range=INIT_STD)).eval()
+    path = root / "olmo"
+    model.save_pretrained(path)
+    words = ["<pad>"] + [f"w{i}" for i in range(OLMO["vocab_size"] - 1)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def _model(path: Path):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers.OlmoForCausalLM.from_pretrained(path).eval()
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' model.generate(do_sample=False) on the prompts, left-padded as one batch."""
+    L = max(map(len, prompts))
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])  # (B, L)
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])  # (B, L)
+    with torch.no_grad():
+        out = _model(path).generate(
+            ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    return out[:, L:].tolist()
+
+
+def hf_nll(path: Path, ids: list[int], *, context: int, stride: int) -> tuple[float, int]:
+    """(sum of NLL, tokens scored) of transformers' model over shardwise's windows, one at a time."""
+    from shardwise.engine.perplexity import window_nll, windows
+
+    model, x = _model(path), torch.tensor(ids)
+    total, n = 0.0, 0
+    for w in windows(len(ids), context, stride):
+        with torch.no_grad():
+            logits = model(input_ids=x[None, w.begin : w.end]).logits[0]  # (T, V)
+        nll = window_nll(logits, x[w.begin : w.end], w)
+        total, n = total + nll.sum().item(), n + nll.numel()
+    return total, n
+
+
+def text_ids(n: int, seed: int = 0) -> list[int]:
+    """n token ids of the tokenizer's words (1..100), drawn with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, OLMO["vocab_size"], (n,), generator=g).tolist()
