@@ -5,6 +5,11 @@ Everything that can be wrong with the command line (model directory, tp and pp s
 a port already taken) is refused with one line before any rank starts. Then the ranks
 are started (or joined, under torchrun) and serve until the process is stopped
 (SIGINT/SIGTERM: exit 0) or a rank fails (exit 1, with the failing rank's error).
+
+A model without shardwise code is served through the automatic plan (shardwise.hf.auto) at
+any tp `verify` accepts, one request at a time on transformers' own KV cache (serve/auto.py):
+the paged pool, batching and prefix caching need shardwise's attention layers, so
+--kv-cache-memory, --max-batch-size above 1 and --pp above 1 are refused for it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from shardwise.cli.common import (
     add_quantize_arg,
     fail,
     job,
+    resolve_auto,
     resolve_model,
     resolve_stages,
 )
@@ -37,6 +43,7 @@ from shardwise.serve.budget import DEFAULT_FRACTION, BudgetTooSmall, KVBudget
 __all__ = ["add_parser", "run"]
 
 MIB = 2**20
+DEFAULT_BATCH = 16
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +67,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_quantize_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
-    p.add_argument("--max-batch-size", type=int, default=16, help="sequences decoded together (default 16)")
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=DEFAULT_BATCH,
+        help=f"sequences decoded together (default {DEFAULT_BATCH})",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s (default 64)")
     p.add_argument(
@@ -106,18 +118,34 @@ def _check(args: argparse.Namespace, model_dir: Path, cfg) -> list[str]:
     """Every problem with the options, as one-line messages."""
     from shardwise.hf import read_config
     from shardwise.models.decoder import DecoderLM
-    from shardwise.serve.http import bind
-    from shardwise.serve.worker import HEARTBEAT_S
 
     family, _ = read_config(model_dir)
     if family.model is not DecoderLM or not cfg.causal:
         return [f"{model_dir} is a {family.name} model; serve needs a decoder (causal language model)"]
+    return _check_limits(args, model_dir, cfg.max_positions)
+
+
+def _check_auto(args: argparse.Namespace, model_dir: Path, max_positions: int) -> list[str]:
+    """_check for a model of the automatic plan: the options only the paged engine has, then the limits."""
+    why = "the automatic plan serves one request at a time on transformers' KV cache (serve/auto.py)"
+    if args.kv_cache_memory is not None:
+        return [f"--kv-cache-memory {args.kv_cache_memory}: {why}, not the paged pool; leave it out"]
+    if args.max_batch_size not in (1, DEFAULT_BATCH):
+        return [f"--max-batch-size {args.max_batch_size}: {why}, without batching; leave it out"]
+    return _check_limits(args, model_dir, max_positions)
+
+
+def _check_limits(args: argparse.Namespace, model_dir: Path, max_positions: int) -> list[str]:
+    """The problems of any served model: tokenizer, lengths, limits, the port."""
+    from shardwise.serve.http import bind
+    from shardwise.serve.worker import HEARTBEAT_S
+
     problems = []
     if not (model_dir / "tokenizer.json").exists() and load_tokenizer(model_dir) is None:
         problems.append(f"{model_dir} has no tokenizer.json; serve needs the checkpoint's tokenizer")
-    if args.max_model_len is not None and not 1 <= args.max_model_len <= cfg.max_positions:
+    if args.max_model_len is not None and not 1 <= args.max_model_len <= max_positions:
         problems.append(
-            f"--max-model-len must be in [1, {cfg.max_positions}] (the model's context), got {args.max_model_len}"
+            f"--max-model-len must be in [1, {max_positions}] (the model's context), got {args.max_model_len}"
         )
     for name, low in (("max_batch_size", 1), ("max_queue", 0), ("max_body_bytes", 1024)):
         if getattr(args, name) < low:
@@ -203,7 +231,11 @@ def run(args: argparse.Namespace) -> int:
         return fail("serve needs fastapi and uvicorn: pip install 'shardwise[serve]'")
     from shardwise.serve.worker import ServeOptions, serve_rank
 
-    model_dir, cfg = resolve_model(args.model, args.tp, expert_parallel=args.expert_parallel)
+    model_dir, cfg = resolve_model(  # auto: models without shardwise code (cfg None)
+        args.model, args.tp, auto=True, expert_parallel=args.expert_parallel, quantize=args.quantize
+    )
+    if cfg is None:  # the automatic plan: one request at a time (serve/auto.py)
+        return _run_auto(args, model_dir)
     layout = resolve_stages(cfg, args.tp, args.pp, args.pp_layers)
     problems = _check(args, model_dir, cfg)
     if problems:
@@ -247,10 +279,44 @@ def run(args: argparse.Namespace) -> int:
             "model: the default model shipped with shardwise, trained on Jane Austen's novels (see its README)",
             file=sys.stderr,
         )
+    return _serve(args, serve_rank, opts)
+
+
+def _run_auto(args: argparse.Namespace, model_dir: Path) -> int:
+    """serve for a model of the automatic plan (resolve_model gave no ModelConfig)."""
+    from shardwise.serve.auto import serve_auto_rank
+    from shardwise.serve.worker import ServeOptions
+
+    sizes = resolve_auto(model_dir, args.pp, args.pp_layers, command="serve")
+    problems = _check_auto(args, model_dir, sizes.max_positions)
+    if problems:
+        return fail(problems[0])
+    opts = ServeOptions(
+        model=str(model_dir),
+        model_name=args.served_model_name or model_dir.resolve().name,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        host=args.host,
+        port=args.port,
+        max_batch_size=1,
+        max_model_len=args.max_model_len or sizes.max_positions,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        health_timeout=args.health_timeout,
+        fail_rank=args.debug_fail_rank,
+        fail_after=args.debug_fail_after,
+        comm_dtype=args.comm_dtype,
+        auto=True,
+    )
+    return _serve(args, serve_auto_rank, opts)
+
+
+def _serve(args: argparse.Namespace, rank_fn, opts) -> int:
+    """Start the ranks and serve until stopped (a server has no job deadline)."""
     signal.signal(signal.SIGTERM, _stop)
-    try:  # a server has no job deadline
+    try:
         job(
-            serve_rank,
+            rank_fn,
             args.tp * args.pp,
             opts,
             tp=args.tp,

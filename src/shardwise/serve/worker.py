@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ from shardwise.serve.scheduler import Scheduler
 from shardwise.serve.step import HEADER_LEN, Kind, recv_step, send_step
 from shardwise.serve.text import ChatTemplate
 
-__all__ = ["ServeOptions", "serve_rank", "HEARTBEAT_S"]
+__all__ = ["ServeOptions", "serve_rank", "start_server", "lead_until_failure", "HEARTBEAT_S"]
 
 HEARTBEAT_S = 0.5
 """Idle period after which rank 0 runs a NOOP step with a barrier (a dead rank shows within it)."""
@@ -84,6 +85,8 @@ class ServeOptions:
     """Share the KV blocks of identical prompt prefixes (engine/paged.BlockTables)."""
     comm_dtype: str = "auto"
     """What the tp group's all-reduces carry on the wire (shardwise.planner.wire.choose_wire)."""
+    auto: bool = False
+    """A model of the automatic plan (shardwise.hf.auto): served by serve/auto.py, one request at a time."""
 
     def budget(self) -> KVBudget:
         cap = self.max_batch_size * blocks_for(self.max_model_len)
@@ -191,24 +194,10 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
         ),
     )
     metrics.blocks_total = metrics.blocks_free = caches.num_blocks
-    state = ServerState(
-        scheduler=scheduler,
-        metrics=metrics,
-        tokenizer=load_tokenizer(opts.model),
-        chat=ChatTemplate.load(opts.model),
-        model_name=opts.model_name,
-        vocab_size=model.cfg.vocab_size,
-        max_model_len=opts.max_model_len,
-        eos_ids=frozenset(stop_ids(opts.model)),
-        max_body_bytes=opts.max_body_bytes,
-        info={"tp": tp.size, "pp": opts.pp, "backend": tp.backend, "pids": pids},
+    info = {"tp": tp.size, "pp": opts.pp, "backend": tp.backend, "pids": pids}
+    state, http_thread, (host, port) = start_server(
+        opts, scheduler, metrics, vocab_size=model.cfg.vocab_size, info=info
     )
-    try:
-        sock = bind(opts.host, opts.port)
-    except OSError as e:
-        raise RuntimeError(f"cannot listen on {opts.host}:{opts.port}: {e}") from None
-    http_thread, _ = start_http(build_app(state), sock)
-    host, port = sock.getsockname()[:2]
     layout = f"tp={tp.size}" if opts.pp == 1 else f"tp={tp.size} x pp={opts.pp} ({engine.stage_text})"
     log.info(
         "serving %s at http://%s:%d/v1 | %s (%s), %s | up to %d sequences of up to %d tokens | paged KV cache: "
@@ -229,11 +218,42 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
     )  # fmt: skip
     if model.cfg.sliding_window is not None:
         log.info("sliding window: %s", window_text(model.cfg, caches.block_size))
+    if ticks is not None:
+        lead_until_failure(scheduler, lambda: _lead_pipelined(ticks, scheduler, metrics, http_thread))
+    else:
+        lead_until_failure(scheduler, lambda: _lead(world, engine, scheduler, metrics, fault, http_thread))
+
+
+def start_server(
+    opts: ServeOptions, scheduler: Scheduler, metrics: Metrics, *, vocab_size: int, info: dict
+) -> tuple[ServerState, object, tuple[str, int]]:
+    """Rank 0: the API's state, and its HTTP server listening in a daemon thread ->
+    (state, the thread, (host, port) it listens on)."""
+    state = ServerState(
+        scheduler=scheduler,
+        metrics=metrics,
+        tokenizer=load_tokenizer(opts.model),
+        chat=ChatTemplate.load(opts.model),
+        model_name=opts.model_name,
+        vocab_size=vocab_size,
+        max_model_len=opts.max_model_len,
+        eos_ids=frozenset(stop_ids(opts.model)),
+        max_body_bytes=opts.max_body_bytes,
+        info=info,
+    )
     try:
-        if ticks is not None:
-            _lead_pipelined(ticks, scheduler, metrics, http_thread)
-        else:
-            _lead(world, engine, scheduler, metrics, fault, http_thread)
+        sock = bind(opts.host, opts.port)
+    except OSError as e:
+        raise RuntimeError(f"cannot listen on {opts.host}:{opts.port}: {e}") from None
+    http_thread, _ = start_http(build_app(state), sock)
+    return state, http_thread, sock.getsockname()[:2]
+
+
+def lead_until_failure(scheduler: Scheduler, lead: Callable[[], None]) -> None:
+    """Rank 0: run the engine loop `lead`; when it raises, fail every request, keep answering
+    for DRAIN_S, and raise (the launcher then takes every rank down)."""
+    try:
+        lead()
     except BaseException as e:
         scheduler.fail(f"{type(e).__name__}: {e}")
         if not isinstance(e, KeyboardInterrupt):  # Ctrl-C stops the whole job: no error to report
