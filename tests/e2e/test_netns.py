@@ -126,7 +126,7 @@ def _toml(tmp: Path, layout: dict[str, int], backend: str, *, steps: int = STEPS
     tokens = write_tiny_tokens(tmp / "tokens.safetensors")
     model = "\n".join(f"{k} = {v}" for k, v in TINY_MODEL.items())
     parallel = "\n".join(f"{k} = {v}" for k, v in layout.items())
-    save = f"checkpoint_every = {every}\n" if every else ""
+    save = f"save_every = {every}\n" if every else ""
     path = tmp / "train.toml"
     path.write_text(f"""
 [model]
@@ -230,3 +230,50 @@ def test_a_host_cut_off_during_decode_is_named_and_its_rank_exits():
         assert left == [], f"host1's rank processes still running 30 s after the cut: {left}"
         assert cluster.hosts[0].pids() == []
     procs[1].wait(timeout=10)
+
+
+def test_a_host_cut_off_during_training_is_named_and_the_checkpoint_stays_intact(tmp_path):
+    """pp=2 across two hosts, a checkpoint every 2 steps: host 1's link goes down once one is
+    committed. The job ends naming rank 1 on host1, no process is left on either host, and
+    `latest` names a complete checkpoint that verifies (sizes and SHA-256) and resumes."""
+    from shardwise.checkpoint import CheckpointReader
+
+    config = _toml(tmp_path, {"tp": 1, "pp": 2, "dp": 1}, "gloo", steps=100_000, every=2)
+    argv = ["-m", "shardwise", "train", "--config", str(config), "--timeout", "5", "--no-progress"]
+    root = tmp_path / "run" / "checkpoints"
+    with netns.make_hosts(2, "1gbit") as cluster:
+        procs = cluster.torchrun(
+            TORCHRUN, 1, argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        deadline = time.monotonic() + 120
+        while not (root / "latest").is_file() and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.2)
+        assert (root / "latest").is_file(), "no checkpoint was committed within 120 s"
+        time.sleep(0.5)  # mid-run, possibly mid-save: whatever is committed must stay whole
+        t_cut = time.monotonic()
+        cluster.cut(1)
+        _, err = procs[0].communicate(timeout=60)
+        took = time.monotonic() - t_cut
+        # host 1's rank times out and exits; torchrun's agent there waits for its rendezvous
+        # on host 0, unreachable: close() ends it, as in the decode case above
+        agent = procs[1].pid
+        deadline = time.monotonic() + 30
+        while [p for p in cluster.hosts[1].pids() if p != agent] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [p for p in cluster.hosts[1].pids() if p != agent]
+        assert left == [], f"host1's rank processes still running 30 s after the cut: {left}"
+        assert cluster.hosts[0].pids() == []
+    procs[1].wait(timeout=10)
+    assert procs[0].returncode != 0
+    assert "shardwise: error: rank 1 failed" in err and "host1" in err, err[-3000:]
+    assert took < 30, f"the job took {took:.0f} s to end after the cut (--timeout 5)"
+    reader = CheckpointReader(root)  # what `latest` names
+    reader.verify()  # every rank file's size and SHA-256 as its sidecar recorded
+    step = reader.manifest.step
+    assert step >= 2 and step % 2 == 0, step
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp") and (p / "manifest.json").exists()]
+    # it resumes: one process, from the checkpoint the cut left
+    out = run_cli("train", "--config", str(config), "--tp", "1", "--pp", "1", "--steps", str(step + 1),
+                  "--resume", str(root), "--json", "--no-progress")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["steps_run"] == 1
