@@ -1,8 +1,9 @@
-"""A tiny OLMo checkpoint written by transformers, for the automatic plan (OLMo has no
-shardwise model code), with a word-level tokenizer, and transformers' own answers on it:
+"""Tiny OLMo and OPT checkpoints written by transformers, for the automatic plan (neither has
+shardwise model code), with a word-level tokenizer, and transformers' own answers on them:
 greedy generation (model.generate) and sliding-window negative log-likelihoods.
 
     path = save_olmo(tmp_path)                     # config.json, model.safetensors, tokenizer.json
+    path = save_olmo(tmp_path, "opt")              # OPT: learned positions, so left padding's offsets count
     hf_greedy(path, PROMPTS, 10)                   # [[10 ids], [10 ids]]
     hf_nll(path, ids, context=40, stride=20)       # (sum of NLL, tokens scored)
 """
@@ -15,7 +16,7 @@ import torch
 
 from hf_models import INIT_STD
 
-__all__ = ["OLMO", "PROMPTS", "save_olmo", "hf_greedy", "hf_nll", "text_ids"]
+__all__ = ["OLMO", "OPT", "PROMPTS", "save_olmo", "hf_greedy", "hf_nll", "text_ids"]
 
 OLMO = dict(
     hidden_size=64,
@@ -28,19 +29,40 @@ OLMO = dict(
     bos_token_id=None,
     eos_token_id=None,  # no stop token: every run makes its max_new_tokens
 )
+OPT = dict(
+    hidden_size=64,
+    ffn_dim=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=101,
+    word_embed_proj_dim=64,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+_ARCHS = {"olmo": ("OlmoConfig", "OlmoForCausalLM", OLMO), "opt": ("OPTConfig", "OPTForCausalLM", OPT)}
 PROMPTS = [[5, 17, 33, 2, 90, 61, 7], [44, 12, 8, 71]]  # unequal lengths: the second is left-padded
 
 
-def save_olmo(root: Path) -> Path:
-    """transformers' OlmoForCausalLM, random (INIT_STD), and a tokenizer of words w0..w99 (ids 1..100)."""
+def save_olmo(root: Path, arch: str = "olmo") -> Path:
+    """transformers' OlmoForCausalLM (or OPTForCausalLM), random (INIT_STD),
+    and a tokenizer of words w0..w99 (ids 1..100)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    cfg_cls, model_cls, kwargs = _ARCHS[arch]
     torch.manual_seed(0)
-    model = transformers.OlmoForCausalLM(transformers.OlmoConfig(**OLMO, initializer_range=INIT_STD)).eval()
-    path = root / "olmo"
+    init = {"init_std" if arch == "opt" else "initializer_range": INIT_STD}
+    cfg = getattr(transformers, cfg_cls)(**kwargs, **init)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # OPT's norms and biases start at 1 and 0; perturb them so they matter
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+    path = root / arch
     model.save_pretrained(path)
-    words = ["<pad>"] + [f"w{i}" for i in range(OLMO["vocab_size"] - 1)]
+    words = ["<pad>"] + [f"w{i}" for i in range(kwargs["vocab_size"] - 1)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(path / "tokenizer.json"))
@@ -51,7 +73,7 @@ def _model(path: Path):
     import transformers
 
     transformers.logging.set_verbosity_error()
-    return transformers.OlmoForCausalLM.from_pretrained(path).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -1,6 +1,8 @@
 """The engine's loops on a model of the automatic plan (shardwise.engine.auto): transformers'
-OlmoForCausalLM, sharded at tp = 1, 2 and 3 (4 heads: 2/1/1 at tp=3), against transformers
-on the same checkpoint. One pooled case per tp runs all three loops:
+OlmoForCausalLM, sharded at tp = 1, 2 and 3 (4 heads: 2/1/1 at tp=3), and OPTForCausalLM at
+tp=3 (learned positions: a left-padded row's positions must count from its first real token;
+OLMo's RoPE would not notice), against transformers on the same checkpoint. One pooled case
+per model and tp runs all three loops:
 
 - generate (engine/generate.py) on 2 left-padded prompts of 7 and 4 tokens: greedy tokens
   equal model.generate(do_sample=False); seeded sampling gives every rank the same tokens;
@@ -24,12 +26,19 @@ TEXT = 90
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """(checkpoint, transformers' greedy tokens, its mean NLL over the windows)."""
-    path = save_olmo(tmp_path_factory.mktemp("auto_engine"))
-    greedy = hf_greedy(path, PROMPTS, NEW)
-    assert len({t for row in greedy for t in row}) > 4, "greedy tokens should vary (init scale too small?)"
-    total, n = hf_nll(path, text_ids(TEXT), context=CONTEXT, stride=STRIDE)
-    return str(path), greedy, total / n
+    """arch -> (checkpoint, transformers' greedy tokens, its mean NLL over the windows)."""
+    root, cache = tmp_path_factory.mktemp("auto_engine"), {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path = save_olmo(root, arch)
+            greedy = hf_greedy(path, PROMPTS, NEW)
+            assert len({t for row in greedy for t in row}) > 4, "greedy tokens should vary (init scale too small?)"
+            total, n = hf_nll(path, text_ids(TEXT), context=CONTEXT, stride=STRIDE)
+            cache[arch] = (str(path), greedy, total / n)
+        return cache[arch]
+
+    return get
 
 
 def _engine_case(world, path: str) -> dict:
@@ -69,13 +78,21 @@ def _engine_case(world, path: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.full), pytest.param(2, marks=pytest.mark.full), 3])
-def test_engine_loops_match_transformers(rank_pool, reference, tp):
-    path, want, nll = reference
+CASES = [
+    pytest.param("olmo", 1, marks=pytest.mark.full),
+    pytest.param("olmo", 2, marks=pytest.mark.full),
+    pytest.param("olmo", 3),
+    pytest.param("opt", 3, marks=pytest.mark.full),
+]
+
+
+@pytest.mark.parametrize("arch,tp", CASES)
+def test_engine_loops_match_transformers(rank_pool, reference, arch, tp):
+    path, want, nll = reference(arch)
     results = rank_pool.run(_engine_case, tp, args=(path,))
     hd = 64 // 4
     for rank, r in enumerate(results):
-        assert r["family"] == "auto:olmo" and r["cache_cls"] == "DynamicCache"
+        assert r["family"] == f"auto:{arch}" and r["cache_cls"] == "DynamicCache"
         assert r["local_q"] == [hd * h for h in ([2, 1, 1][rank : rank + 1] if tp == 3 else [4 // tp])] * 2
         assert r["greedy"] == want, f"rank {rank}: {r['greedy']} != transformers' {want}"
         assert r["served"] == want, f"rank {rank}: serve's steps {r['served']} != {want}"
