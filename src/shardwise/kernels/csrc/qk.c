@@ -29,11 +29,13 @@
  *             per block in fp32 (da d isum - da dmin imin, imin by one vpmaddwd of bsum and
  *             the mins); Q6_K: the -32 enters as -32 sc bsum, which cancels against the
  *             unsigned dot, so a block's lanes are summed in integers first (4 rows at once).
- *   avx512    the same with one zmm per 64 weights and vpdpwssd (VNNI) for the scale step.
- *             Dequantizing runs the avx2 code.
+ *   avx512    one zmm per 64 weights in weight order; vpdpbusd (4 products a lane, which fit
+ *             int16), two zmm of those packed to int16 (vpackssdw) and one vpdpwssd by the
+ *             sub-scales: 3 multiplies per 128 weights and row. Dequantizing runs the avx2 code.
  * The SIMD gemms take the weight rows a tile of K_TILE at a time and the activation rows in
- * groups of up to 4: each weight block is decoded into registers once per group and dotted
- * with the group's rows, and a tile stays in cache while the groups pass over it. */
+ * groups of up to 4 (avx2) or 8 (avx512): each weight block is decoded into registers once
+ * per group and dotted with the group's rows, and a tile stays in cache while the groups
+ * pass over it (the weights are read from memory once). */
 #include <immintrin.h>
 
 #include "sw.h"
@@ -221,14 +223,12 @@ static inline __m256i k_pairs16(uint64_t v) {
 }
 
 /* Sub-block j (32 weights, u8) of a Q4_K / Q5_K block: the nibbles v of qs[32 (j / 2) ..],
- * and for Q5_K bit j of each byte of qh (h) as bit 4. */
-ALWAYS_INLINE __m256i k45_sub_avx2(int q5, int j, __m256i v, __m256i h) {
+ * and for Q5_K bit j of each byte of qh as bit 4, from hk = qh >> 2 (j / 2) (16-bit shifts:
+ * the bits used never cross a byte; the shifts stay immediates however the loops unroll). */
+ALWAYS_INLINE __m256i k45_sub_avx2(int q5, int j, __m256i v, __m256i hk) {
     const __m256i nib = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
     __m256i q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, nib);
-    if (q5) { /* bit j of a byte to bit 4 (16-bit shifts: the masked bit never crosses bytes) */
-        __m256i hb = j == 4 ? h : j < 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
-        q = _mm256_or_si256(q, _mm256_and_si256(hb, b4));
-    }
+    if (q5) q = _mm256_or_si256(q, _mm256_and_si256(j & 1 ? _mm256_slli_epi16(hk, 3) : _mm256_slli_epi16(hk, 4), b4));
     return q;
 }
 
@@ -247,19 +247,20 @@ ALWAYS_INLINE void k45_rows_avx2(int q5, int ni, const uint8_t *w, size_t row_by
             uint64_t sc, mn;
             k_scales64(blk + 4, &sc, &mn);
             const __m256i scb = _mm256_set1_epi64x((long long)sc);
-            const __m256i h = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+            __m256i hk = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
             __m256i isum[4];
             for (int i = 0; i < ni; i++) isum[i] = _mm256_setzero_si256();
             for (int k = 0; k < 4; k++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + qs_off + 32 * k));
                 for (int j = 2 * k; j < 2 * k + 2; j++) {
-                    const __m256i q = k45_sub_avx2(q5, j, v, h);
+                    const __m256i q = k45_sub_avx2(q5, j, v, hk);
                     const __m256i s = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x8000 | j)));
                     for (int i = 0; i < ni; i++) {
                         const __m256i a = _mm256_loadu_si256((const __m256i *)(xa[i * kblocks + b].q + 32 * j));
                         isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), s));
                     }
                 }
+                hk = _mm256_srli_epi16(hk, 2);
             }
             const __m256i mn16 = k_pairs16(mn);
             const __m256 vd = _mm256_set1_ps(_cvtsh_ss(k_u16(blk))), vm = _mm256_set1_ps(_cvtsh_ss(k_u16(blk + 2)));
@@ -339,7 +340,9 @@ ALWAYS_INLINE void q6_rows_avx2(int ni, const uint8_t *w, size_t row_bytes, int6
                     }
                 }
             }
-            const __m128 f = _mm_mul_ps(_mm_loadu_ps(da), _mm_set1_ps(_cvtsh_ss(k_u16(blk + 208))));
+            /* da from registers: a 16-byte load of 4 just-stored floats would stall the store forwarding */
+            const __m128 da4 = _mm_setr_ps(da[0], da[1], da[2], da[3]);
+            const __m128 f = _mm_mul_ps(da4, _mm_set1_ps(_cvtsh_ss(k_u16(blk + 208))));
             acc = _mm_add_ps(acc, _mm_mul_ps(f, _mm_cvtepi32_ps(k_total4(isum[0], isum[1], isum[2], isum[3]))));
         }
         float out[4];
@@ -396,15 +399,16 @@ ALWAYS_INLINE void dequant_k45_avx2(int q5, const uint8_t *w, size_t row_bytes, 
             const float d = _cvtsh_ss(k_u16(blk)), dmin = _cvtsh_ss(k_u16(blk + 2));
             float *o = out + (r * kblocks + b) * 256;
             k_scales(blk + 4, sc, mn);
-            const __m256i h = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+            __m256i hk = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
             for (int k = 0; k < 4; k++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + qs_off + 32 * k));
                 for (int j = 2 * k; j < 2 * k + 2; j++) {
-                    const __m256i q = k45_sub_avx2(q5, j, v, h);
+                    const __m256i q = k45_sub_avx2(q5, j, v, hk);
                     const float s = d * sc[j], m = dmin * mn[j];
                     k_store16_avx2(0, _mm256_castsi256_si128(q), s, m, o + 32 * j);
                     k_store16_avx2(0, _mm256_extracti128_si256(q, 1), s, m, o + 32 * j + 16);
                 }
+                hk = _mm256_srli_epi16(hk, 2);
             }
         }
 }
@@ -438,9 +442,10 @@ ALWAYS_INLINE void dequant_q6_avx2(const uint8_t *w, size_t row_bytes, int64_t r
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
 /* One zmm holds 64 weights (two 32-weight sub-blocks for Q4_K / Q5_K, four 16-weight ones
- * for Q6_K) in weight order, so the activations are read as stored. Per zmm and activation
- * row: vpmaddubsw (u8 weights x s8 activations -> s16 pairs, at most 2 * 63 * 127: no
- * saturation) and vpdpwssd by the int16 sub-scales into the row's int32 lanes (exact). */
+ * for Q6_K) in weight order, so the activations are read as stored. Per pair of zmm and
+ * activation row: two vpdpbusd from zero (u8 weights x s8 activations, 4 products a lane:
+ * |.| <= 4 * 63 * 127 < 2^15), vpackssdw of the two (exact: nothing saturates), and one
+ * vpdpwssd by the int16 sub-scales in the packed order into the row's int32 lanes. */
 
 /* Q4_K / Q5_K: zmm k = sub-blocks 2k (bytes 0-31: the low nibbles of qs[32k ..]) and 2k + 1
  * (bytes 32-63: the high nibbles); Q5_K's bit 2k / 2k + 1 of qh as bit 4. */
@@ -456,18 +461,25 @@ ALWAYS_INLINE __m512i k45_sub512(int q5, int k, const uint8_t *qs, __m512i h) {
     return q;
 }
 
+/* ni (<= 8) activation rows against every weight row, as k45_rows_avx2. */
 ALWAYS_INLINE void k45_rows512(int q5, int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                const sw_a256 *xa, float *y, int64_t ldy) {
+    const __m512i zero = _mm512_setzero_si512();
     const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES, qs_off = q5 ? 48 : 16;
-    /* int16 lanes 0-15 <- byte 2k of a broadcast 64-bit word, 16-31 <- byte 2k + 1 */
-    __m512i sidx[4];
-    for (int k = 0; k < 4; k++)
-        sidx[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(0x8000 | 2 * k))),
-                                     _mm256_set1_epi16((short)(0x8000 | (2 * k + 1))), 1);
+    /* vpackssdw of the dots of zmm 2p and 2p + 1 holds, per 128-bit lane c, 4 int16 of
+     * sub-block 4p + c / 2 then 4 of 4p + 2 + c / 2: their scales, from a broadcast 64-bit word */
+    __m512i sidx[2];
+    for (int p = 0; p < 2; p++) {
+        const __m128i lo = _mm_setr_epi16(0x8000 | 4 * p, 0x8000 | 4 * p, 0x8000 | 4 * p, 0x8000 | 4 * p,
+                                          0x8000 | (4 * p + 2), 0x8000 | (4 * p + 2), 0x8000 | (4 * p + 2),
+                                          0x8000 | (4 * p + 2));
+        const __m128i hi = _mm_add_epi16(lo, _mm_set1_epi16(1));
+        sidx[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_setr_m128i(lo, lo)), _mm256_setr_m128i(hi, hi), 1);
+    }
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *wr = w + r * row_bytes;
-        __m512 acc[4];
-        for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
+        __m256 acc[8];
+        for (int i = 0; i < ni; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < kblocks; b++) {
             const uint8_t *blk = wr + bytes * b;
             uint64_t sc, mn;
@@ -475,28 +487,31 @@ ALWAYS_INLINE void k45_rows512(int q5, int ni, const uint8_t *w, size_t row_byte
             const __m512i scb = _mm512_set1_epi64((long long)sc);
             const __m512i h =
                 q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16))) : _mm512_setzero_si512();
-            __m512i isum[4];
+            __m512i isum[8];
             for (int i = 0; i < ni; i++) isum[i] = _mm512_setzero_si512();
-            for (int k = 0; k < 4; k++) {
-                const __m512i q = k45_sub512(q5, k, blk + qs_off, h);
-                const __m512i s = _mm512_shuffle_epi8(scb, sidx[k]);
+            for (int p = 0; p < 2; p++) {
+                const __m512i q0 = k45_sub512(q5, 2 * p, blk + qs_off, h);
+                const __m512i q1 = k45_sub512(q5, 2 * p + 1, blk + qs_off, h);
+                const __m512i s = _mm512_shuffle_epi8(scb, sidx[p]);
                 for (int i = 0; i < ni; i++) {
-                    const __m512i a = _mm512_loadu_si512((const void *)(xa[i * kblocks + b].q + 64 * k));
-                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(q, a), s);
+                    const int8_t *a = xa[i * kblocks + b].q + 128 * p;
+                    const __m512i d0 = _mm512_dpbusd_epi32(zero, q0, _mm512_loadu_si512((const void *)a));
+                    const __m512i d1 = _mm512_dpbusd_epi32(zero, q1, _mm512_loadu_si512((const void *)(a + 64)));
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_packs_epi32(d0, d1), s);
                 }
             }
             const __m256i mn16 = k_pairs16(mn);
-            const __m512 vd = _mm512_set1_ps(_cvtsh_ss(k_u16(blk)));
-            const __m256 vm = _mm256_set1_ps(_cvtsh_ss(k_u16(blk + 2)));
-            for (int i = 0; i < ni; i++) {
+            const __m256 vd = _mm256_set1_ps(_cvtsh_ss(k_u16(blk))), vm = _mm256_set1_ps(_cvtsh_ss(k_u16(blk + 2)));
+            for (int i = 0; i < ni; i++) { /* 16 lanes to 8 in integers, then as the avx2 path */
                 const sw_a256 *a = xa + i * kblocks + b;
+                const __m256i is8 = _mm256_add_epi32(_mm512_castsi512_si256(isum[i]), _mm512_extracti64x4_epi64(isum[i], 1));
                 const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), mn16);
-                const __m256 mf = _mm256_mul_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(vm, _mm256_set1_ps(a->d)));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(vd, _mm512_set1_ps(a->d)), acc[i]);
-                acc[i] = _mm512_sub_ps(acc[i], _mm512_zextps256_ps512(mf));
+                const __m256 fm = _mm256_mul_ps(_mm256_cvtepi32_ps(imin), vm);
+                const __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(is8), vd, fm);
+                acc[i] = _mm256_fmadd_ps(t, _mm256_set1_ps(a->d), acc[i]); /* da (d isum - dmin imin) */
             }
         }
-        for (int i = 0; i < ni; i++) y[i * ldy + r] = _mm512_reduce_add_ps(acc[i]);
+        for (int i = 0; i < ni; i++) y[i * ldy + r] = k_hsum8(acc[i]);
     }
 }
 
@@ -512,24 +527,31 @@ ALWAYS_INLINE void q6_half512(const uint8_t *blk, int hf, __m512i *lo, __m512i *
     *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib), _mm512_and_si512(qh, hi2));
 }
 
-/* As q6_rows_avx2: a block's lanes summed in integers, 4 rows at once. */
+/* ni (<= 8) activation rows, as q6_rows_avx2: a block's lanes summed in integers, 4 rows at once. */
 ALWAYS_INLINE void q6_rows512(int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                               const sw_a256 *xa, float *y, int64_t ldy) {
-    /* zmm k covers sub-blocks 4k .. 4k + 3, one per 128-bit lane: int16 lane l <- sc[4k + l / 8] */
-    __m512i sidx[4];
-    for (int k = 0; k < 4; k++)
-        sidx[k] = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16((short)(4 * k)), _mm_set1_epi16((short)(4 * k + 1)))),
-            _mm256_setr_m128i(_mm_set1_epi16((short)(4 * k + 2)), _mm_set1_epi16((short)(4 * k + 3))), 1);
+    /* vpackssdw of half hf's two dots holds, per 128-bit lane c, 4 int16 of sub-block 8 hf + c
+     * (zmm lo) then 4 of 8 hf + 4 + c (zmm hi): int16 lane l <- sc[8 hf + l / 8 + 4 (l / 4 % 2)] */
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i sidx[2];
+    for (int hf = 0; hf < 2; hf++) {
+        __m128i lane[4];
+        for (int c = 0; c < 4; c++) {
+            const short g = (short)(8 * hf + c), g4 = (short)(8 * hf + 4 + c);
+            lane[c] = _mm_setr_epi16(g, g, g, g, g4, g4, g4, g4);
+        }
+        sidx[hf] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_setr_m128i(lane[0], lane[1])),
+                                      _mm256_setr_m128i(lane[2], lane[3]), 1);
+    }
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *wr = w + r * row_bytes;
-        __m128 acc = _mm_setzero_ps(); /* lane i: row i */
+        __m128 acc[2] = {_mm_setzero_ps(), _mm_setzero_ps()}; /* lane i % 4 of acc[i / 4]: row i */
         for (int64_t b = 0; b < kblocks; b++) {
             const uint8_t *blk = wr + Q6K_BYTES * b;
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
             const __m512i scz = _mm512_castsi256_si512(sc16); /* the upper half is never indexed */
-            __m512i isum[4];
-            float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            __m512i isum[8];
+            float da[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
             for (int i = 0; i < ni; i++) { /* -32 * sum_g sc[g] * bsum[g] */
                 const sw_a256 *a = xa + i * kblocks + b;
                 const __m256i c = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), sc16);
@@ -537,25 +559,30 @@ ALWAYS_INLINE void q6_rows512(int ni, const uint8_t *w, size_t row_bytes, int64_
                 da[i] = a->d;
             }
             for (int hf = 0; hf < 2; hf++) {
-                __m512i q[2];
-                q6_half512(blk, hf, &q[0], &q[1]);
-                for (int u = 0; u < 2; u++) {
-                    const __m512i s = _mm512_permutexvar_epi16(sidx[2 * hf + u], scz);
-                    for (int i = 0; i < ni; i++) {
-                        const __m512i a = _mm512_loadu_si512((const void *)(xa[i * kblocks + b].q + 128 * hf + 64 * u));
-                        isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(q[u], a), s);
-                    }
+                __m512i lo, hi;
+                q6_half512(blk, hf, &lo, &hi);
+                const __m512i s = _mm512_permutexvar_epi16(sidx[hf], scz);
+                for (int i = 0; i < ni; i++) {
+                    const int8_t *a = xa[i * kblocks + b].q + 128 * hf;
+                    const __m512i d0 = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512((const void *)a));
+                    const __m512i d1 = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512((const void *)(a + 64)));
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_packs_epi32(d0, d1), s);
                 }
             }
-            __m256i h[4];
-            for (int i = 0; i < 4; i++)
+            __m256i h[8];
+            for (int i = 0; i < 8; i++)
                 h[i] = i < ni ? _mm256_add_epi32(_mm512_castsi512_si256(isum[i]), _mm512_extracti64x4_epi64(isum[i], 1))
                               : _mm256_setzero_si256();
-            const __m128 f = _mm_mul_ps(_mm_loadu_ps(da), _mm_set1_ps(_cvtsh_ss(k_u16(blk + 208))));
-            acc = _mm_add_ps(acc, _mm_mul_ps(f, _mm_cvtepi32_ps(k_total4(h[0], h[1], h[2], h[3]))));
+            const __m128 vd = _mm_set1_ps(_cvtsh_ss(k_u16(blk + 208)));
+            for (int u = 0; u < (ni + 3) / 4; u++) {
+                const __m128 f = _mm_mul_ps(_mm_setr_ps(da[4 * u], da[4 * u + 1], da[4 * u + 2], da[4 * u + 3]), vd);
+                const __m128i tot = k_total4(h[4 * u], h[4 * u + 1], h[4 * u + 2], h[4 * u + 3]);
+                acc[u] = _mm_add_ps(acc[u], _mm_mul_ps(f, _mm_cvtepi32_ps(tot)));
+            }
         }
-        float out[4];
-        _mm_storeu_ps(out, acc);
+        float out[8];
+        _mm_storeu_ps(out, acc[0]);
+        _mm_storeu_ps(out + 4, acc[1]);
         for (int i = 0; i < ni; i++) y[i * ldy + r] = out[i];
     }
 }
@@ -568,13 +595,14 @@ ALWAYS_INLINE void gemm_k_avx512(int fmt, const uint8_t *w, size_t row_bytes, in
         const uint8_t *wt = w + r0 * row_bytes;
         for (int64_t i0 = 0; i0 < n;) {
             const int64_t left = n - i0;
-            const int ni = left >= 4 ? 4 : (int)left;
+            const int ni = left >= 8 ? 8 : left >= 4 ? 4 : (int)left;
             const sw_a256 *xi = xa + i0 * kblocks;
             float *yi = y + i0 * ldy + r0;
 #define K_RUN(k)                                                                                \
     (fmt == 6 ? q6_rows512(k, wt, row_bytes, nr, kblocks, xi, yi, ldy)                          \
               : k45_rows512(fmt == 5, k, wt, row_bytes, nr, kblocks, xi, yi, ldy))
-            if (ni == 4) K_RUN(4);
+            if (ni == 8) K_RUN(8);
+            else if (ni == 4) K_RUN(4);
             else if (ni == 3) K_RUN(3);
             else if (ni == 2) K_RUN(2);
             else K_RUN(1);
