@@ -87,6 +87,7 @@ class AutoLM(nn.Module):
         super().__init__()
         self.model = model
         dtype = model.config.dtype or torch.float32  # what load_auto built it in
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # a config may hold its name
         self.cfg = AutoModelInfo.of(model.config, dtype=str(dtype).replace("torch.", ""))
         if not self.cfg.causal:
             raise ValueError(
