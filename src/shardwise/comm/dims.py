@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.comm.communicator import Communicator, LocalCommunicator
+from shardwise.comm.shm import intra_host, shm_mode
 
 __all__ = ["ParallelDims", "Mesh", "tp_only"]
 
@@ -109,14 +110,18 @@ class ParallelDims:
         ]
         return pairs + middle
 
-    def build(self, world: Communicator) -> Mesh:
+    def build(self, world: Communicator, *, shm_allreduce: str | None = None) -> Mesh:
         """Create the tp, dp and pp communicators. Collective: every rank must call it.
 
-        At pp == 1 the pp communicator is this rank alone (a size-1 group, no split)."""
+        At pp == 1 the pp communicator is this rank alone (a size-1 group, no split).
+        shm_allreduce (auto, on, off; None: SHARDWISE_SHM_ALLREDUCE, default auto): whether
+        a tp group whose ranks share a host all-reduces through shared memory
+        (shardwise.comm.shm)."""
         if world.size != self.world_size:
             raise ValueError(f"communicator has {world.size} ranks but ParallelDims.world_size={self.world_size}")
         self._check_rank(world.rank)
-        tp = world.split(self.tp_groups(), name="tp")
+        mode = shm_mode() if shm_allreduce is None else shm_allreduce
+        tp = intra_host(world.split(self.tp_groups(), name="tp"), parent=world, mode=mode)
         dp = world.split(self.dp_groups(), name="dp")
         # pp == 1: this rank alone, without creating world_size one-rank groups
         if self.pp == 1:

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, LocalCommunicator
+from shardwise.comm.shm import remove_segments
 from shardwise.launch import board as boards
 from shardwise.launch.failfast import (
     Outcomes,
@@ -63,6 +64,7 @@ def _watch_lifeline(conn: Connection, board_dir: str | None) -> None:
     with contextlib.suppress(EOFError, OSError):
         conn.recv()  # the parent never sends: this returns only by EOF
     boards.remove_dir(board_dir)  # the parent may have died (SIGKILL) without removing it
+    remove_segments([os.getpid()])  # a shared-memory segment this rank made, not yet unlinked
     os._exit(3)
 
 
@@ -150,6 +152,7 @@ def launch_local(
         )
     finally:
         _kill_all(procs)
+        remove_segments([p.pid for p in procs])  # a rank that died while making its segment
         for conn in [*lifelines, *pending]:
             conn.close()
         boards.remove_dir(board_dir)

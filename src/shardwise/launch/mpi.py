@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S
+from shardwise.comm.shm import remove_segments
 from shardwise.launch import board as boards
 from shardwise.launch.failfast import (
     Failure,
@@ -113,6 +114,7 @@ def launch_mpi(
         return results
     finally:
         _kill(proc, ranks, grace)
+        remove_segments([pid for pid, _ in ranks.values()])  # a rank that died while making its segment
         for conn in conns:
             conn.close()
         listener.close()

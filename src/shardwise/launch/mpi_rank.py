@@ -25,6 +25,7 @@ from multiprocessing.connection import Client
 def _watch(conn, board_dir: str | None) -> None:
     """Exit when the parent has gone (EOF); pass on its notice that another rank died."""
     from shardwise.comm.mpi import peer_failed
+    from shardwise.comm.shm import remove_segments
     from shardwise.launch.board import remove_dir
 
     try:
@@ -32,6 +33,7 @@ def _watch(conn, board_dir: str | None) -> None:
             peer_failed(pickle.loads(conn.recv_bytes()))  # in-memory IPC with our parent
     except (EOFError, OSError):
         remove_dir(board_dir)  # the parent may have died (SIGKILL) without removing it
+        remove_segments([os.getpid()])  # a shared-memory segment this rank made, not yet unlinked
         os._exit(3)
 
 

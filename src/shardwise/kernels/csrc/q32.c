@@ -19,14 +19,14 @@
  *   portable  plain C, one block at a time.
  *   avx2      a block is one ymm of 32 bytes in weight order; signed weights by the
  *             sign trick (|q'| as u8 times the activation with q's sign), maddubs + madd.
- *   avx512    4 blocks at a time: the activation rows are first repacked (once per call)
- *             so that one zmm holds bytes 0-15 of 4 blocks and another bytes 16-31, which is
- *             the order 4 blocks of nibbles unpack to; vpdpbusd on unsigned weights
- *             (Q8_0: q + 128) with the offset's correction (-offset * sum(a)) as the
- *             accumulator's start; each 32-bit lane holds one block, so a group of 4 blocks
- *             costs 2 vpdpbusd and one float scale-and-add per activation row.
+ *   avx512    8 blocks at a time: the activation rows are first repacked (once per call)
+ *             so that zmm t holds bytes 8t .. 8t + 7 of 8 blocks, the order 8 blocks of
+ *             nibbles unpack to (Q8_0's bytes by a qword transpose); vpdpbusd on unsigned
+ *             weights (Q8_0: q + 128) with the offset's correction (-offset * sum(a)) as the
+ *             accumulator's start; each 32-bit lane pair holds one block, so a group of 8
+ *             blocks costs 4 vpdpbusd and one float scale-and-add per activation row.
  * Batched rows (n > 1): each weight block is decoded into registers once per group of up to
- * 16 (avx512) or 4 (avx2) activation rows and used for all of them.
+ * 8 (avx512, two weight rows at a time) or 4 (avx2) activation rows and used for all of them.
  */
 #include <immintrin.h>
 #include <stdlib.h>
@@ -212,154 +212,19 @@ ALWAYS_INLINE void dequant_avx2(int f, const uint8_t *w, size_t row_bytes, int64
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
-/* Four activation blocks, repacked for the vpdpbusd lanes: lane 4j .. 4j + 3 is block j. */
-typedef struct {
-    int8_t lo[64]; /* a[0 .. 15] of blocks 0..3, 16 bytes each */
-    int8_t hi[64]; /* a[16 .. 31] */
-    float dx[16];  /* block j's dx in lanes 4j .. 4j + 3 */
-    union {
-        int32_t corr[16]; /* Q8_0 / Q4_0 / Q5_0: -bias * (the sum of the 8 a's lane l takes) */
-        float s[16];      /* Q4_1 / Q5_1: s in lane 4j, 0 elsewhere */
-    };
-} xg512; /* 256 bytes */
-
 /* The u8 bias the weights carry into vpdpbusd: Q8_0's q + 128, Q4_0's q, Q5_0's q. */
 ALWAYS_INLINE int fmt_bias512(int f) { return f == F_Q8_0 ? 128 : fmt_offset(f); }
 
-/* Activation rows (n, kblocks) -> (n, kblocks / 4) groups; a thread's buffer, grown as needed. */
-static const xg512 *repack512(int f, const sw_a32 *xa, int64_t n, int64_t kblocks) {
-    static __thread xg512 *buf;
-    static __thread size_t cap;
-    int64_t ng = kblocks / 4;
-    size_t need = (size_t)(n * ng);
-    if (need > cap) {
-        free(buf);
-        cap = need + need / 2 + 16;
-        buf = aligned_alloc(64, cap * sizeof(xg512));
-        if (!buf) {
-            cap = 0;
-            return NULL;
-        }
-    }
-    const int bias = fmt_bias512(f);
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t g = 0; g < ng; g++) {
-            xg512 *o = buf + i * ng + g;
-            memset(o, 0, sizeof *o);
-            for (int j = 0; j < 4; j++) {
-                const sw_a32 *xb = xa + i * kblocks + 4 * g + j;
-                memcpy(o->lo + 16 * j, xb->q, 16);
-                memcpy(o->hi + 16 * j, xb->q + 16, 16);
-                for (int t = 0; t < 4; t++) {
-                    /* lane 4j + t sums a[4t .. 4t + 3] and a[16 + 4t .. 16 + 4t + 3]: its own bias
-                     * correction keeps each lane's integer the exact partial dot, so the float sum
-                     * over lanes has no cancellation */
-                    int sum = 0;
-                    for (int u = 0; u < 4; u++) sum += xb->q[4 * t + u] + xb->q[16 + 4 * t + u];
-                    o->dx[4 * j + t] = xb->d;
-                    if (!fmt_has_min(f)) o->corr[4 * j + t] = -bias * sum;
-                }
-                if (fmt_has_min(f)) o->s[4 * j] = xb->s;
-            }
-        }
-    return buf;
-}
-
-/* Blocks 4g .. 4g + 3 of a weight row (at p) -> u8 weights in the lanes' order, and d (and m)
- * of block j in lanes 4j .. 4j + 3. */
-ALWAYS_INLINE void decode512(int f, const uint8_t *p, __m512i *lo, __m512i *hi, __m512 *dv, __m512 *mv) {
-    const int bs = fmt_bytes(f);
-    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    if (f == F_Q8_0) {
-        __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2))),
-                                        _mm256_loadu_si256((const __m256i *)(p + bs + 2)), 1);
-        __m512i cd = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2 * bs + 2))),
-                                        _mm256_loadu_si256((const __m256i *)(p + 3 * bs + 2)), 1);
-        const __m512i flip = _mm512_set1_epi8((char)0x80);
-        *lo = _mm512_xor_si512(_mm512_shuffle_i64x2(ab, cd, 0x88), flip); /* 128-bit lanes a0 b0 c0 d0 */
-        *hi = _mm512_xor_si512(_mm512_shuffle_i64x2(ab, cd, 0xDD), flip); /* a1 b1 c1 d1 */
-    } else {
-        const int qs = fmt_qs(f);
-        __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + qs)));
-        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p + bs + qs)), 1);
-        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p + 2 * bs + qs)), 2);
-        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(p + 3 * bs + qs)), 3);
-        const __m512i nib = _mm512_set1_epi8(0x0F);
-        *lo = _mm512_and_si512(z, nib);
-        *hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), nib);
-        if (f == F_Q5_0 || f == F_Q5_1) {
-            const int qh = fmt_qh(f);
-            uint64_t h0 = load_u32(p + qh), h1 = load_u32(p + bs + qh), h2 = load_u32(p + 2 * bs + qh),
-                     h3 = load_u32(p + 3 * bs + qh);
-            uint64_t mlo = (h0 & 0xFFFF) | (h1 & 0xFFFF) << 16 | (h2 & 0xFFFF) << 32 | (h3 & 0xFFFF) << 48;
-            uint64_t mhi = (h0 >> 16) | (h1 >> 16) << 16 | (h2 >> 16) << 32 | (h3 >> 16) << 48;
-            const __m512i b4 = _mm512_set1_epi8(0x10);
-            *lo = _mm512_mask_add_epi8(*lo, (__mmask64)mlo, *lo, b4);
-            *hi = _mm512_mask_add_epi8(*hi, (__mmask64)mhi, *hi, b4);
-        }
-    }
-    uint64_t d = (uint64_t)load_u16(p) | (uint64_t)load_u16(p + bs) << 16 | (uint64_t)load_u16(p + 2 * bs) << 32 |
-                 (uint64_t)load_u16(p + 3 * bs) << 48;
-    if (fmt_has_min(f)) {
-        uint64_t m = (uint64_t)load_u16(p + 2) | (uint64_t)load_u16(p + bs + 2) << 16 |
-                     (uint64_t)load_u16(p + 2 * bs + 2) << 32 | (uint64_t)load_u16(p + 3 * bs + 2) << 48;
-        __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_set_epi64x((long long)m, (long long)d)));
-        *dv = _mm512_permutexvar_ps(idx, dm);
-        *mv = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(4)), dm);
-    } else {
-        *dv = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)d))));
-        *mv = _mm512_setzero_ps();
-    }
-}
-
-/* nr (1 or 2) weight rows at a time, against ni (<= 8) activation rows (their groups xg,
- * their tail blocks xa): each activation group is loaded once for the nr rows, each weight
- * group decoded once for the ni rows. rows: a multiple of nr. */
-ALWAYS_INLINE void rows512(int f, int nr, int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
-                           const xg512 *xg, const sw_a32 *xa, float *y, int64_t ldy) {
-    const int bs = fmt_bytes(f);
-    const int64_t ng = kblocks / 4;
-    for (int64_t r = 0; r < rows; r += nr) {
-        const uint8_t *wr = w + r * row_bytes;
-        __m512 acc[2][8];
-        for (int k = 0; k < nr; k++)
-            for (int i = 0; i < ni; i++) acc[k][i] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < ng; g++) {
-            __m512i lo[2], hi[2];
-            __m512 dv[2], mv[2];
-            for (int k = 0; k < nr; k++) decode512(f, wr + k * row_bytes + 4 * bs * g, &lo[k], &hi[k], &dv[k], &mv[k]);
-            for (int i = 0; i < ni; i++) {
-                const xg512 *p = xg + i * ng + g;
-                const __m512i xl = _mm512_load_si512(p->lo), xh = _mm512_load_si512(p->hi);
-                const __m512 dx = _mm512_load_ps(p->dx);
-                const __m512i c = fmt_has_min(f) ? _mm512_setzero_si512() : _mm512_load_si512(p->corr);
-                for (int k = 0; k < nr; k++) {
-                    __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, lo[k], xl), hi[k], xh);
-                    acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv[k], dx), acc[k][i]);
-                    if (fmt_has_min(f)) acc[k][i] = _mm512_fmadd_ps(mv[k], _mm512_load_ps(p->s), acc[k][i]);
-                }
-            }
-        }
-        for (int k = 0; k < nr; k++)
-            for (int i = 0; i < ni; i++) {
-                float s = _mm512_reduce_add_ps(acc[k][i]);
-                for (int64_t b = 4 * ng; b < kblocks; b++)
-                    s += block_dot(f, wr + k * row_bytes + bs * b, xa + i * kblocks + b);
-                y[i * ldy + r + k] = s;
-            }
-    }
-}
-
-/* The nibble formats (Q4_0, Q4_1, Q5_0, Q5_1) take 8 blocks at a time: 4 zmm of weights hold
- * bytes 8t .. 8t + 7 of each of 8 blocks (t = 0..3), so each 32-bit lane holds one of 2 lanes
- * of one block, and 8 blocks cost 4 vpdpbusd and one float scale-and-add per activation row
- * (8 and 2 for 4-block groups). A last group of fewer than 8 blocks is padded: zero
- * activations (and zero dx, correction, s), against block 0's weights read again. */
+/* Every format takes 8 blocks at a time: 4 zmm of weights hold bytes 8t .. 8t + 7 of each of
+ * 8 blocks (t = 0..3), so each 32-bit lane holds one of 2 lanes of one block, and 8 blocks
+ * cost 4 vpdpbusd and one float scale-and-add per activation row. A last group of fewer
+ * than 8 blocks is padded: zero activations (and zero dx, correction, s), against block 0's
+ * weights read again. */
 typedef struct {
     int8_t q[4][64]; /* q[t][8j .. 8j + 7] = a[8t .. 8t + 7] of block j */
     float dx[16];    /* block j's dx in lanes 2j, 2j + 1 */
     union {
-        int32_t corr[16]; /* Q4_0 / Q5_0: -offset * (the sum of the 16 a's lane l takes) */
+        int32_t corr[16]; /* Q8_0 / Q4_0 / Q5_0: -bias * (the sum of the 16 a's lane l takes) */
         float s[16];      /* Q4_1 / Q5_1: s in lane 2j, 0 in 2j + 1 */
     };
 } xg8; /* 384 bytes */
@@ -378,7 +243,7 @@ static const xg8 *repack8(int f, const sw_a32 *xa, int64_t n, int64_t kblocks) {
             return NULL;
         }
     }
-    const int off = fmt_offset(f);
+    const int bias = fmt_bias512(f);
     for (int64_t i = 0; i < n; i++)
         for (int64_t g = 0; g < ng; g++) {
             xg8 *o = buf + i * ng + g;
@@ -391,7 +256,7 @@ static const xg8 *repack8(int f, const sw_a32 *xa, int64_t n, int64_t kblocks) {
                     for (int t = 0; t < 4; t++)
                         for (int u = 0; u < 4; u++) sum += xb->q[8 * t + 4 * h + u];
                     o->dx[2 * j + h] = xb->d;
-                    if (!fmt_has_min(f)) o->corr[2 * j + h] = -off * sum;
+                    if (!fmt_has_min(f)) o->corr[2 * j + h] = -bias * sum;
                 }
                 if (fmt_has_min(f)) o->s[2 * j] = xb->s;
             }
@@ -399,8 +264,8 @@ static const xg8 *repack8(int f, const sw_a32 *xa, int64_t n, int64_t kblocks) {
     return buf;
 }
 
-/* 8 blocks at b[0..7] -> w[t] (bytes 8t .. 8t + 7 of each block, u8), d (and m) per lane pair. */
-ALWAYS_INLINE void decode8(int f, const uint8_t *const b[8], __m512i w[4], __m512 *dv, __m512 *mv) {
+/* The nibble formats' 8 blocks -> w[t] (bytes 8t .. 8t + 7 of each block, u8). */
+ALWAYS_INLINE void decode8_nibbles(int f, const uint8_t *const b[8], __m512i w[4]) {
     const int qs = fmt_qs(f);
     __m512i z1 = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b[0] + qs)));
     __m512i z2 = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b[4] + qs)));
@@ -432,6 +297,26 @@ ALWAYS_INLINE void decode8(int f, const uint8_t *const b[8], __m512i w[4], __m51
         w[2] = _mm512_mask_add_epi8(w[2], _cvtu64_mask64((uint64_t)_mm_cvtsi128_si64(h23)), w[2], b4);
         w[3] = _mm512_mask_add_epi8(w[3], _cvtu64_mask64((uint64_t)_mm_extract_epi64(h23, 1)), w[3], b4);
     }
+}
+
+/* 8 blocks at b[0..7] -> w[t] (bytes 8t .. 8t + 7 of each block, u8), d (and m) per lane pair. */
+ALWAYS_INLINE void decode8(int f, const uint8_t *const b[8], __m512i w[4], __m512 *dv, __m512 *mv) {
+    if (f == F_Q8_0) { /* a qword transpose: zmm p holds blocks 2p, 2p + 1; w[t] takes qword t of each */
+        __m512i z[4];
+        for (int p = 0; p < 4; p++)
+            z[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b[2 * p] + 2))),
+                                      _mm256_loadu_si256((const __m256i *)(b[2 * p + 1] + 2)), 1);
+        const __m512i flip = _mm512_set1_epi8((char)0x80); /* q + 128: u8 */
+        for (int t = 0; t < 4; t++) {
+            const __m512i lo = _mm512_setr_epi64(t, 4 + t, 8 + t, 12 + t, 0, 0, 0, 0);
+            const __m512i hi = _mm512_setr_epi64(0, 0, 0, 0, t, 4 + t, 8 + t, 12 + t);
+            const __m512i q = _mm512_mask_blend_epi64(0xF0, _mm512_permutex2var_epi64(z[0], lo, z[1]),
+                                                      _mm512_permutex2var_epi64(z[2], hi, z[3]));
+            w[t] = _mm512_xor_si512(q, flip);
+        }
+    } else {
+        decode8_nibbles(f, b, w);
+    }
     const __m512i idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     __m128i d = _mm_setr_epi16((short)load_u16(b[0]), (short)load_u16(b[1]), (short)load_u16(b[2]),
                                (short)load_u16(b[3]), (short)load_u16(b[4]), (short)load_u16(b[5]),
@@ -447,13 +332,16 @@ ALWAYS_INLINE void decode8(int f, const uint8_t *const b[8], __m512i w[4], __m51
     }
 }
 
+
 /* Group g of row wr: its 8 block pointers (a last partial group repeats block 0). */
 ALWAYS_INLINE void group8(int f, const uint8_t *wr, int64_t g, int64_t kblocks, const uint8_t *b[8]) {
     const int bs = fmt_bytes(f);
     for (int j = 0; j < 8; j++) b[j] = wr + bs * (8 * g + j < kblocks ? 8 * g + j : 0);
 }
 
-/* Like rows512, on 8-block groups (nr 1 or 2 weight rows, ni <= 8 activation rows). */
+/* nr (1 or 2) weight rows at a time, against ni (<= 8) activation rows (their groups xg):
+ * each activation group is loaded once for the nr rows, each weight group decoded once for
+ * the ni rows. rows: a multiple of nr. */
 ALWAYS_INLINE void rows8(int f, int nr, int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                          const xg8 *xg, float *y, int64_t ldy) {
     const int bs = fmt_bytes(f);
@@ -523,39 +411,6 @@ ALWAYS_INLINE void gemm8_avx512(int f, const uint8_t *w, size_t row_bytes, int64
     }
 }
 
-/* Activation rows in chunks of <= 8; weight rows in pairs, an odd last one alone. */
-ALWAYS_INLINE void gemm_avx512(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
-                               const void *x, int64_t n, float *y, int64_t ldy) {
-    const sw_a32 *xa = (const sw_a32 *)x;
-    if (n <= 0 || rows <= 0) return;
-    const int64_t ng = kblocks / 4;
-    const xg512 *xg = ng ? repack512(f, xa, n, kblocks) : NULL;
-    if (ng && !xg) { /* out of memory for the repacked activations: the AVX2 path needs none */
-        gemm_avx2(f, w, row_bytes, rows, kblocks, x, n, y, ldy);
-        return;
-    }
-    const int64_t even = rows & ~(int64_t)1;
-    const uint8_t *wlast = w + even * row_bytes;
-    for (int64_t i0 = 0; i0 < n;) {
-        int64_t left = n - i0;
-        const xg512 *g = xg + i0 * ng;
-        const sw_a32 *xi = xa + i0 * kblocks;
-        float *yi = y + i0 * ldy;
-#define RUN(k)                                                                                          \
-    do {                                                                                                \
-        rows512(f, 2, k, w, row_bytes, even, kblocks, g, xi, yi, ldy);                                  \
-        if (rows & 1) rows512(f, 1, k, wlast, row_bytes, 1, kblocks, g, xi, yi + even, ldy);            \
-        i0 += k;                                                                                        \
-    } while (0)
-        if (left >= 8) RUN(8);
-        else if (left >= 4) RUN(4);
-        else if (left == 3) RUN(3);
-        else if (left == 2) RUN(2);
-        else RUN(1);
-#undef RUN
-    }
-}
-
 ALWAYS_INLINE void dequant_avx512(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                   float *out) {
     const int bs = fmt_bytes(f);
@@ -593,8 +448,7 @@ ALWAYS_INLINE void dequant_avx512(int f, const uint8_t *w, size_t row_bytes, int
     }                                                                                                                \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))) static void               \
         gemm_##name##_avx512(SW_GEMM_ARGS) {                                                                         \
-        if (F == F_Q8_0) gemm_avx512(F, w, row_bytes, rows, kblocks, x, n, y, ldy);                                 \
-        else gemm8_avx512(F, w, row_bytes, rows, kblocks, x, n, y, ldy);                                             \
+        gemm8_avx512(F, w, row_bytes, rows, kblocks, x, n, y, ldy);                                                  \
     }                                                                                                                \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))) static void               \
         dequant_##name##_avx512(SW_DEQ_ARGS) {                                                                       \

@@ -1,0 +1,119 @@
+"""The tp=2 all-reduce per call, through MPI, gloo and the shared-memory path over each
+(shardwise.comm.shm), and the SmolLM2-shaped decode's ms/token with that path on and off.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_allreduce.py [--calls 2000] [--repeats 5] [--tokens 32]
+
+Per size and configuration: `--repeats` runs of `--calls` back-to-back all-reduces (after a
+barrier), each rank timing its own calls; the figure is the best run's mean per call on rank 0,
+in wall time (perf_counter) and thread time (thread_time). Each configuration runs in fresh
+ranks (one thread each); every result is checked against the exact sum.
+
+Decode: `shardwise.engine.generate` on the SmolLM2-135M shape (benchmarks/make_smol_shape.py,
+random weights, fp32), batch 1, a 64-token prompt, greedy, --tokens new tokens; the median
+decode step's wall time on rank 0. The tokens must be the same with the path on and off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from make_smol_shape import ensure_smol_shape  # noqa: E402
+
+from shardwise.comm import ParallelDims  # noqa: E402
+from shardwise.comm.shm import ShmCommunicator  # noqa: E402
+from shardwise.launch import launch  # noqa: E402
+
+SIZES = [(1, 576), (1, 2048), (16, 576), (16, 2048)]
+CONFIGS = [("mpi", "off"), ("gloo", "off"), ("mpi", "on"), ("gloo", "on")]
+PROMPT = 64
+
+
+def _tp(world, shm: str):
+    tp = ParallelDims(world_size=world.size, tp=world.size).build(world, shm_allreduce=shm).tp
+    if (shm == "on") != isinstance(tp, ShmCommunicator):
+        raise RuntimeError(f"shm={shm} but the tp group is a {type(tp).__name__}")
+    return tp
+
+
+def _collective_rank(world, shm: str, calls: int, repeats: int) -> list[tuple[float, float]]:
+    torch.set_num_threads(1)
+    tp = _tp(world, shm)
+    out = []
+    for rows, width in SIZES:
+        t = torch.randn(rows, width, generator=torch.Generator().manual_seed(tp.rank))  # (rows, width)
+        exact = world.all_gather(t.unsqueeze(0), dim=0).sum(0)  # (rows, width)
+        for _ in range(50):
+            got = tp.all_reduce(t)
+        runs = []
+        for _ in range(repeats):
+            tp.barrier()
+            w0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(calls):
+                got = tp.all_reduce(t)
+            runs.append(((time.perf_counter() - w0) / calls, (time.thread_time() - c0) / calls))
+        if not torch.allclose(got, exact, rtol=1e-6, atol=1e-6):
+            raise RuntimeError(f"the all-reduce of {rows} x {width} is wrong on rank {tp.rank}")
+        out.append(min(runs))
+    return out
+
+
+def _decode_rank(world, shm: str, model: str, tokens: int) -> dict:
+    from shardwise.engine import generate
+    from shardwise.hf import load_pretrained
+
+    torch.set_num_threads(1)
+    tp = _tp(world, shm)
+    lm, _ = load_pretrained(model, comm=tp)
+    prompt = [(37 * i + 300) % lm.cfg.vocab_size for i in range(PROMPT)]
+    with torch.no_grad():
+        generate(lm, [prompt], comm=tp, max_new_tokens=4)  # warm up
+        res = generate(lm, [prompt], comm=tp, max_new_tokens=tokens)
+    return {"tokens": res.tokens[0], "ms": statistics.median(res.decode_ms), "comm": res.comm_per_step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=32, help="decode: new tokens (0: skip the decode)")
+    ap.add_argument("--backend", nargs="+", default=["mpi", "gloo"])
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    report: dict = {"sizes": SIZES, "allreduce_us": {}, "decode_ms": {}}
+    print("all-reduce at tp=2, us per call, best of repeats: wall / thread")
+    print("| path | " + " | ".join(f"{r} x {w}" for r, w in SIZES) + " |")
+    print("|" + "---|" * (len(SIZES) + 1))
+    for backend, shm in CONFIGS:
+        if backend not in args.backend:
+            continue
+        figs = launch(_collective_rank, 2, args=(shm, args.calls, args.repeats), backend=backend)[0]
+        name = f"shm over {backend}" if shm == "on" else backend
+        report["allreduce_us"][name] = [(1e6 * w, 1e6 * c) for w, c in figs]
+        print(f"| {name} | " + " | ".join(f"{1e6 * w:.1f} / {1e6 * c:.1f}" for w, c in figs) + " |", flush=True)
+    if args.tokens:
+        model = str(ensure_smol_shape())
+        print(f"\ndecode at tp=2, SmolLM2 shape fp32, {args.tokens} tokens: median ms/token (rank 0)")
+        tokens = {}
+        for backend in args.backend:
+            for shm in ("off", "on"):
+                r = launch(_decode_rank, 2, args=(shm, model, args.tokens), backend=backend, timeout_s=600)[0]
+                tokens[(backend, shm)] = r["tokens"]
+                report["decode_ms"][f"{backend} shm={shm}"] = r["ms"]
+                print(f"| {backend} | shm {shm} | {r['ms']:.2f} | {r['comm'].get('all_reduce/tp')} |", flush=True)
+        if len({tuple(t) for t in tokens.values()}) != 1:
+            raise SystemExit(f"the tokens differ between configurations: {tokens}")
+        print("same tokens in every configuration")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,392 @@
+"""An all-reduce through shared memory, for a group whose ranks all run on one host.
+
+    tp = intra_host(world.split(groups, name="tp"), parent=world, mode="auto")
+
+wraps a group's communicator (gloo or MPI) so that its all-reduces of tensors up to
+`max_bytes` go through one POSIX shared-memory segment (a file in /dev/shm) made once, at
+setup; every other operation, and larger or non-CPU tensors, pass through to the wrapped
+communicator. The accounting, the progress board and CollectiveError are the base class's,
+so the calls count exactly as the wrapped communicator's would.
+
+The segment (offsets in bytes):
+
+    0                          magic, nonce, size, slot_bytes           (int64 x 4)
+    64 * (1 + r)               rank r's line: seq, pid, failed          (int64 x 3, a cache line each)
+    DATA + b * size * slot + r * slot   call parity b's slot of rank r  (2 x size x slot_bytes)
+
+All-reduce number k (every rank counts its calls) uses buffer b = k % 2: each rank copies
+its tensor into its slot, then stores k into its seq (mod PERIOD), waits until every peer's
+seq is k or k + 1, and sums the size slots in rank order (every rank the same order, so the
+replicas stay bitwise equal). Two buffers are enough: a rank writes call k + 1's slot only
+after seeing every peer at k, and a peer stores k only once it has finished reading call
+k - 1, the last user of that buffer.
+
+NOTE: the stores are ordered by x86-64's memory model (TSO: a store is never seen before an
+earlier one, a load never done before an earlier one); Python has no fence, so other
+architectures keep the wrapped communicator's all-reduce.
+
+No wait is unbounded: a peer that does not arrive within the communicator's timeout, whose
+process is gone (its pid, from the segment), that failed an earlier call, or that the MPI
+launcher reports dead (shardwise.comm.mpi.peer_failed) makes the all-reduce raise, naming
+that rank. The segment's name is unlinked as soon as every rank has mapped it (and at
+exit, and by the launchers' cleanup, `remove_segments`, if the creator dies before): no
+file outlives the setup, the mapping outlives nothing but the processes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import mmap
+import os
+import platform
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from shardwise.comm.communicator import Communicator, ReduceOp
+from shardwise.comm.hang import proc_state
+from shardwise.comm.mpi import _peer_failure
+
+__all__ = ["ShmCommunicator", "intra_host", "shm_mode", "remove_segments", "MODE_ENV", "PREFIX", "SHM_DIR"]
+
+MODE_ENV = "SHARDWISE_SHM_ALLREDUCE"
+"""auto (the default: on for intra-host gloo and MPI groups), on (also refuses nothing, but
+still needs one host), off (the wrapped communicator's all-reduce)."""
+MODES = ("auto", "on", "off")
+SHM_DIR = "/dev/shm"
+PREFIX = "shardwise-shm-"
+"""Segment files are PREFIX + '<creator pid>-<nonce>': a launcher removes its ranks' by pid."""
+DEFAULT_MAX_BYTES = 1 << 20
+"""The largest tensor the segment holds (per rank and buffer); larger ones go to the wrapped one."""
+PERIOD = 1 << 62
+"""Sequence numbers are counted modulo this (even, so a call's buffer parity survives the wrap)."""
+
+_MAGIC = 0x5348_5741_5348_4D31  # "SHWASHM1"
+_LINE = 8  # int64 words per rank line (64 bytes)
+_SEQ, _PID, _FAILED = 0, 1, 2  # words of a rank's line
+_DATA = 4096
+_SPIN_POLLS = 256  # polls before a waiting rank starts yielding its core (sched_yield)
+_NAP_AFTER_S = 0.005  # a wait this long is a peer with other work, not a collective's latency
+_NAP_S = 0.0002
+_CHECK_EVERY = 64  # polls between looks at the clock, the peers' pids and the MPI launcher's word
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+_HALF = (torch.float16, torch.bfloat16)  # summed in fp32, rounded once
+
+
+def shm_mode(environ: dict[str, str] | None = None) -> str:
+    """SHARDWISE_SHM_ALLREDUCE (default auto), checked."""
+    mode = (os.environ if environ is None else environ).get(MODE_ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{MODE_ENV}={mode!r} is not one of {', '.join(MODES)}")
+    return mode
+
+
+def _host_key() -> int:
+    """This machine (hostname, boot id, architecture) as an int64, to compare across ranks."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    digest = hashlib.sha256(f"{socket.gethostname()}|{boot}|{platform.machine()}".encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def _supported() -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and os.path.isdir(SHM_DIR)
+
+
+class _Segment:
+    """The mapped segment: its header words as a memoryview of int64, and its file while linked."""
+
+    def __init__(self, path: Path, size: int, slot_bytes: int, *, create: bool, nonce: int) -> None:
+        self.path: Path | None = path
+        self.size, self.slot_bytes = size, slot_bytes
+        nbytes = _DATA + 2 * size * slot_bytes
+        fd = os.open(path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if create else os.O_RDWR, 0o600)
+        try:
+            if create:
+                atexit.register(self.unlink)
+                os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, rather than SIGBUS on first touch
+            elif os.fstat(fd).st_size != nbytes:
+                raise OSError(f"segment {path} has {os.fstat(fd).st_size} bytes, expected {nbytes}")
+            self.mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.words = memoryview(self.mm).cast("B").cast("q")  # the header, as int64 words
+        if create:
+            self.words[1], self.words[2], self.words[3] = nonce, size, slot_bytes
+            self.words[0] = _MAGIC
+        elif tuple(self.words[0:4]) != (_MAGIC, nonce, size, slot_bytes):
+            raise OSError(f"segment {path} is not the one rank 0 made")
+
+    def line(self, rank: int) -> int:
+        """The index of rank's first header word (its seq)."""
+        return _LINE * (1 + rank)
+
+    def slots(self, dtype: torch.dtype) -> torch.Tensor:
+        """(2, size, slot_bytes // itemsize) over the data area, in `dtype`."""
+        per = self.slot_bytes // dtype.itemsize
+        flat = torch.frombuffer(self.mm, dtype=dtype, count=2 * self.size * per, offset=_DATA)
+        return flat.view(2, self.size, per)
+
+    def unlink(self) -> None:
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            atexit.unregister(self.unlink)
+            self.path = None
+
+    def close(self) -> None:
+        self.unlink()
+        self.words.release()
+        with contextlib.suppress(BufferError):  # a view still held somewhere: freed with it
+            self.mm.close()
+
+
+class ShmCommunicator(Communicator):
+    """`inner` with its all-reduces (up to max_bytes, on CPU) through a shared-memory segment."""
+
+    def __init__(self, inner: Communicator, segment: _Segment, *, period: int = PERIOD) -> None:
+        if period < 4 or period % 2:
+            raise ValueError(f"period {period} must be even and >= 4")
+        self.inner, self.seg, self.period = inner, segment, period
+        self.name, self.rank, self.size = inner.name, inner.rank, inner.size
+        self.stats, self.backend, self.timeout_s = inner.stats, inner.backend, inner.timeout_s
+        self.members, self.wire, self.p2p_check = inner.members, inner.wire, inner.p2p_check
+        self.max_bytes = segment.slot_bytes
+        self.attach_board(inner._board)
+        self._calls = 0
+        self._mine = segment.line(self.rank)
+        self._peers = [(p, segment.line(p)) for p in range(self.size) if p != self.rank]
+        self._pids = {p: segment.words[segment.line(p) + _PID] for p in range(self.size)}
+        self._slots: dict[torch.dtype, torch.Tensor] = {}
+        self._rows: dict[tuple[torch.dtype, torch.Size, int], tuple[torch.Tensor, ...]] = {}
+        self._broken: str | None = None
+
+    # ---- the all-reduce ----------------------------------------------------------------------
+    def _fits(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.dtype in _DTYPES and t.numel() * t.element_size() <= self.max_bytes
+
+    def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        if not self._fits(t):
+            return self.inner._all_reduce(t, op)
+        return _reduce(self._exchange(t), op, t.dtype, None)
+
+    def _all_reduce_inplace(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        if not (self._fits(t) and t.is_contiguous()):
+            return self.inner._all_reduce_inplace(t, op)
+        _reduce(self._exchange(t), op, t.dtype, t)
+        return t
+
+    def _exchange(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Write t into this rank's slot, signal, wait for every peer: every rank's tensor
+        (views of the segment, t's shape)."""
+        if self._broken is not None:
+            raise RuntimeError(f"shared-memory all_reduce is unusable after an earlier failure: {self._broken}")
+        self._calls += 1
+        seq = self._calls % self.period
+        rows = self._rows_of(t.dtype, t.shape, seq & 1)  # size x t.shape
+        rows[self.rank].copy_(t.detach() if t.requires_grad else t)  # NOTE: never part of a graph
+        words = self.seg.words
+        words[self._mine] = seq  # NOTE: after the copy's stores (TSO): a peer that sees seq sees the data
+        period = self.period
+        for p, line in self._peers:
+            if (words[line] - seq) % period > 1:
+                self._wait(p, line, seq)
+        return rows
+
+    def _rows_of(self, dtype: torch.dtype, shape: torch.Size, parity: int) -> tuple[torch.Tensor, ...]:
+        """Every rank's slot of buffer `parity` as a `shape` tensor of `dtype` (made once per key)."""
+        key = (dtype, shape, parity)
+        rows = self._rows.get(key)
+        if rows is None:
+            slots = self._slots.get(dtype)
+            if slots is None:
+                slots = self._slots[dtype] = self.seg.slots(dtype)  # (2, size, per)
+            if len(self._rows) > 256:
+                self._rows.clear()  # many shapes (a prefill of every length): keep it bounded
+            n = shape.numel()
+            rows = self._rows[key] = tuple(slots[parity, r, :n].view(shape) for r in range(self.size))
+        return rows
+
+    def _wait(self, peer: int, line: int, seq: int) -> None:
+        """Poll peer's seq until it reaches seq (or seq + 1), within the timeout; else raise."""
+        words, period = self.seg.words, self.period
+        start, polls, napping = time.monotonic(), 0, False
+        while (words[line] - seq) % period > 1:
+            polls += 1
+            if polls <= _SPIN_POLLS:
+                continue
+            if polls % _CHECK_EVERY == 0:
+                waited = time.monotonic() - start
+                problem = self._peer_problem(peer, line, waited)
+                if problem is not None:
+                    self._fail(problem)
+                napping = waited > _NAP_AFTER_S
+            if napping:
+                time.sleep(_NAP_S)
+            else:
+                os.sched_yield()
+
+    def _peer_problem(self, peer: int, line: int, waited: float) -> str | None:
+        who = f"rank {peer} (world rank {self.members[peer]}, process {self._pids[peer]})"
+        where = f"shared-memory all_reduce #{self._calls}"
+        if self.seg.words[line + _FAILED]:
+            return f"{where}: {who} failed an earlier one"
+        if _peer_failure:  # the MPI launcher's word that a rank died
+            return f"{where} cannot complete: {_peer_failure[0]}"
+        if waited > self.timeout_s:
+            return f"{where} waited {self.timeout_s:g}s for {who}, which never arrived"
+        if waited > _NAP_AFTER_S and proc_state(self._pids[peer]) is None:
+            return f"{where}: {who} is gone"
+        return None
+
+    def _fail(self, problem: str) -> None:
+        self._broken = problem
+        self.seg.words[self._mine + _FAILED] = 1  # peers waiting for this rank fail at once
+        raise RuntimeError(problem)
+
+    # ---- everything else: the wrapped communicator's ------------------------------------------
+    def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.inner._all_gather(t, dim)
+
+    def _reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.inner._reduce_scatter(t, dim)
+
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        return self.inner._broadcast(t, src)
+
+    def _all_to_all(self, t: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+        return self.inner._all_to_all(t, send_sizes, recv_sizes)
+
+    def _all_reduce_async(self, t: torch.Tensor) -> torch.futures.Future:
+        return self.inner._all_reduce_async(t)
+
+    def _barrier(self) -> None:
+        self.inner._barrier()
+
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self.inner._send(t, dst, tag)
+
+    def _recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
+        self.inner._recv(buf, src, tag)
+
+    def split(self, groups: list[list[int]], name: str) -> Communicator:
+        return self.inner.split(groups, name)
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    @property
+    def process_group(self):
+        return self.inner.process_group
+
+    def close_splits(self) -> None:
+        self.inner.close_splits()
+
+    def _release(self) -> None:
+        self._unmap()
+        self.inner._release()
+
+    def close(self) -> None:
+        self._unmap()
+        self.inner.close()
+
+    def _unmap(self) -> None:
+        self._broken = self._broken or "its group was closed"
+        self._rows.clear()
+        self._slots.clear()
+        self.seg.close()
+
+
+def _reduce(rows: tuple[torch.Tensor, ...], op: ReduceOp, dtype: torch.dtype, out: torch.Tensor | None):
+    """rows[0] op rows[1] op ... in rank order (fp32 for half precision), into `out` if given."""
+    if op == "max":
+        acc = torch.maximum(rows[0], rows[1], out=out) if out is not None else torch.maximum(rows[0], rows[1])
+        for row in rows[2:]:
+            torch.maximum(acc, row, out=acc)
+        return acc
+    if dtype in _HALF:
+        acc = rows[0].float()  # (n,) fp32
+        for row in rows[1:]:
+            acc += row
+        return out.copy_(acc) if out is not None else acc.to(dtype)
+    acc = torch.add(rows[0], rows[1], out=out) if out is not None else rows[0] + rows[1]
+    for row in rows[2:]:
+        acc += row
+    return acc
+
+
+def intra_host(
+    comm: Communicator,
+    *,
+    parent: Communicator | None = None,
+    mode: str = "auto",
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    period: int = PERIOD,
+) -> Communicator:
+    """`comm` with the shared-memory all-reduce if `mode` allows and every rank of it is on this
+    host; else `comm` itself. Collective over comm (a few small operations, not counted).
+
+    parent: the communicator comm was split from; the wrapper takes comm's place among its
+    splits, so parent.close_splits() releases the segment too. period: see PERIOD (the tests
+    make it small, to wrap)."""
+    if mode not in MODES:
+        raise ValueError(f"shared-memory all-reduce mode {mode!r} is not one of {', '.join(MODES)}")
+    if max_bytes < 64 or max_bytes % 64:
+        raise ValueError(f"max_bytes {max_bytes} must be a positive multiple of 64")
+    if mode == "off" or comm.size == 1 or comm.backend not in ("gloo", "mpi") or isinstance(comm, ShmCommunicator):
+        return comm
+    cpu = torch.device("cpu")
+    if comm.device != cpu:
+        return comm
+    # every rank gathers every rank's host, and decides alike
+    keys = comm._all_gather(torch.tensor([_host_key(), int(_supported())], dtype=torch.int64), 0)  # (2 * size,)
+    hosts, able = keys[0::2], keys[1::2]
+    if not (bool((hosts == hosts[0]).all()) and bool(able.all())):
+        return comm
+    nonce = int.from_bytes(os.urandom(7), "little")
+    path = Path(SHM_DIR) / f"{PREFIX}{os.getpid()}-{nonce:x}"
+    seg, made = None, torch.zeros(3, dtype=torch.int64)  # (pid, nonce, ok) of rank 0's segment
+    if comm.rank == 0:
+        with contextlib.suppress(OSError):
+            seg = _Segment(path, comm.size, max_bytes, create=True, nonce=nonce)
+            made[:] = torch.tensor([os.getpid(), nonce, 1])
+    made = comm._broadcast(made, 0)
+    failed = torch.tensor([0 if made[2] else 1], dtype=torch.int64)
+    if comm.rank != 0 and made[2]:
+        pid, nonce = int(made[0]), int(made[1])
+        try:
+            seg = _Segment(Path(SHM_DIR) / f"{PREFIX}{pid}-{nonce:x}", comm.size, max_bytes, create=False, nonce=nonce)
+        except OSError:
+            failed[0] = 1
+    if seg is not None:
+        seg.words[seg.line(comm.rank) + _PID] = os.getpid()
+    failed = comm._all_reduce(failed, "max")  # every rank has mapped it (and written its pid), or one could not
+    if seg is not None:
+        seg.unlink()  # rank 0's name goes; the mapping stays
+        if failed[0]:
+            seg.close()
+    if failed[0]:
+        return comm
+    wrapped = ShmCommunicator(comm, seg, period=period)
+    if parent is not None and parent._splits and comm in parent._splits:
+        parent._splits[parent._splits.index(comm)] = wrapped
+    return wrapped
+
+
+def remove_segments(pids: list[int]) -> list[str]:
+    """Unlink the segments the processes `pids` made (a launcher's cleanup after its ranks ended:
+    a rank that died between making its segment and its peers mapping it). The names removed."""
+    removed = []
+    for pid in pids:
+        for path in Path(SHM_DIR).glob(f"{PREFIX}{pid}-*"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path.name)
+    return removed
