@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -214,9 +215,15 @@ def test_a_host_cut_off_during_decode_is_named_and_its_rank_exits():
         procs = cluster.torchrun(
             TORCHRUN, 1, argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        time.sleep(5)  # loaded and decoding (about 20 ms a token here: 450 take 9 s)
+        seen = []
+        for line in procs[0].stderr:  # up to the rendezvous' cross-host warning: then it loads and decodes
+            seen.append(line)
+            if "spans hosts" in line:
+                break
+        time.sleep(2)  # loaded and decoding (about 20 ms a token here: 450 take 9 s)
         cluster.cut(1)
         _, err = procs[0].communicate(timeout=60)
+        err = "".join(seen) + err
         assert procs[0].returncode != 0
         assert "shardwise: error: rank 1 failed: stuck: never arrived at all_reduce/tp #" in err, err[-3000:]
         assert " on host1; no heartbeat for " in err, err[-3000:]
@@ -277,3 +284,46 @@ def test_a_host_cut_off_during_training_is_named_and_the_checkpoint_stays_intact
                   "--resume", str(root), "--json", "--no-progress")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["steps_run"] == 1
+
+
+def test_a_host_cut_off_during_an_mpiexec_decode_ends_the_job_named():
+    """The same cut under mpiexec (hydra: a proxy per host, reached through rsh): the job
+    ends with the rank and its host named, and no process is left on either host. MPI
+    decodes this model at about 1.5 ms a token here, so the link goes down as the first
+    streamed text arrives."""
+    pytest.importorskip("mpi4py")
+    from shardwise.launch.mpi import find_mpiexec
+
+    argv = [sys.executable, "-m", "shardwise", "generate", "--tp", "2", "--backend", "mpi"]
+    argv += ["--max-new-tokens", "450", "--allow-cross-host-tp", "--timeout", "5"]
+    with netns.make_hosts(2, "1gbit") as cluster:
+        proc = cluster.mpiexec(
+            find_mpiexec(), 1, argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        seen = []
+        for line in proc.stdout:  # the link's measurement, then the streamed text
+            seen.append(line)
+            if "spans hosts" in line:
+                break
+        t_cut = time.monotonic()
+        cluster.cut(1)
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            pytest.fail(f"mpiexec still running 90 s after the cut: {out[-3000:]}")
+        took = time.monotonic() - t_cut
+        deadline = time.monotonic() + 30
+        while any(h.pids() for h in cluster.hosts) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = {h.name: h.pids() for h in cluster.hosts if h.pids()}
+    err = "".join(seen) + out
+    assert proc.returncode != 0, err[-3000:]
+    assert "tokens, prefill" not in err, "the decode finished before the cut"
+    # the failure itself names the rank and its host: cut off (both ranks inside the same
+    # all-reduce, alive), or stuck before it (its progress records on a host this one cannot read)
+    named = re.search(r"rank 1 is (cut off: rank 1 on host1 |stuck: .*it runs on host host1)", out)
+    assert named, out[-3000:]
+    assert left == {}, f"processes left on the hosts 30 s after the job ended: {left}"
+    assert took < 60, took

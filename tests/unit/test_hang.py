@@ -92,6 +92,29 @@ def test_ranks_that_all_arrived_and_answer_are_no_hang():
     assert _tp2(entered=True) is None  # both inside #6 and answering: the transport's problem, not a rank's
 
 
+def test_ranks_that_all_arrived_on_two_hosts_name_the_link_and_a_rank_not_seen_its_host():
+    from shardwise.comm import hang as hang_mod
+
+    hang_mod.set_rank_hosts(("host0", "host1"))
+    try:
+        cut = _tp2(entered=True)  # both inside #6, alive, on two hosts: the link between them
+        assert cut is not None and cut.ranks == (1,)
+        assert cut.sentence() == (
+            "rank 1 is cut off: rank 1 on host1 and rank 0 on host0 all entered all_reduce/tp #6 and are alive "
+            "(fresh heartbeats), but its messages do not get through between host0 and host1 in 2.0 s: "
+            "the link between the hosts is down or unreachable"
+        )
+        waiting = _rec(0, {TP01: 6}, op=_op("all_reduce", "tp", TP01, 6, (0, 1)))
+        unseen = _diagnose([waiting], origin=0)  # rank 1's board is on its own host
+        assert unseen.ranks == (1,) and "it runs on host host1, whose progress records this host cannot read" in (
+            unseen.summary
+        )
+        hang_mod.set_rank_hosts(("host0", "host0"))
+        assert _tp2(entered=True) is None  # one host: still the transport's problem
+    finally:
+        hang_mod.set_rank_hosts(())
+
+
 def test_a_chain_over_tp_and_dp_leads_to_the_rank_everyone_waits_for():
     # tp=2 x dp=2, rank 3 stopped outside: rank 2 waits for it in tp, rank 1 in dp, rank 0 for rank 2 in dp.
     records = [

@@ -88,14 +88,26 @@ class Hang:
     """Ranks that waited for the culprits' waiters (behind them in a chain)."""
     cycle: tuple[tuple[Wait, int], ...] = ()
     """A deadlock: each rank waits in its operation for the next."""
+    cut_off: tuple[Wait, tuple[int, ...], str, str] | None = None
+    """Every member arrived and is alive, on more than one host: (the waiting rank's wait,
+    the ranks on other hosts, the waiting rank's host, theirs): the link between them."""
 
     @property
     def ranks(self) -> tuple[int, ...]:
+        if self.cut_off is not None:
+            return self.cut_off[1]
         return tuple(c.rank for c in self.culprits) or tuple(sorted(w.rank for w, _ in self.cycle))
 
     @property
     def summary(self) -> str:
         """One line without the rank as subject: "stuck: never arrived at ...", for "rank 3 failed: ..."."""
+        if self.cut_off is not None:
+            w, far, here, there = self.cut_off
+            return (
+                f"cut off: {_ranks(far)} on {there} and rank {w.rank} on {here} all entered {w.where} and are alive "
+                f"(fresh heartbeats), but its messages do not get through between {here} and {there} in "
+                f"{w.waited_s:.1f} s: the link between the hosts is down or unreachable"
+            )
         if self.cycle:
             (w, peer), *rest = self.cycle
             chain = [f"rank {w.rank} waits in {w.where} for rank {peer}"]
@@ -114,6 +126,8 @@ class Hang:
         """One line with the rank as subject: "rank 3 is stuck: never arrived at ..."."""
         if self.cycle:
             return self.summary
+        if self.cut_off is not None:
+            return f"{_ranks(self.cut_off[1])} {'is' if len(self.cut_off[1]) == 1 else 'are'} {self.summary}"
         return f"rank {self.culprits[0].rank} is {self.summary}"
 
 
@@ -167,7 +181,7 @@ def diagnose(
     mine = set(reachable([origin])) if origin in waits else set(order)
     culprits = []
     for r in (r for r in order if not (r in waits and blocked(r))):
-        kind, state = health.get(r, ("unknown", _NO_RECORD))
+        kind, state = health.get(r, ("unknown", _no_record(r, origin)))
         rec = records.get(r, {})
         if (rec.get("op") or rec.get("pending")) and kind not in ("stopped", "frozen", "gone"):
             continue  # waits in an operation every peer has reached: not what holds the others
@@ -185,10 +199,49 @@ def diagnose(
     cycle = _find_cycle([origin] if origin in waits else sorted(waits), blocked)
     if cycle:
         return Hang(cycle=tuple((waits[r], nxt) for r, nxt in cycle))
-    return None
+    return _cut_off(records, waits, health, origin)
+
+
+def _cut_off(records, waits: dict[int, Wait], health, origin: int | None) -> Hang | None:
+    """Hang(cut_off=...) when `origin` waits in an operation every member entered, every one
+    responsive, and the members run on more than one host (_RANK_HOSTS): their link carries nothing."""
+    if origin not in waits or not _RANK_HOSTS:
+        return None
+    entry = _waiting_in(records[origin])
+    members = [entry["peer"]] if entry.get("peer") is not None else list(entry["members"])
+    if any(m >= len(_RANK_HOSTS) or m not in records for m in members):
+        return None
+    arrived = all(records[m]["counts"].get(entry["chan"], 0) >= entry["seq"] for m in members)
+    alive = all(health[m][0] == "ok" for m in members)
+    here = _RANK_HOSTS[origin]
+    far = tuple(sorted(m for m in members if _RANK_HOSTS[m] != here))
+    if not (arrived and alive and far):
+        return None
+    there = ", ".join(dict.fromkeys(_RANK_HOSTS[m] for m in far))
+    return Hang(cut_off=(waits[origin], far, here, there))
 
 
 _NO_RECORD = "it published no progress record (it never started, or it runs on another host: see SHARDWISE_BOARD)"
+_RANK_HOSTS: tuple[str, ...] = ()
+"""Every rank's host label, by rank, once the launcher gathered them (several hosts only)."""
+
+
+def set_rank_hosts(labels: tuple[str, ...]) -> None:
+    """Record which host each rank runs on (shardwise.launch.run, after its rendezvous), so a
+    rank whose progress board this host cannot read is still named with its host."""
+    global _RANK_HOSTS
+    _RANK_HOSTS = tuple(labels)
+
+
+def _no_record(rank: int, origin: int | None) -> str:
+    if rank < len(_RANK_HOSTS) and (
+        origin is None or origin >= len(_RANK_HOSTS) or _RANK_HOSTS[origin] != _RANK_HOSTS[rank]
+    ):
+        return (
+            f"it runs on host {_RANK_HOSTS[rank]}, whose progress records this host cannot read "
+            f"(a host down or cut off, or its rank never started)"
+        )
+    return _NO_RECORD
 
 
 def _health(rec: dict[str, Any], now: float, host: str, state_of) -> tuple[str, str]:

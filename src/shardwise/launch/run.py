@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator
+from shardwise.comm.hang import set_rank_hosts
 from shardwise.launch import board as boards
 from shardwise.launch.env import ExternalRank, external_rank, resolve_backend
 from shardwise.launch.failfast import RankFailedError, hang_failure, hang_of
@@ -144,6 +145,7 @@ def _check_hosts(comm: Communicator, ext: ExternalRank, tp: int, allow: bool) ->
     hosts = gather_hosts(comm, ext.host)
     if len(hosts.names) == 1:
         return
+    set_rank_hosts(hosts.labels)  # a hang's diagnosis names the host of a rank it cannot see
     try:
         hosts.check_tp(tp)
     except HostLayoutError as e:
