@@ -44,7 +44,11 @@ def test_decode_gives_the_same_tokens_with_shm_on_and_off(rank_pool):
 
 @pytest.mark.parametrize(
     "how,backend",
-    [("raise", "gloo"), pytest.param("exit", "gloo", marks=pytest.mark.full), pytest.param("raise", "mpi", marks=pytest.mark.full)],
+    [
+        ("raise", "gloo"),
+        pytest.param("exit", "gloo", marks=pytest.mark.full),
+        pytest.param("raise", "mpi", marks=pytest.mark.full),
+    ],
 )
 def test_a_rank_that_fails_mid_collective_is_named_by_the_others(tmp_path, how, backend):
     timeout = 3.0
