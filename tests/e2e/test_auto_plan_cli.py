@@ -89,6 +89,15 @@ def test_generate_quantized_runs_the_same_at_tp1_and_tp2(olmo):
     assert sum(two["param_bytes_per_rank"]) < sum(_generate(path, 2)["param_bytes_per_rank"])
 
 
+def test_verify_quantized_holds_a_model_whose_every_parameter_was_converted(olmo):
+    """OLMo's norms have no weights: quantized, the model holds no parameter at all, and verify
+    still compares it (its dtype is the asked-for one)."""
+    path, _ = olmo
+    out = run_cli("verify", "--model", path, "--tp", "2", "--quantize", "fp16")
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout
+    assert "--quantize fp16 (the unsharded twin too)" in out.stdout and "PASS: tp=2" in out.stdout
+
+
 def test_eval_ppl_at_tp2_equals_transformers(olmo, tmp_path):
     path, _ = olmo
     ids = text_ids(150)

@@ -203,7 +203,7 @@ def _verify_rank(world: Communicator, opts: dict) -> dict | None:
         tp = None
         model, report, sharded, sharded_final = _staged(world, opts)
         encoder, family = False, report.family
-        dtype = next(model.parameters()).dtype
+        dtype = _dtype_of(model, opts, report)
         ids, mask = _inputs(report.config.vocab_size, False)
         if sharded is None:
             return None
@@ -217,7 +217,7 @@ def _verify_rank(world: Communicator, opts: dict) -> dict | None:
             quantize=opts["quantize"],
         )
         encoder, family = isinstance(model, BertEncoder), report.family
-        dtype = next(model.parameters()).dtype
+        dtype = _dtype_of(model, opts, report)
         ids, mask = _inputs(_text_config(report.config).vocab_size, encoder)
         sharded, sharded_final = _forward(model, family, ids, mask)
         if tp.rank != 0:
@@ -259,6 +259,18 @@ def _verify_rank(world: Communicator, opts: dict) -> dict | None:
         "transformers_compared": hf is not None,
         "transformers_note": note,
     }
+
+
+def _dtype_of(model: nn.Module, opts: dict, report) -> torch.dtype:
+    """The dtype the model computes in: its first parameter's, or (a quantized model of the
+    automatic plan can hold no parameter at all: OLMo's norms have none) the asked-for one,
+    else the checkpoint's."""
+    p = next(model.parameters(), None)
+    if p is not None:
+        return p.dtype
+    name = opts["dtype"] or getattr(report.config, "dtype", None) or getattr(report.config, "torch_dtype", None)
+    name = str(name or "float32").replace("torch.", "")
+    return getattr(torch, name) if isinstance(getattr(torch, name, None), torch.dtype) else torch.float32
 
 
 def _block_formats(model: nn.Module) -> list[str]:
@@ -331,7 +343,14 @@ def run(args: argparse.Namespace) -> int:
     first = next((x["layer"] for x in layers if not within(x)), None)
     overall = {k: _worst([x[k] for x in [*layers, final]]) for k in ("vs_unsharded", "vs_transformers")}
     passed = first is None and within(final)
-    result = {**r, "tolerance": tol, "transformers_tolerance": hf_tol, "overall": overall, "first_diverging_layer": first, "passed": passed}
+    result = {
+        **r,
+        "tolerance": tol,
+        "transformers_tolerance": hf_tol,
+        "overall": overall,
+        "first_diverging_layer": first,
+        "passed": passed,
+    }
     if args.json:
         print(json.dumps(result))
         return 0 if passed else 1
