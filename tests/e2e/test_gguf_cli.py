@@ -49,6 +49,9 @@ def test_q8_0_generates_with_dtype_and_quantize(austen):
     for extra in (("--dtype", "bfloat16"), ("--quantize", "int8")):
         r = _generate(austen["Q8_0"], "--tp", "2", *extra)
         assert len(r["tokens"][0]) == 12 and isinstance(r["text"][0], str)
+    as_stored = _generate(austen["Q8_0"], "--tp", "2")  # the file's own blocks: rank 0's bytes by format
+    assert set(as_stored["bytes_by_format"]) == {"Q8_0", "F32"}, as_stored["bytes_by_format"]
+    assert sum(as_stored["bytes_by_format"].values()) == as_stored["param_bytes_per_rank"][0]
 
 
 def test_info_plan_and_verify_read_the_file(austen):

@@ -162,6 +162,7 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
         "prefill_ms": round(res.prefill_ms, 3),
         "decode_ms_per_token": round(statistics.median(res.decode_ms), 3) if res.decode_ms else None,
         "param_bytes_per_rank": per_rank[:, 0].tolist(),
+        "bytes_by_format": report.bytes_by_format,  # rank 0's
         "peak_load_anon_bytes_per_rank": per_rank[:, 1].tolist(),
         "collectives_per_token": per_token,
     }
@@ -261,8 +262,11 @@ def run(args: argparse.Namespace) -> int:
     mib = 2**20
     params = ", ".join(f"{b / mib:.1f}" for b in result["param_bytes_per_rank"])
     peaks = ", ".join(f"{b / mib:.1f}" for b in result["peak_load_anon_bytes_per_rank"])
+    formats = result.get("bytes_by_format") or {}
+    held = f" (rank 0: {', '.join(f'{f} {b / mib:.1f}' for f, b in formats.items())})" if len(formats) > 1 else ""
     print(
-        f"{'weights' if result['quantize'] else 'parameters'} MiB per rank: {params}; peak anonymous MiB while loading, per rank: {peaks}"
+        f"{'weights' if result['quantize'] else 'parameters'} MiB per rank: {params}{held}; "
+        f"peak anonymous MiB while loading, per rank: {peaks}"
     )
     if args.compare_tp1:
         verdict = "yes" if result["matches_tp1"] else "NO"

@@ -210,7 +210,8 @@ def serve_rank(world: Communicator, opts: ServeOptions) -> None:
     log.info(
         "memory per rank: %s | KV budget: %s: %d blocks = %d tokens, %d sequences of %d tokens at once",
         "; ".join(
-            f"rank {r}: weights {fmt_bytes(w)}, KV pool {fmt_bytes(caches.num_blocks * per)}"
+            f"rank {r}: weights {fmt_bytes(w)}{_formats(report) if r == tp.rank else ''}, "
+            f"KV pool {fmt_bytes(caches.num_blocks * per)}"
             for r, (w, _, _, per) in enumerate(engine.sizes.tolist())
         ),
         opts.budget().summary(), caches.num_blocks, caches.num_blocks * caches.block_size,
@@ -320,3 +321,9 @@ def _follow(world, engine: _Engine, fault: _Fault) -> None:
             continue
         fault.step()
         engine.forward(batch)
+
+
+def _formats(report) -> str:
+    """' (Q4_K 301.2 MiB, Q6_K 98.0 MiB, F32 0.3 MiB)' where a rank holds more than one format."""
+    formats = getattr(report, "bytes_by_format", None) or {}
+    return f" ({', '.join(f'{f} {fmt_bytes(b)}' for f, b in formats.items())})" if len(formats) > 1 else ""
