@@ -169,6 +169,19 @@ def test_decode_prediction_by_hand():
     assert p.request_s == pytest.approx(p.prefill.total_s + 31 * p.decode.total_s)
 
 
+def test_decode_of_a_file_in_its_own_formats_streams_its_bytes_by_hand():
+    """A GGUF file computed as stored (ModelConfig.stored_bytes_per_weight): the projections
+    and the head stream at the file's bytes per weight, the norms and the KV cache as before."""
+    from dataclasses import replace
+
+    q4 = replace(BENCH, stored_bytes_per_weight=144 / 256)  # Q4_K
+    p = predict_inference(q4, _cluster(), Layout(1, 1, 1), batch=1, prompt_len=128, output_len=32, width=4,
+                          dtype="float32")  # fmt: skip
+    matrices = 8 * 11_272_192 + 32_768_000  # the projections and the (tied) head
+    streamed = matrices * 144 / 256 + (8 * 2048 + 1024) * 4 + 144 * 16384  # + norms (fp32) + KV
+    assert p.decode.compute_s == pytest.approx(streamed / 100e9)
+
+
 def test_decode_collectives_pay_the_extra_after_their_burst():
     kw = dict(batch=1, prompt_len=128, output_len=32, width=4, dtype="float32")
     plain = predict_inference(BENCH, _cluster(), Layout(2, 1, 1), **kw).decode

@@ -206,6 +206,15 @@ def _quantized_projections(cfg: ModelConfig, dev: Device, tp: int, quantize: str
     return dense + routed + head, streamed, s
 
 
+def _matrix_params(
+    cfg: ModelConfig, tp: int, layers: int, rows: int, last: bool, *, expert_parallel: bool = False
+) -> float:
+    """Weights of the projections (the touched experts') and the head one forward streams on a rank."""
+    touched = touched_experts(cfg, tp, rows, expert_parallel=expert_parallel) if cfg.num_experts else None
+    proj = projections(cfg, tp, layers, experts=touched, expert_parallel=expert_parallel)
+    return proj.params + (head_flops_per_token(cfg, tp) / 2 if last else 0.0)
+
+
 def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: int, *, layers: int, batch: int,
                    tokens: int, context: float, width: int, dtype: str, busy: bool, expert_parallel: bool = False,
                    quantize: str | None = None) -> tuple[float, list]:  # fmt: skip
@@ -221,6 +230,8 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
     kv = batch * context * kv_bytes_per_token(cfg, tp, width, layers)
     nbytes = streamed_params(cfg, tp, pp, stage, layers=layers, rows=batch * tokens, **ep) * width + kv
     quantized_s = 0.0
+    if quantize is None and cfg.stored_bytes_per_weight:  # a GGUF file in its own formats: its bytes stream
+        nbytes -= _matrix_params(cfg, tp, layers, batch * tokens, last, **ep) * (width - cfg.stored_bytes_per_weight)
     if quantize is not None:  # the projections and the head on the quantized kernel, the rest as before
         done, streamed, quantized_s = _quantized_projections(cfg, dev, tp, quantize, layers=layers, batch=batch,
                                                              tokens=tokens, last=last, busy=busy, **ep)  # fmt: skip
