@@ -141,6 +141,10 @@ def _build(args):
     if not args.model:
         raise PlannerError("--model is required: a checkpoint directory, a config.json or a preset (--list-presets)")
     label, cfg = resolve_model(args.model)
+    if not args.train and not args.quantize:  # a GGUF file computes in its own formats: its bytes
+        from shardwise.hf import loaded_config
+
+        cfg = loaded_config(args.model, cfg)
     flash = not args.no_flash_attention
     if args.train and args.quantize:
         raise PlannerError(f"--quantize {args.quantize} is for inference; training does not take --quantize")
