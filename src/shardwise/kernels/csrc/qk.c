@@ -267,9 +267,9 @@ ALWAYS_INLINE void k45_rows_avx2(int q5, int ni, const uint8_t *w, size_t row_by
             for (int i = 0; i < ni; i++) {
                 const sw_a256 *a = xa + i * kblocks + b;
                 const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), mn16);
-                const __m256 da = _mm256_set1_ps(a->d);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(vd, da), acc[i]);
-                acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(vm, da), acc[i]);
+                const __m256 fm = _mm256_mul_ps(_mm256_cvtepi32_ps(imin), vm);
+                const __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[i]), vd, fm);
+                acc[i] = _mm256_fmadd_ps(t, _mm256_set1_ps(a->d), acc[i]); /* da (d isum - dmin imin) */
             }
         }
         for (int i = 0; i < ni; i++) y[i * ldy + r] = k_hsum8(acc[i]);
@@ -290,7 +290,8 @@ ALWAYS_INLINE __m256i q6_sub_avx2(int t, __m256i ql0, __m256i ql1, __m256i qh) {
 }
 
 /* The integer sums of up to 4 rows (8 int32 lanes each, unused rows zero) -> their 4 totals,
- * exact (the lanes are not: unsigned Q6_K weights and the -32 * bsum term cancel). */
+ * in integers: Q6_K's lanes hold the unsigned dot and the -32 * bsum term, which cancel, so
+ * converting each lane to fp32 would round at their size rather than the total's. */
 static inline __m128i k_total4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
     const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
     return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
