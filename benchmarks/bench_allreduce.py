@@ -10,7 +10,8 @@ ranks (one thread each); every result is checked against the exact sum.
 
 Decode: `shardwise.engine.generate` on the SmolLM2-135M shape (benchmarks/make_smol_shape.py,
 random weights, fp32), batch 1, a 64-token prompt, greedy, --tokens new tokens; the median
-decode step's wall time on rank 0. The tokens must be the same with the path on and off.
+decode step's wall time on rank 0, per run; both paths load the model in one job and take
+turns, --rounds runs each. The tokens must be the same with the path on and off.
 """
 
 from __future__ import annotations
@@ -65,18 +66,25 @@ def _collective_rank(world, shm: str, calls: int, repeats: int) -> list[tuple[fl
     return out
 
 
-def _decode_rank(world, shm: str, model: str, tokens: int) -> dict:
+def _decode_rank(world, model: str, tokens: int, rounds: int) -> dict:
+    """Both paths in one job, taking turns (so that the machine's load moves both alike)."""
     from shardwise.engine import generate
     from shardwise.hf import load_pretrained
 
     torch.set_num_threads(1)
-    tp = _tp(world, shm)
-    lm, _ = load_pretrained(model, comm=tp)
-    prompt = [(37 * i + 300) % lm.cfg.vocab_size for i in range(PROMPT)]
+    tps = {shm: _tp(world, shm) for shm in ("off", "on")}
+    lms = {shm: load_pretrained(model, comm=tp)[0] for shm, tp in tps.items()}
+    prompt = [(37 * i + 300) % lms["on"].cfg.vocab_size for i in range(PROMPT)]
+    out: dict = {shm: {"ms": [], "tokens": None} for shm in tps}
     with torch.no_grad():
-        generate(lm, [prompt], comm=tp, max_new_tokens=4)  # warm up
-        res = generate(lm, [prompt], comm=tp, max_new_tokens=tokens)
-    return {"tokens": res.tokens[0], "ms": statistics.median(res.decode_ms), "comm": res.comm_per_step}
+        for shm in tps:
+            generate(lms[shm], [prompt], comm=tps[shm], max_new_tokens=4)  # warm up
+        for _ in range(rounds):
+            for shm, tp in tps.items():
+                res = generate(lms[shm], [prompt], comm=tp, max_new_tokens=tokens)
+                out[shm]["ms"].append(statistics.median(res.decode_ms))
+                out[shm]["tokens"], out[shm]["comm"] = res.tokens[0], res.comm_per_step
+    return out
 
 
 def main() -> None:
@@ -84,6 +92,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=32, help="decode: new tokens (0: skip the decode)")
+    ap.add_argument("--rounds", type=int, default=3, help="decode: runs of each path, taking turns")
     ap.add_argument("--backend", nargs="+", default=["mpi", "gloo"])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -100,14 +109,18 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(f"{1e6 * w:.1f} / {1e6 * c:.1f}" for w, c in figs) + " |", flush=True)
     if args.tokens:
         model = str(ensure_smol_shape())
-        print(f"\ndecode at tp=2, SmolLM2 shape fp32, {args.tokens} tokens: median ms/token (rank 0)")
+        print(f"\ndecode at tp=2, SmolLM2 shape fp32, {args.tokens} tokens, {args.rounds} rounds: ms/token (rank 0)")
+        print("| backend | shm | best | median of rounds | all-reduces per step |")
+        print("|---|---|---|---|---|")
         tokens = {}
         for backend in args.backend:
-            for shm in ("off", "on"):
-                r = launch(_decode_rank, 2, args=(shm, model, args.tokens), backend=backend, timeout_s=600)[0]
-                tokens[(backend, shm)] = r["tokens"]
-                report["decode_ms"][f"{backend} shm={shm}"] = r["ms"]
-                print(f"| {backend} | shm {shm} | {r['ms']:.2f} | {r['comm'].get('all_reduce/tp')} |", flush=True)
+            r = launch(_decode_rank, 2, args=(model, args.tokens, args.rounds), backend=backend, timeout_s=600)[0]
+            for shm, fig in r.items():
+                tokens[(backend, shm)] = fig["tokens"]
+                report["decode_ms"][f"{backend} shm={shm}"] = fig["ms"]
+                calls = fig["comm"].get("all_reduce/tp", {}).get("calls")
+                best, mid = min(fig["ms"]), statistics.median(fig["ms"])
+                print(f"| {backend} | {shm} | {best:.2f} | {mid:.2f} | {calls} |", flush=True)
         if len({tuple(t) for t in tokens.values()}) != 1:
             raise SystemExit(f"the tokens differ between configurations: {tokens}")
         print("same tokens in every configuration")

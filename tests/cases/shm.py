@@ -14,9 +14,17 @@ from pathlib import Path
 import torch
 
 from shardwise.comm import CollectiveError, ParallelDims
-from shardwise.comm.shm import PREFIX, SHM_DIR, ShmCommunicator, _Segment, intra_host
+from shardwise.comm.shm import ShmCommunicator, intra_host
+from shardwise.comm.shm_segment import PREFIX, SHM_DIR, Segment
 
-__all__ = ["parity_case", "many_calls_case", "decode_case", "fails_mid_collective", "dies_holding_a_segment"]
+__all__ = [
+    "parity_case",
+    "many_calls_case",
+    "decode_case",
+    "other_host_case",
+    "fails_mid_collective",
+    "dies_holding_a_segment",
+]
 
 SHAPES = [(1, 576), (16, 2048), (3, 5, 7)]
 
@@ -128,6 +136,20 @@ def decode_case(world) -> dict:
     return out
 
 
+def other_host_case(world) -> tuple[str, list[float]]:
+    """The last rank says it is on another host: the group keeps the wrapped all-reduce."""
+    from shardwise.comm import shm
+
+    real = shm.host_key
+    if world.rank == world.size - 1:
+        shm.host_key = lambda: real() + 1
+    try:
+        tp = intra_host(world.split([list(range(world.size))], name="tp"), parent=world, mode="on")
+    finally:
+        shm.host_key = real
+    return type(tp).__name__, tp.all_reduce(torch.ones(3)).tolist()
+
+
 def fails_mid_collective(world, how: str, bad: int, out_dir: str) -> None:
     """Every rank all-reduces through shared memory; then rank `bad` raises, exits or never
     arrives ("raise", "exit", "never") while the others are in the next one. Each other rank
@@ -157,6 +179,6 @@ def dies_holding_a_segment(world, out_dir: str) -> None:
     """Rank 0 makes a segment, as intra_host's setup does, and dies before its name is unlinked."""
     if world.rank == 0:
         path = Path(SHM_DIR) / f"{PREFIX}{os.getpid()}-d1ed"
-        _Segment(path, world.size, 4096, create=True, nonce=1)
+        Segment(path, world.size, 4096, create=True, nonce=1)
         Path(out_dir, "path").write_text(str(path))
         os._exit(5)  # no atexit: only the launcher's cleanup can remove it

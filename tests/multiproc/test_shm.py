@@ -11,8 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from cases.shm import decode_case, dies_holding_a_segment, fails_mid_collective, many_calls_case, parity_case
-from shardwise.comm.shm import PREFIX, SHM_DIR, shm_mode
+from cases.shm import (
+    decode_case,
+    dies_holding_a_segment,
+    fails_mid_collective,
+    many_calls_case,
+    other_host_case,
+    parity_case,
+)
+from shardwise.comm.shm import shm_mode
+from shardwise.comm.shm_segment import PREFIX, SHM_DIR
 from shardwise.launch import RankFailedError, launch
 
 
@@ -40,6 +48,10 @@ def test_decode_gives_the_same_tokens_with_shm_on_and_off(rank_pool):
     assert on["shm"] and not off["shm"] and on["shm_calls"] > 0
     assert on["tokens"] == off["tokens"] and all(len(t) == 12 for t in on["tokens"])
     assert on["comm"] == off["comm"], "the accounting counts the shared-memory calls as the wrapped ones"
+
+
+def test_a_group_across_hosts_keeps_the_wrapped_all_reduce(rank_pool):
+    assert rank_pool.run(other_host_case, 3) == [("TorchDistCommunicator", [3.0, 3.0, 3.0])] * 3
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,8 @@ setup; every other operation, and larger or non-CPU tensors, pass through to the
 communicator. The accounting, the progress board and CollectiveError are the base class's,
 so the calls count exactly as the wrapped communicator's would.
 
-The segment (offsets in bytes):
-
-    0                          magic, nonce, size, slot_bytes           (int64 x 4)
-    64 * (1 + r)               rank r's line: seq, pid, failed          (int64 x 3, a cache line each)
-    DATA + b * size * slot + r * slot   call parity b's slot of rank r  (2 x size x slot_bytes)
+The segment (shardwise.comm.shm_segment) holds a line per rank (its seq, pid, failed words)
+and two buffers of one slot per rank.
 
 All-reduce number k (every rank counts its calls) uses buffer b = k % 2: each rank copies
 its tensor into its slot, then stores k into its seq (mod PERIOD), waits until every peer's
@@ -29,19 +26,14 @@ No wait is unbounded: a peer that does not arrive within the communicator's time
 process is gone (its pid, from the segment), that failed an earlier call, or that the MPI
 launcher reports dead (shardwise.comm.mpi.peer_failed) makes the all-reduce raise, naming
 that rank. The segment's name is unlinked as soon as every rank has mapped it (and at
-exit, and by the launchers' cleanup, `remove_segments`, if the creator dies before): no
-file outlives the setup, the mapping outlives nothing but the processes.
+exit, and by the launchers' cleanup if the creator dies before): no file outlives the
+setup, and the mapping nothing but the processes.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import hashlib
-import mmap
 import os
-import platform
-import socket
 import time
 from pathlib import Path
 
@@ -50,25 +42,23 @@ import torch
 from shardwise.comm.communicator import Communicator, ReduceOp
 from shardwise.comm.hang import proc_state
 from shardwise.comm.mpi import _peer_failure
+from shardwise.comm.shm_segment import FAILED, PID, PREFIX, SHM_DIR, Segment, host_key, supported
+from shardwise.log import get_logger
 
-__all__ = ["ShmCommunicator", "intra_host", "shm_mode", "remove_segments", "MODE_ENV", "PREFIX", "SHM_DIR"]
+__all__ = ["ShmCommunicator", "intra_host", "shm_mode", "MODE_ENV", "MODES"]
+
+log = get_logger("comm")
 
 MODE_ENV = "SHARDWISE_SHM_ALLREDUCE"
-"""auto (the default: on for intra-host gloo and MPI groups), on (also refuses nothing, but
-still needs one host), off (the wrapped communicator's all-reduce)."""
+"""auto (the default): every gloo and MPI group whose ranks share a host (measured faster than
+both: docs/benchmarks/decode-step.md); on: the same, and a warning where it cannot be used;
+off: the wrapped communicator's all-reduce."""
 MODES = ("auto", "on", "off")
-SHM_DIR = "/dev/shm"
-PREFIX = "shardwise-shm-"
-"""Segment files are PREFIX + '<creator pid>-<nonce>': a launcher removes its ranks' by pid."""
 DEFAULT_MAX_BYTES = 1 << 20
 """The largest tensor the segment holds (per rank and buffer); larger ones go to the wrapped one."""
 PERIOD = 1 << 62
 """Sequence numbers are counted modulo this (even, so a call's buffer parity survives the wrap)."""
 
-_MAGIC = 0x5348_5741_5348_4D31  # "SHWASHM1"
-_LINE = 8  # int64 words per rank line (64 bytes)
-_SEQ, _PID, _FAILED = 0, 1, 2  # words of a rank's line
-_DATA = 4096
 _SPIN_POLLS = 256  # polls before a waiting rank starts yielding its core (sched_yield)
 _NAP_AFTER_S = 0.005  # a wait this long is a peer with other work, not a collective's latency
 _NAP_S = 0.0002
@@ -85,72 +75,10 @@ def shm_mode(environ: dict[str, str] | None = None) -> str:
     return mode
 
 
-def _host_key() -> int:
-    """This machine (hostname, boot id, architecture) as an int64, to compare across ranks."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    digest = hashlib.sha256(f"{socket.gethostname()}|{boot}|{platform.machine()}".encode()).digest()
-    return int.from_bytes(digest[:8], "little", signed=True)
-
-
-def _supported() -> bool:
-    return platform.machine() in ("x86_64", "AMD64") and os.path.isdir(SHM_DIR)
-
-
-class _Segment:
-    """The mapped segment: its header words as a memoryview of int64, and its file while linked."""
-
-    def __init__(self, path: Path, size: int, slot_bytes: int, *, create: bool, nonce: int) -> None:
-        self.path: Path | None = path
-        self.size, self.slot_bytes = size, slot_bytes
-        nbytes = _DATA + 2 * size * slot_bytes
-        fd = os.open(path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if create else os.O_RDWR, 0o600)
-        try:
-            if create:
-                atexit.register(self.unlink)
-                os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, rather than SIGBUS on first touch
-            elif os.fstat(fd).st_size != nbytes:
-                raise OSError(f"segment {path} has {os.fstat(fd).st_size} bytes, expected {nbytes}")
-            self.mm = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-        self.words = memoryview(self.mm).cast("B").cast("q")  # the header, as int64 words
-        if create:
-            self.words[1], self.words[2], self.words[3] = nonce, size, slot_bytes
-            self.words[0] = _MAGIC
-        elif tuple(self.words[0:4]) != (_MAGIC, nonce, size, slot_bytes):
-            raise OSError(f"segment {path} is not the one rank 0 made")
-
-    def line(self, rank: int) -> int:
-        """The index of rank's first header word (its seq)."""
-        return _LINE * (1 + rank)
-
-    def slots(self, dtype: torch.dtype) -> torch.Tensor:
-        """(2, size, slot_bytes // itemsize) over the data area, in `dtype`."""
-        per = self.slot_bytes // dtype.itemsize
-        flat = torch.frombuffer(self.mm, dtype=dtype, count=2 * self.size * per, offset=_DATA)
-        return flat.view(2, self.size, per)
-
-    def unlink(self) -> None:
-        if self.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-            atexit.unregister(self.unlink)
-            self.path = None
-
-    def close(self) -> None:
-        self.unlink()
-        self.words.release()
-        with contextlib.suppress(BufferError):  # a view still held somewhere: freed with it
-            self.mm.close()
-
-
 class ShmCommunicator(Communicator):
     """`inner` with its all-reduces (up to max_bytes, on CPU) through a shared-memory segment."""
 
-    def __init__(self, inner: Communicator, segment: _Segment, *, period: int = PERIOD) -> None:
+    def __init__(self, inner: Communicator, segment: Segment, *, period: int = PERIOD) -> None:
         if period < 4 or period % 2:
             raise ValueError(f"period {period} must be even and >= 4")
         self.inner, self.seg, self.period = inner, segment, period
@@ -162,7 +90,7 @@ class ShmCommunicator(Communicator):
         self._calls = 0
         self._mine = segment.line(self.rank)
         self._peers = [(p, segment.line(p)) for p in range(self.size) if p != self.rank]
-        self._pids = {p: segment.words[segment.line(p) + _PID] for p in range(self.size)}
+        self._pids = {p: segment.words[segment.line(p) + PID] for p in range(self.size)}
         self._slots: dict[torch.dtype, torch.Tensor] = {}
         self._rows: dict[tuple[torch.dtype, torch.Size, int], tuple[torch.Tensor, ...]] = {}
         self._broken: str | None = None
@@ -235,7 +163,7 @@ class ShmCommunicator(Communicator):
     def _peer_problem(self, peer: int, line: int, waited: float) -> str | None:
         who = f"rank {peer} (world rank {self.members[peer]}, process {self._pids[peer]})"
         where = f"shared-memory all_reduce #{self._calls}"
-        if self.seg.words[line + _FAILED]:
+        if self.seg.words[line + FAILED]:
             return f"{where}: {who} failed an earlier one"
         if _peer_failure:  # the MPI launcher's word that a rank died
             return f"{where} cannot complete: {_peer_failure[0]}"
@@ -247,7 +175,7 @@ class ShmCommunicator(Communicator):
 
     def _fail(self, problem: str) -> None:
         self._broken = problem
-        self.seg.words[self._mine + _FAILED] = 1  # peers waiting for this rank fail at once
+        self.seg.words[self._mine + FAILED] = 1  # peers waiting for this rank fail at once
         raise RuntimeError(problem)
 
     # ---- everything else: the wrapped communicator's ------------------------------------------
@@ -340,53 +268,58 @@ def intra_host(
         raise ValueError(f"shared-memory all-reduce mode {mode!r} is not one of {', '.join(MODES)}")
     if max_bytes < 64 or max_bytes % 64:
         raise ValueError(f"max_bytes {max_bytes} must be a positive multiple of 64")
-    if mode == "off" or comm.size == 1 or comm.backend not in ("gloo", "mpi") or isinstance(comm, ShmCommunicator):
+    if mode == "off" or comm.size == 1 or isinstance(comm, ShmCommunicator):
         return comm
-    cpu = torch.device("cpu")
-    if comm.device != cpu:
+    wrapped, why = _setup(comm, max_bytes, period)
+    if wrapped is None:
+        if mode == "on" and why and comm.rank == 0:
+            log.warning("group %r keeps %s's all-reduce (%s=on): %s", comm.name, comm.backend, MODE_ENV, why)
         return comm
+    if parent is not None and parent._splits and comm in parent._splits:
+        parent._splits[parent._splits.index(comm)] = wrapped
+    return wrapped
+
+
+def _setup(comm: Communicator, max_bytes: int, period: int) -> tuple[ShmCommunicator | None, str]:
+    """The segment, made by rank 0 and mapped by every rank, or None and why not (every rank alike)."""
+    if comm.backend not in ("gloo", "mpi") or comm.device != torch.device("cpu"):
+        return None, ""  # NCCL, a dry run: nothing to say
     # every rank gathers every rank's host, and decides alike
-    keys = comm._all_gather(torch.tensor([_host_key(), int(_supported())], dtype=torch.int64), 0)  # (2 * size,)
+    keys = comm._all_gather(torch.tensor([host_key(), int(supported())], dtype=torch.int64), 0)  # (2 * size,)
     hosts, able = keys[0::2], keys[1::2]
-    if not (bool((hosts == hosts[0]).all()) and bool(able.all())):
-        return comm
+    if not bool((hosts == hosts[0]).all()):
+        return None, f"its ranks are on {len(set(hosts.tolist()))} hosts"
+    if not bool(able.all()):
+        return None, f"not every rank is on x86-64 with {SHM_DIR}"
     nonce = int.from_bytes(os.urandom(7), "little")
     path = Path(SHM_DIR) / f"{PREFIX}{os.getpid()}-{nonce:x}"
     seg, made = None, torch.zeros(3, dtype=torch.int64)  # (pid, nonce, ok) of rank 0's segment
     if comm.rank == 0:
-        with contextlib.suppress(OSError):
-            seg = _Segment(path, comm.size, max_bytes, create=True, nonce=nonce)
+        with contextlib.suppress(OSError, ValueError):  # ValueError: more ranks than it has lines for
+            seg = Segment(path, comm.size, max_bytes, create=True, nonce=nonce)
             made[:] = torch.tensor([os.getpid(), nonce, 1])
     made = comm._broadcast(made, 0)
     failed = torch.tensor([0 if made[2] else 1], dtype=torch.int64)
     if comm.rank != 0 and made[2]:
         pid, nonce = int(made[0]), int(made[1])
         try:
-            seg = _Segment(Path(SHM_DIR) / f"{PREFIX}{pid}-{nonce:x}", comm.size, max_bytes, create=False, nonce=nonce)
+            seg = Segment(Path(SHM_DIR) / f"{PREFIX}{pid}-{nonce:x}", comm.size, max_bytes, create=False, nonce=nonce)
         except OSError:
             failed[0] = 1
     if seg is not None:
-        seg.words[seg.line(comm.rank) + _PID] = os.getpid()
+        seg.words[seg.line(comm.rank) + PID] = os.getpid()
     failed = comm._all_reduce(failed, "max")  # every rank has mapped it (and written its pid), or one could not
     if seg is not None:
         seg.unlink()  # rank 0's name goes; the mapping stays
-        if failed[0]:
-            seg.close()
+    why = f"a rank could not make or map a segment of {2 * comm.size * max_bytes} bytes in {SHM_DIR}"
+    if not failed[0]:
+        # NOTE: a peer's death is seen by its pid: each must be visible here (one pid namespace)
+        pids = [seg.words[seg.line(r) + PID] for r in range(comm.size)]
+        hidden = any(pid <= 0 or proc_state(pid) is None for pid in pids)
+        failed = comm._all_reduce(torch.tensor([int(hidden)], dtype=torch.int64), "max")
+        why = "a rank cannot see its peers' processes (another pid namespace)"
     if failed[0]:
-        return comm
-    wrapped = ShmCommunicator(comm, seg, period=period)
-    if parent is not None and parent._splits and comm in parent._splits:
-        parent._splits[parent._splits.index(comm)] = wrapped
-    return wrapped
-
-
-def remove_segments(pids: list[int]) -> list[str]:
-    """Unlink the segments the processes `pids` made (a launcher's cleanup after its ranks ended:
-    a rank that died between making its segment and its peers mapping it). The names removed."""
-    removed = []
-    for pid in pids:
-        for path in Path(SHM_DIR).glob(f"{PREFIX}{pid}-*"):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed.append(path.name)
-    return removed
+        if seg is not None:
+            seg.close()
+        return None, why
+    return ShmCommunicator(comm, seg, period=period), ""

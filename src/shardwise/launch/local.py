@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S, Communicator, LocalCommunicator
-from shardwise.comm.shm import remove_segments
+from shardwise.comm.shm_segment import remove_segments
 from shardwise.launch import board as boards
 from shardwise.launch.failfast import (
     Outcomes,

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.comm.communicator import DEFAULT_TIMEOUT_S
-from shardwise.comm.shm import remove_segments
+from shardwise.comm.shm_segment import remove_segments
 from shardwise.launch import board as boards
 from shardwise.launch.failfast import (
     Failure,

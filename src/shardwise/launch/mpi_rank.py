@@ -25,7 +25,7 @@ from multiprocessing.connection import Client
 def _watch(conn, board_dir: str | None) -> None:
     """Exit when the parent has gone (EOF); pass on its notice that another rank died."""
     from shardwise.comm.mpi import peer_failed
-    from shardwise.comm.shm import remove_segments
+    from shardwise.comm.shm_segment import remove_segments
     from shardwise.launch.board import remove_dir
 
     try:
