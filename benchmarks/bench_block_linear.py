@@ -2,11 +2,12 @@
 dequantized rows through MKL, and fp32 F.linear, thread time, best of 5, one thread.
 What PREFILL_ROWS (shardwise.kernels.block) was chosen from.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_block_linear.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_block_linear.py [--isa portable] [--formats Q4_K,Q6_K]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -26,6 +27,18 @@ def bench(f, reps: int = 5) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--isa", default=None, help=f"the kernels' ISA variant (default: the highest of {native.ISAS})")
+    ap.add_argument("--formats", default="Q8_0,Q4_K,Q5_K,Q6_K", help="comma-separated block formats")
+    args = ap.parse_args()
+    if args.isa is not None:
+        with native.use_isa(args.isa):
+            run(args.formats.split(","))
+    else:
+        run(args.formats.split(","))
+
+
+def run(formats: list[str]) -> None:
     torch.manual_seed(0)
     cpu = next(
         ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln
@@ -34,7 +47,7 @@ def main() -> None:
         f"{cpu}; {native.describe()}; load {Path('/proc/loadavg').read_text().split()[:3]}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
     saved = block.PREFILL_ROWS
-    for fmt in ("Q8_0", "Q4_K"):
+    for fmt in formats:
         for o, k in ((1536, 576), (2048, 2048), (8192, 2048)):
             if k % (256 if fmt.endswith("K") else 32):
                 continue
