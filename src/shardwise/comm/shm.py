@@ -179,6 +179,12 @@ class ShmCommunicator(Communicator):
         raise RuntimeError(problem)
 
     # ---- everything else: the wrapped communicator's ------------------------------------------
+    def __getattr__(self, name: str):
+        # only for what this class lacks (a backend's own handle: .group, .comm): the wrapped one's
+        if name == "inner":  # not set yet (during construction, or unpickling)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self.inner._all_gather(t, dim)
 
