@@ -10,11 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import shardwise.kernels.block as block
 import shardwise.kernels.native as native
 from shardwise.kernels import BlockWeight, Part, quantize_rows
-from shardwise.kernels.block import PREFILL_ROWS, fake_quantize
+from shardwise.kernels.block import fake_quantize
 from shardwise.kernels.blocks import FORMATS, dequantize_blocks
 
+TILES = 64
+"""Rows from which these tests send a weight down the dequantized-tile path (block.PREFILL_ROWS)."""
 FMTS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
@@ -59,7 +62,7 @@ def test_row_and_column_cuts_sum_to_the_unsharded_product(path, fmt, tp):
     assert _rel(y, want) < 1e-5
 
 
-def test_parts_of_several_formats_and_floats_compose(path):
+def test_parts_of_several_formats_and_floats_compose(path, monkeypatch):
     """A fused q|k|v of Q4_K, Q4_K and Q6_K, and a float part: one activation quantization per
     block length, each part into its columns; batch 1-16 and a (B, T, in) input."""
     torch.manual_seed(0)
@@ -69,7 +72,8 @@ def test_parts_of_several_formats_and_floats_compose(path):
     parts = [Part(f, w if f == "F32" else quantize_rows(w, f)) for f, w in zip(fmts, ws, strict=True)]
     fused = BlockWeight(parts, k)
     assert fused.shape == (72, k) and fused.formats == ["F32", "Q4_K", "Q6_K", "Q8_0"]
-    for n in (1, 4, 16, PREFILL_ROWS):
+    for n, tiles in ((1, None), (4, None), (16, None), (TILES, None), (TILES, TILES)):
+        monkeypatch.setattr(block, "PREFILL_ROWS", tiles)
         x = torch.randn(n, k)
         y = fused.linear(x)
         singles = [BlockWeight([p], k).linear(x) for p in parts]
@@ -79,11 +83,12 @@ def test_parts_of_several_formats_and_floats_compose(path):
     assert y3.shape == (2, 3, 72) and y3.dtype == torch.bfloat16
 
 
-def test_prefill_rows_run_dequantized_weights_against_float_activations(path):
+def test_prefill_rows_run_dequantized_weights_against_float_activations(path, monkeypatch):
+    monkeypatch.setattr(block, "PREFILL_ROWS", TILES)
     torch.manual_seed(1)
     raw = quantize_rows(torch.randn(40, 256), "Q4_K")
     w = BlockWeight([Part("Q4_K", raw)], 256)
-    x = torch.randn(PREFILL_ROWS, 256)
+    x = torch.randn(TILES, 256)
     want = F.linear(x, dequantize_blocks(raw, FORMATS["Q4_K"]))
     assert _rel(w.linear(x), want) < 1e-6
 

@@ -24,6 +24,7 @@ dequantized activation blocks), so both agree to fp32 rounding.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +41,17 @@ NATIVE_FORMATS = tuple(GGML_IDS)
 FLOAT_FORMATS = ("F32", "F16", "BF16")
 _ACT_BYTES = {32: 40, 256: 292}
 """Bytes of one activation block (sw_a32, sw_a256)."""
-PREFILL_ROWS = 64
-"""From this many activation rows on (prefill, large batches), a block-format part is
-dequantized a tile of rows at a time and multiplied by MKL in fp32 with unquantized
-activations, which measured faster than the integer kernels there
-(benchmarks/bench_block_linear.py); below it, the integer kernels."""
+PREFILL_ROWS: int | None = (
+    int(os.environ["SHARDWISE_PREFILL_ROWS"]) if os.environ.get("SHARDWISE_PREFILL_ROWS") else None
+)
+"""From this many activation rows on, a block-format part is dequantized a tile of rows at
+a time and multiplied by MKL in fp32 with unquantized activations; None (the default): the
+integer kernels at every row count. With the SIMD kernels the integer path measured faster
+at every size tried (benchmarks/bench_block_linear.py; AMD EPYC, AVX-512, 8192x2048: Q8_0
+at 64 rows 9.9 against 25.2 ms, at 512 rows 101 against 182; Q4_K 10.4 / 24.6 and 71 / 183),
+as llama.cpp computes prefill. SHARDWISE_PREFILL_ROWS=N sets a threshold: exact fp32
+activations for prefill (no 8-bit activation cost, about 0.5% of perplexity on SmolLM2),
+at MKL's speed."""
 _TILE_WEIGHTS = 1 << 20
 """Weights dequantized at a time on the prefill path (4 MiB of fp32)."""
 
@@ -170,8 +177,8 @@ class BlockWeight:
 
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y (N, out) = x (N, padded in) times every part, into its columns. The native kernels
-        where built (else the same arithmetic in torch); from PREFILL_ROWS rows on, tiles of
-        dequantized rows against the float activations on either path."""
+        where built (else the same arithmetic in torch); from PREFILL_ROWS rows on (when set),
+        tiles of dequantized rows against the float activations on either path."""
         n, kp = x.shape
         lib = native.lib if x.device.type == "cpu" else None
         acts: dict[int, torch.Tensor] = {}  # activation blocks, once per block length
@@ -180,7 +187,7 @@ class BlockWeight:
                 y[:, o : o + p.rows] = F.linear(x[:, : self.shape[1]], p.data.float())
                 continue
             f = _fmt(p.fmt)
-            if n >= PREFILL_ROWS:  # tiles of dequantized rows through MKL
+            if PREFILL_ROWS is not None and n >= PREFILL_ROWS:  # tiles of dequantized rows through MKL
                 step = max(1, _TILE_WEIGHTS // kp)
                 for r in range(0, p.rows, step):
                     e = min(r + step, p.rows)
