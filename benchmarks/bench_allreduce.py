@@ -3,10 +3,11 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_allreduce.py [--calls 2000] [--repeats 5] [--tokens 32]
 
-Per size and configuration: `--repeats` runs of `--calls` back-to-back all-reduces (after a
-barrier), each rank timing its own calls; the figure is the best run's mean per call on rank 0,
-in wall time (perf_counter) and thread time (thread_time). Each configuration runs in fresh
-ranks (one thread each); every result is checked against the exact sum.
+Per backend, one job of fresh ranks (one thread each) builds its tp group twice, plain and
+through shared memory; per size, the two take turns: `--repeats` runs each of `--calls`
+back-to-back all-reduces (after a barrier). The figure is the best run's mean per call on
+rank 0, in wall time (perf_counter) and thread time (thread_time); every result is checked
+against the exact sum.
 
 Decode: `shardwise.engine.generate` on the SmolLM2-135M shape (benchmarks/make_smol_shape.py,
 random weights, fp32), batch 1, a 64-token prompt, greedy, --tokens new tokens; the median
@@ -33,7 +34,6 @@ from shardwise.comm.shm import ShmCommunicator  # noqa: E402
 from shardwise.launch import launch  # noqa: E402
 
 SIZES = [(1, 576), (1, 2048), (16, 576), (16, 2048)]
-CONFIGS = [("mpi", "off"), ("gloo", "off"), ("mpi", "on"), ("gloo", "on")]
 PROMPT = 64
 
 
@@ -44,25 +44,29 @@ def _tp(world, shm: str):
     return tp
 
 
-def _collective_rank(world, shm: str, calls: int, repeats: int) -> list[tuple[float, float]]:
+def _collective_rank(world, calls: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
+    """Per size, the backend's all-reduce and the shared-memory one take turns, repeat by repeat."""
     torch.set_num_threads(1)
-    tp = _tp(world, shm)
-    out = []
+    tps = {shm: _tp(world, shm) for shm in ("off", "on")}
+    out: dict[str, list[tuple[float, float]]] = {shm: [] for shm in tps}
     for rows, width in SIZES:
-        t = torch.randn(rows, width, generator=torch.Generator().manual_seed(tp.rank))  # (rows, width)
+        t = torch.randn(rows, width, generator=torch.Generator().manual_seed(world.rank))  # (rows, width)
         exact = world.all_gather(t.unsqueeze(0), dim=0).sum(0)  # (rows, width)
-        for _ in range(50):
-            got = tp.all_reduce(t)
-        runs = []
+        runs: dict[str, list[tuple[float, float]]] = {shm: [] for shm in tps}
+        for tp in tps.values():
+            for _ in range(50):
+                tp.all_reduce(t)
         for _ in range(repeats):
-            tp.barrier()
-            w0, c0 = time.perf_counter(), time.thread_time()
-            for _ in range(calls):
-                got = tp.all_reduce(t)
-            runs.append(((time.perf_counter() - w0) / calls, (time.thread_time() - c0) / calls))
-        if not torch.allclose(got, exact, rtol=1e-6, atol=1e-6):
-            raise RuntimeError(f"the all-reduce of {rows} x {width} is wrong on rank {tp.rank}")
-        out.append(min(runs))
+            for shm, tp in tps.items():
+                tp.barrier()
+                w0, c0 = time.perf_counter(), time.thread_time()
+                for _ in range(calls):
+                    got = tp.all_reduce(t)
+                runs[shm].append(((time.perf_counter() - w0) / calls, (time.thread_time() - c0) / calls))
+                if not torch.allclose(got, exact, rtol=1e-6, atol=1e-6):
+                    raise RuntimeError(f"the all-reduce of {rows} x {width} (shm {shm}) is wrong on rank {tp.rank}")
+        for shm in tps:
+            out[shm].append(min(runs[shm]))
     return out
 
 
@@ -100,13 +104,12 @@ def main() -> None:
     print("all-reduce at tp=2, us per call, best of repeats: wall / thread")
     print("| path | " + " | ".join(f"{r} x {w}" for r, w in SIZES) + " |")
     print("|" + "---|" * (len(SIZES) + 1))
-    for backend, shm in CONFIGS:
-        if backend not in args.backend:
-            continue
-        figs = launch(_collective_rank, 2, args=(shm, args.calls, args.repeats), backend=backend)[0]
-        name = f"shm over {backend}" if shm == "on" else backend
-        report["allreduce_us"][name] = [(1e6 * w, 1e6 * c) for w, c in figs]
-        print(f"| {name} | " + " | ".join(f"{1e6 * w:.1f} / {1e6 * c:.1f}" for w, c in figs) + " |", flush=True)
+    for backend in args.backend:
+        both = launch(_collective_rank, 2, args=(args.calls, args.repeats), backend=backend)[0]
+        for shm, figs in both.items():
+            name = f"shm over {backend}" if shm == "on" else backend
+            report["allreduce_us"][name] = [(1e6 * w, 1e6 * c) for w, c in figs]
+            print(f"| {name} | " + " | ".join(f"{1e6 * w:.1f} / {1e6 * c:.1f}" for w, c in figs) + " |", flush=True)
     if args.tokens:
         model = str(ensure_smol_shape())
         print(f"\ndecode at tp=2, SmolLM2 shape fp32, {args.tokens} tokens, {args.rounds} rounds: ms/token (rank 0)")

@@ -21,6 +21,7 @@ from shardwise.comm.regions import (
     scatter_to_region,
     scatter_to_sequence,
 )
+from shardwise.comm.shm import ShmCommunicator, intra_host
 
 __all__ = [
     "AllToAll",
@@ -38,6 +39,8 @@ __all__ = [
     "Mesh",
     "ParallelDims",
     "tp_only",
+    "ShmCommunicator",
+    "intra_host",
     "copy_to_region",
     "gather_from_region",
     "reduce_from_region",
