@@ -9,6 +9,11 @@ LONG new tokens. Decode ms/token is the LONG run's median; bytes per token on th
 are (tx bytes of every host's link in the LONG run - in the SHORT run) / (LONG - SHORT), so
 the rendezvous, loading and prefill cancel. tp=2 across a link also runs with
 --comm-dtype q8 (8-bit blocks on the wire). Writes JSON and a plot (ms/token against rate).
+
+Beside each measurement, the planner's prediction for the same layout and rate (Predictor:
+this host's calibration, `shardwise plan --cluster this-host`, plus the link's bytes / rate)
+and whether it is within 25% (issue 38's check). The figures mean something only on a
+quiet machine: say the load.
 """
 
 from __future__ import annotations
@@ -62,12 +67,71 @@ def _generate(
     return json.loads(line), sent
 
 
+_RATE_GBPS = {"100mbit": 0.0125, "1gbit": 0.125, "10gbit": 1.25}  # bytes: a tbf rate of bits / 8
+
+
+class Predictor:
+    """The planner's decode ms/token for each layout (shardwise.planner.predict), on this host as
+    calibrated (`plan --cluster this-host`: its gloo all-reduce times, measured over loopback,
+    and their extra right after a burst of compute). The namespace hosts are one machine: both
+    ranks share its cores and memory bus as in one host (2 devices on one node, busy), and a
+    collective that crosses the link also pays the link's serialization, bytes / rate (a tbf
+    rate of bits / 8 bytes per second) on top of the loopback time."""
+
+    def __init__(self, model: str | None, latency_us: float) -> None:
+        from shardwise.bench.calibrate import this_host
+        from shardwise.engine.text import DEFAULT_MODEL
+        from shardwise.planner.presets import resolve_model
+
+        self.cfg = resolve_model(model or DEFAULT_MODEL)[1]
+        self.base = this_host()
+        self.latency_us = latency_us
+
+    def _link(self, rate: str):
+        from shardwise.planner.specs import Link
+
+        intra, bw = self.base.intra, _RATE_GBPS[rate]
+        points = tuple((n, s + n / (bw * 1e9) + self.latency_us * 1e-6) for n, s in intra.points)
+        busbw = 1 / (1 / intra.busbw_gbps + 1 / bw)
+        return Link(f"{intra.name} over tbf {rate}", busbw, intra.latency_us + self.latency_us, points,
+                    intra.after_compute)  # fmt: skip
+
+    def decode_ms(self, layout: str, hosts: int, rate: str, *, prompt: int) -> float:
+        from dataclasses import replace
+
+        from shardwise.planner.predict import Layout, predict_inference
+
+        cluster = replace(self.base, devices=2, devices_per_node=2)
+        if hosts > 1:
+            cluster = replace(cluster, intra=self._link(rate))
+        tp, pp = (1, 2) if layout.startswith("pp=2") else (2, 1)
+        p = predict_inference(self.cfg, cluster, Layout(tp, pp, 1), batch=1, prompt_len=prompt, output_len=LONG,
+                              width=4, dtype="float32")  # fmt: skip
+        s = p.decode.total_s
+        if "q8" in layout:  # the tp all-reduces as 8-bit blocks on the wire (shardwise.planner.wire)
+            from shardwise.planner.wire import all_reduce_s
+
+            for c in p.collectives:
+                if c.op == "all_reduce" and c.group == "tp" and c.calls:
+                    values = c.bytes / c.calls / 4
+                    fp32, q8 = (all_reduce_s(cluster.intra, values, 2, w) for w in ("fp32", "q8"))
+                    s += c.calls * (q8 - fp32)
+        return s * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="Hugging Face directory (default: the built-in model)")
     ap.add_argument("--rates", default="100mbit,1gbit")
     ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/bench_links.json")
+    ap.add_argument(
+        "--latency-us",
+        type=float,
+        default=30.0,
+        help="what a message crossing the link adds to a loopback one, for the planner (veth + tbf here)",
+    )
     a = ap.parse_args()
+    predictor = Predictor(a.model, a.latency_us)
     # a random-weight directory has no tokenizer: a fixed prompt of 16 ids
     model = ["--model", a.model, "--prompt-ids", ",".join(str(100 + 7 * i) for i in range(16))] if a.model else []
     rows = []
@@ -85,9 +149,15 @@ def main() -> None:
                 "link_bytes_per_token": round((sent_long - sent_short) / (LONG - SHORT)),
                 "tokens": long["tokens"],
             }
+            row["predicted_ms_per_token"] = predictor.decode_ms(
+                name, n, rate, prompt=16
+            )  # NOTE: the built-in prompt is about as long
+            row["predicted_over_measured"] = row["predicted_ms_per_token"] / row["decode_ms_per_token"]
+            row["within_25pct"] = 0.75 <= row["predicted_over_measured"] <= 1.25
             rows.append(row)
             print(
-                f"{name:24s} {row['rate']:9s} {row['decode_ms_per_token']:8.2f} ms/token {row['link_bytes_per_token']:9d} B/token",
+                f"{name:24s} {row['rate']:9s} {row['decode_ms_per_token']:8.2f} ms/token {row['link_bytes_per_token']:9d} B/token"
+                f"  planner {row['predicted_ms_per_token']:8.2f} ms ({row['predicted_over_measured']:.2f}x)",
                 flush=True,
             )
     for r in rows:  # greedy tokens of the q8 wire against fp32's at the same rate
