@@ -121,10 +121,10 @@ class ShmCommunicator(Communicator):
         rows[self.rank].copy_(t.detach() if t.requires_grad else t)  # NOTE: never part of a graph
         words = self.seg.words
         words[self._mine] = seq  # NOTE: after the copy's stores (TSO): a peer that sees seq sees the data
-        period = self.period
-        for p, line in self._peers:
+        period, start = self.period, None
+        for _, line in self._peers:
             if (words[line] - seq) % period > 1:
-                self._wait(p, line, seq)
+                start = self._wait(line, seq, start)
         return rows
 
     def _rows_of(self, dtype: torch.dtype, shape: torch.Size, parity: int) -> tuple[torch.Tensor, ...]:
@@ -141,17 +141,18 @@ class ShmCommunicator(Communicator):
             rows = self._rows[key] = tuple(slots[parity, r, :n].view(shape) for r in range(self.size))
         return rows
 
-    def _wait(self, peer: int, line: int, seq: int) -> None:
-        """Poll peer's seq until it reaches seq (or seq + 1), within the timeout; else raise."""
+    def _wait(self, line: int, seq: int, start: float | None) -> float:
+        """Poll the seq word at `line` until it reaches seq (or seq + 1); raise past the timeout
+        (counted from `start`, this call's first wait) or if a peer failed. Returns start."""
         words, period = self.seg.words, self.period
-        start, polls, napping = time.monotonic(), 0, False
+        start, polls, napping = start if start is not None else time.monotonic(), 0, False
         while (words[line] - seq) % period > 1:
             polls += 1
             if polls <= _SPIN_POLLS:
                 continue
             if polls % _CHECK_EVERY == 0:
                 waited = time.monotonic() - start
-                problem = self._peer_problem(peer, line, waited)
+                problem = self._problem(seq, waited)
                 if problem is not None:
                     self._fail(problem)
                 napping = waited > _NAP_AFTER_S
@@ -159,19 +160,27 @@ class ShmCommunicator(Communicator):
                 time.sleep(_NAP_S)
             else:
                 os.sched_yield()
+        return start
 
-    def _peer_problem(self, peer: int, line: int, waited: float) -> str | None:
-        who = f"rank {peer} (world rank {self.members[peer]}, process {self._pids[peer]})"
-        where = f"shared-memory all_reduce #{self._calls}"
-        if self.seg.words[line + FAILED]:
-            return f"{where}: {who} failed an earlier one"
+    def _problem(self, seq: int, waited: float) -> str | None:
+        """Why this call cannot complete, naming the peers it waits for; None: wait on."""
+        words, where = self.seg.words, f"shared-memory all_reduce #{self._calls}"
+        late = [p for p, line in self._peers if (words[line] - seq) % self.period > 1]
+        for p in late:
+            if words[self.seg.line(p) + FAILED]:
+                return f"{where}: {self._who(p)} failed an earlier one"
         if _peer_failure:  # the MPI launcher's word that a rank died
             return f"{where} cannot complete: {_peer_failure[0]}"
+        if waited > _NAP_AFTER_S:
+            gone = [p for p in late if proc_state(self._pids[p]) is None]
+            if gone:
+                return f"{where}: {', '.join(map(self._who, gone))} {'is' if len(gone) == 1 else 'are'} gone"
         if waited > self.timeout_s:
-            return f"{where} waited {self.timeout_s:g}s for {who}, which never arrived"
-        if waited > _NAP_AFTER_S and proc_state(self._pids[peer]) is None:
-            return f"{where}: {who} is gone"
+            return f"{where} waited {self.timeout_s:g}s for {', '.join(map(self._who, late))}, which never arrived"
         return None
+
+    def _who(self, peer: int) -> str:
+        return f"rank {peer} (world rank {self.members[peer]}, process {self._pids[peer]})"
 
     def _fail(self, problem: str) -> None:
         self._broken = problem
