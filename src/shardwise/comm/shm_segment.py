@@ -22,8 +22,10 @@ import os
 import platform
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Segment", "SHM_DIR", "PREFIX", "SEQ", "PID", "FAILED", "host_key", "supported", "remove_segments"]
 
@@ -47,12 +49,13 @@ class Segment:
             raise ValueError(
                 f"a segment holds 2-{DATA // 64 - 2} ranks of slots of whole cache lines: {size}, {slot_bytes}"
             )
-        self.path: Path | None = path
+        self.path: Path | None = None  # while it is ours to unlink: the creator's, until every rank mapped it
         self.size, self.slot_bytes = size, slot_bytes
         nbytes = DATA + 2 * size * slot_bytes
         fd = os.open(path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if create else os.O_RDWR, 0o600)
         try:
             if create:
+                self.path = path
                 atexit.register(self.unlink)
                 os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, rather than SIGBUS on first touch
             elif os.fstat(fd).st_size != nbytes:
@@ -78,6 +81,8 @@ class Segment:
 
     def slots(self, dtype: torch.dtype) -> torch.Tensor:
         """(2, size, slot_bytes // itemsize): both buffers' slots, as `dtype`."""
+        import torch  # NOTE: here, so that a launcher's cleanup (remove_segments) needs no torch
+
         per = self.slot_bytes // dtype.itemsize
         flat = torch.frombuffer(self.mm, dtype=dtype, count=2 * self.size * per, offset=DATA)
         return flat.view(2, self.size, per)
