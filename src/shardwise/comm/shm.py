@@ -255,7 +255,7 @@ def _reduce(rows: tuple[torch.Tensor, ...], op: ReduceOp, dtype: torch.dtype, ou
             torch.maximum(acc, row, out=acc)
         return acc
     if dtype in _HALF:
-        acc = rows[0].float()  # (n,) fp32
+        acc = rows[0].float()  # t.shape, fp32
         for row in rows[1:]:
             acc += row
         return out.copy_(acc) if out is not None else acc.to(dtype)
