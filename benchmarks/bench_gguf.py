@@ -41,15 +41,44 @@ MiB = 2**20
 SHAPE = dict(hidden=2048, inter=8192, heads=32, kv=8, head_dim=64, vocab=128256)
 
 
+def _matrices(layers: int) -> list[tuple[str, int, int]]:
+    """(GGUF name, rows, cols) of every matrix of the file, the embedding first."""
+    h, i, nq, nkv, hd, v = (SHAPE[k] for k in ("hidden", "inter", "heads", "kv", "head_dim", "vocab"))
+    out = [("token_embd.weight", v, h)]
+    for b in range(layers):
+        for name, rows, cols in (
+            ("attn_q", nq * hd, h),
+            ("attn_k", nkv * hd, h),
+            ("attn_v", nkv * hd, h),
+            ("attn_output", h, nq * hd),
+            ("ffn_gate", i, h),
+            ("ffn_up", i, h),
+            ("ffn_down", h, i),
+        ):
+            out.append((f"blk.{b}.{name}.weight", rows, cols))
+    return out
+
+
 def make_file(path: Path, layers: int) -> Path:
-    """A Llama-shaped Q8_0 GGUF file of random valid blocks (skipped when it exists)."""
+    """A Llama-shaped Q8_0 GGUF file of random valid blocks of `layers` layers, made once:
+    written beside `path` and renamed over it, so that a killed run leaves no partial file.
+    An existing file is used if its size fits `layers` (its tensors alone are 34 bytes a
+    32 weights, plus a few MiB of vocabulary and padding); else ValueError."""
     import gguf
 
+    tensors = sum(r * c // 32 * 34 for _, r, c in _matrices(layers)) + (2 * layers + 1) * SHAPE["hidden"] * 4
     if path.exists():
+        size = path.stat().st_size
+        if not tensors < size < tensors + 16 * MiB:
+            raise ValueError(
+                f"{path} has {size} bytes, not the {tensors} bytes of tensors (+ under 16 MiB of metadata) "
+                f"of a {layers}-layer file: another layer count or a partial file; remove it to remake it"
+            )
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     h, i, nq, nkv, hd, v = (SHAPE[k] for k in ("hidden", "inter", "heads", "kv", "head_dim", "vocab"))
-    w = gguf.GGUFWriter(str(path), "llama")
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name("random-llama-1b")
     cfg = dict(model_type="llama", hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
                num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd, max_position_embeddings=8192,
@@ -66,26 +95,19 @@ def make_file(path: Path, layers: int) -> Path:
         blocks[:, :, 0:2] = scale
         return blocks.reshape(rows, -1)
 
-    w.add_tensor("token_embd.weight", q8_0(v, h), raw_dtype=q8)
+    [embedding, *matrices] = _matrices(layers)
+    w.add_tensor(embedding[0], q8_0(v, h), raw_dtype=q8)
     w.add_tensor("output_norm.weight", np.ones(h, np.float32))
     for b in range(layers):
-        p = f"blk.{b}."
-        for name, rows, cols in (
-            ("attn_q", nq * hd, h),
-            ("attn_k", nkv * hd, h),
-            ("attn_v", nkv * hd, h),
-            ("attn_output", h, nq * hd),
-            ("ffn_gate", i, h),
-            ("ffn_up", i, h),
-            ("ffn_down", h, i),
-        ):
-            w.add_tensor(f"{p}{name}.weight", q8_0(rows, cols), raw_dtype=q8)
-        w.add_tensor(f"{p}attn_norm.weight", np.ones(h, np.float32))
-        w.add_tensor(f"{p}ffn_norm.weight", np.ones(h, np.float32))
+        for name, rows, cols in matrices[7 * b : 7 * b + 7]:
+            w.add_tensor(name, q8_0(rows, cols), raw_dtype=q8)
+        w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(h, np.float32))
+        w.add_tensor(f"blk.{b}.ffn_norm.weight", np.ones(h, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    tmp.rename(path)
     return path
 
 

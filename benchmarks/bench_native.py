@@ -1,23 +1,39 @@
 """Decode on GGUF block formats computed as stored (shardwise.kernels), side by side with
-llama.cpp on the same files and with the weight-streaming ceiling, in one run.
+llama.cpp on the same files and with the weight-streaming ceiling, in one run (issue 35).
 
-    .venv/bin/python benchmarks/bench_native.py [--layers 16] [--out docs/benchmarks/native.json]
+The run for the record, on a quiet machine (nothing else running; about 6 minutes with the
+files in place, 9 when the two K-quant files must be made first):
 
-Files: a Llama-3.2-1B-shaped model (benchmarks/bench_gguf.py's random Q8_0 file: hidden
-2048, MLP 8192, 32/8 heads of 64, vocabulary 128256, tied), and the same weights re-quantized
-by llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize) to Q4_K_M and Q5_K_M.
-shardwise: tp 1 and 2 (one process and one thread per rank), batch 1, 4 and 16 (prompts of
-32 fixed ids; the median decode step of 16 after a warm-up). llama.cpp: batch 1, 1 and 2
-threads (the median of 16 steps after a warm-up). Ceiling: the rank's weight bytes over the
-memory bandwidth measured in the same run by that many processes each streaming their own
-buffer of that size at once (ms/token if decode did nothing but read its weights once).
-llama.cpp is for benchmarks only; it is never imported by shardwise or its tests.
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_native.py --out docs/benchmarks/native.json
+
+    .venv/bin/python benchmarks/bench_native.py --table docs/benchmarks/native.json   # the tables again
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_native.py --layers 2 --warm 1 --new 3 \\
+        --out /tmp/native_small.json                                                 # every part, small
+
+Files (in --dir, made once): a Llama-3.2-1B-shaped model (benchmarks/bench_gguf.py's random
+Q8_0 file: hidden 2048, MLP 8192, 32/8 heads of 64, vocabulary 128256, tied; 16 layers, or
+--layers), and the same weights re-quantized by llama.cpp's own quantizer (llama-cpp-python's
+llama_model_quantize) to Q4_K_M and Q5_K_M. shardwise: tp 1 and 2 (one process and one
+thread per rank, shardwise.launch). llama.cpp: 1 and 2 threads of one process
+(benchmarks/llama_cpp_decode.py, run by --llama-python: llama-cpp-python lives in its own
+venv and is never a dependency of shardwise). Both at batch 1, 4 and 16 (b prompts of 32
+fixed ids, prompt i = ids + 7 i, greedy), each batch one generation: the median decode step
+of --new steps after --warm. Ceiling: the rank's weight bytes over the memory bandwidth
+measured in the same processes, every rank streaming its own buffer of that size at once
+(best of 5): the ms a step would take if it did nothing but read its weights once. For
+llama.cpp at t threads the ceiling of tp=t is shown (the same bytes, read by t cores).
+
+Both engines also give the next-token argmax at each of the prompt's 32 positions and the
+greedy tokens of batch 1, compared in the tables (random weights: near-ties, so a differing
+position is possible where llama.cpp's 8-bit activations move a logit; a differing first
+position or greedy run is not).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -31,139 +47,234 @@ from shardwise.launch import launch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gguf import PROMPT, SHAPE, make_file  # noqa: E402
 
-NEW = 16
 BATCHES = (1, 4, 16)
+FORMATS = ("Q8_0", "Q4_K_M", "Q5_K_M")
+LLAMA_VENV = Path("/tmp/llamacpp/venv/bin/python")
+LLAMA_SCRIPT = Path(__file__).resolve().parent / "llama_cpp_decode.py"
+MiB = 2**20
 
 
-def _cpu() -> dict:
-    info = Path("/proc/cpuinfo").read_text()
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    keep = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
+def _machine() -> dict:
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info if ln.startswith("flags")), [])
     import torch
 
     from shardwise.kernels import native
 
-    return {"model": model, "flags": keep, "torch": torch.backends.cpu.get_cpu_capability(),
-            "kernels": native.describe(), "load": Path("/proc/loadavg").read_text().split()[:3],
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version()}  # fmt: skip
+    return {
+        "model": model,
+        "cores": os.cpu_count(),
+        "flags": [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))],
+        "torch": f"{torch.__version__} ({torch.backends.cpu.get_cpu_capability()})",
+        "kernels": native.describe(),
+        "python": platform.python_version(),
+    }
+
+
+def _now() -> dict:
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load": _load()}
+
+
+def _load() -> list[str]:
+    return Path("/proc/loadavg").read_text().split()[:3]
+
+
+def q8_file(folder: Path, layers: int) -> Path:
+    """The random Q8_0 file's path: bench_gguf's name at 16 layers, the layer count in it else."""
+    return folder / ("random-llama-1b-v2.q8_0.gguf" if layers == 16 else f"random-llama-1b-v2-{layers}l.q8_0.gguf")
 
 
 def quantized(python: str, src: Path, kind: str) -> Path:
-    """`src` re-quantized by llama.cpp to `kind` (Q4_K_M, Q5_K_M), made once."""
-    out = src.with_name(src.stem.replace("q8_0", kind.lower()) + ".gguf")
+    """`src` re-quantized by llama.cpp to `kind` (Q4_K_M, Q5_K_M), made once (about a
+    minute each on two cores)."""
+    out = src.with_name(src.name.replace("q8_0", kind.lower()))
     if out.exists():
         return out
+    tmp = Path(f"{out}.tmp")
     code = (
         "import llama_cpp, sys;"
         "p = llama_cpp.llama_model_quantize_default_params();"
         f"p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_{kind}; p.nthread = 2; p.allow_requantize = True;"
-        f"sys.exit(llama_cpp.llama_model_quantize(b'{src}', b'{out}.tmp', p))"
+        f"sys.exit(llama_cpp.llama_model_quantize({str(src).encode()!r}, {str(tmp).encode()!r}, p))"
     )
-    subprocess.run([python, "-c", code], check=True)
-    Path(f"{out}.tmp").rename(out)
+    print(f"making {out.name} with llama.cpp's quantizer", flush=True)
+    subprocess.run([python, "-c", code], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp.rename(out)
     return out
 
 
-def _decode_rank(world, path: str) -> dict:
+def _shardwise_rank(world, path: str, warm: int, new: int) -> dict:
+    """One rank: prompt argmax, then one generation per batch size, then the stream timing."""
+    import torch
+
     from shardwise.engine import generate
     from shardwise.hf import load_pretrained
 
     tp = tp_only(world)
     model, report = load_pretrained(path, comm=tp)
-    out = {"bytes": report.param_bytes}
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT])
+        logits = model(ids, attention_mask=torch.ones_like(ids), caches=model.new_caches(1, len(PROMPT)), start=0)
+    out = {"bytes": report.param_bytes, "argmax": logits[0].argmax(-1).tolist(), "ms": {}}  # logits (1, L, V)
+    generate(model, [PROMPT[:4]], comm=tp, max_new_tokens=2)  # the kernels' first calls
     for b in BATCHES:
         prompts = [[(t + 7 * i) % SHAPE["vocab"] for t in PROMPT] for i in range(b)]
-        generate(model, prompts, comm=tp, max_new_tokens=4)  # warm-up
-        out[b] = statistics.median(generate(model, prompts, comm=tp, max_new_tokens=NEW + 1).decode_ms)
-    return out
-
-
-def _stream_rank(world, nbytes: int) -> float:
-    """Seconds to read `nbytes` of this process's own memory once (best of 5), every rank at once."""
-    import torch
-
-    buf = torch.ones(nbytes // 8, dtype=torch.int64)
+        r = generate(model, prompts, comm=tp, max_new_tokens=warm + new + 1)
+        out["ms"][str(b)] = statistics.median(r.decode_ms[warm:])
+        if b == 1:
+            out["greedy"] = r.tokens[0]
+    del model
+    buf = torch.ones(report.param_bytes // 8, dtype=torch.int64)  # this rank's weight bytes
     best = float("inf")
     for _ in range(5):
-        world.barrier() if hasattr(world, "barrier") else None
+        world.barrier()  # every rank streams at once, as in a decode step
         t0 = time.perf_counter()
         buf.sum()
         best = min(best, time.perf_counter() - t0)
-    return best
+    out["ceiling_ms"] = best * 1e3
+    return out
 
 
-LLAMA_SCRIPT = """
-import statistics, sys, time
-from llama_cpp import Llama
-path, threads, prompt, new, vocab = sys.argv[1], int(sys.argv[2]), eval(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=128, verbose=False)
-times = []
-for r in range(2):  # the first is a warm-up
-    llm.reset()
-    llm.eval(prompt)
-    for i in range(new):
-        t0 = time.perf_counter()
-        llm.eval([(11 * i + 500) % vocab])
-        if r:
-            times.append((time.perf_counter() - t0) * 1e3)
-print(statistics.median(times))
-"""
+def shardwise(path: Path, tp: int, warm: int, new: int) -> dict:
+    ranks = launch(_shardwise_rank, tp, args=(str(path), warm, new), timeout_s=1800)
+    return {
+        "ms": {b: max(r["ms"][b] for r in ranks) for b in ranks[0]["ms"]},  # the slowest rank's step
+        "bytes": max(r["bytes"] for r in ranks),
+        "ceiling_ms": max(r["ceiling_ms"] for r in ranks),
+        "argmax": ranks[0]["argmax"],
+        "greedy": ranks[0]["greedy"],
+    }
 
 
-def llama_cpp(python: str, path: Path, threads: int) -> float:
-    """llama.cpp's median decode ms on `path` (llama-cpp-python in the interpreter `python`)."""
-    args = [python, "-c", LLAMA_SCRIPT, str(path), str(threads), repr(PROMPT), str(NEW), str(SHAPE["vocab"])]
-    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=1800)
-    return float(out.stdout.strip().splitlines()[-1])
+def llama_cpp(python: str, path: Path, threads: int, warm: int, new: int) -> dict:
+    """llama.cpp's decode steps on `path` (benchmarks/llama_cpp_decode.py under `python`)."""
+    args = [python, str(LLAMA_SCRIPT), str(path), "--threads", str(threads), "--warm", str(warm), "--new", str(new)]
+    args += ["--batches", *map(str, BATCHES), "--prompt", *map(str, PROMPT)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(
+            f"llama.cpp on {path.name} at {threads} threads: exit {out.returncode}\n{out.stderr[-3000:]}"
+        )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--file", type=Path, default=Path("/tmp/shardwise-bench/random-llama-1b-v2.q8_0.gguf"))
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--formats", nargs="+", default=["Q8_0", "Q4_K_M", "Q5_K_M"])
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/shardwise-bench"), help="where the files are made")
+    ap.add_argument("--layers", type=int, default=16, help="16 is Llama-3.2-1B; fewer for a quick check")
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--warm", type=int, default=3, help="decode steps left out of each median")
+    ap.add_argument("--new", type=int, default=16, help="decode steps in each median")
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/native.json"))
-    ap.add_argument("--llama-python", default=sys.executable, help="an interpreter with llama-cpp-python installed")
+    ap.add_argument("--llama-python", default=str(LLAMA_VENV if LLAMA_VENV.exists() else sys.executable),
+                    help="an interpreter with llama-cpp-python (default: /tmp/llamacpp/venv's)")  # fmt: skip
+    ap.add_argument("--table", type=Path, help="print the tables of an earlier run's JSON and stop")
     args = ap.parse_args()
-    q8 = make_file(args.file, args.layers)
+    if args.table:
+        print(report(json.loads(args.table.read_text())))
+        return
+    t0 = time.perf_counter()
+    q8 = make_file(q8_file(args.dir, args.layers), args.layers)
     files = {f: (q8 if f == "Q8_0" else quantized(args.llama_python, q8, f)) for f in args.formats}
-    result = {"cpu": _cpu(), "rows": []}
-    print(json.dumps(result["cpu"]), flush=True)
+    result = {"machine": _machine(), "start": _now(), "layers": args.layers, "warm": args.warm, "new": args.new}
+    result |= {"command": " ".join(sys.argv), "files_s": time.perf_counter() - t0, "rows": []}
+    print(json.dumps(result), flush=True)
     for fmt, path in files.items():
-        row = {"format": fmt, "file_bytes": path.stat().st_size}
+        with path.open("rb") as f:  # into the page cache, for every engine alike
+            while f.read(1 << 26):
+                pass
+        row = {"format": fmt, "file": path.name, "file_bytes": path.stat().st_size, "shardwise": {}, "llama": {}}
         for tp in (1, 2):
-            ranks = launch(_decode_rank, tp, args=(str(path),), timeout_s=1800)
-            row[f"tp{tp}"] = {b: max(r[b] for r in ranks) for b in BATCHES}
-            row[f"tp{tp}_bytes"] = max(r["bytes"] for r in ranks)
-            secs = max(launch(_stream_rank, tp, args=(row[f"tp{tp}_bytes"],), timeout_s=600))
-            row[f"tp{tp}_ceiling"] = secs * 1e3
-            print(fmt, f"tp={tp}", row[f"tp{tp}"], f"ceiling {row[f'tp{tp}_ceiling']:.1f} ms", flush=True)
+            row["shardwise"][str(tp)] = r = shardwise(path, tp, args.warm, args.new)
+            print(fmt, f"shardwise tp={tp}", {b: round(ms, 1) for b, ms in r["ms"].items()},
+                  f"ceiling {r['ceiling_ms']:.1f} ms", flush=True)  # fmt: skip
         for threads in (1, 2):
-            row[f"llama_{threads}"] = llama_cpp(args.llama_python, path, threads)
-            print(fmt, f"llama.cpp {threads} threads {row[f'llama_{threads}']:.1f} ms", flush=True)
+            row["llama"][str(threads)] = r = llama_cpp(args.llama_python, path, threads, args.warm, args.new)
+            print(fmt, f"llama.cpp {threads} threads", {b: round(ms, 1) for b, ms in r["ms"].items()}, flush=True)
         result["rows"].append(row)
+        result["end"] = _now()
+        result["wall_s"] = time.perf_counter() - t0
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
     print(report(result))
 
 
+def _same(a: list[int], b: list[int]) -> str:
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return f"{sum(x == y for x, y in zip(a, b, strict=False))}/{min(len(a), len(b))} (the first {n})"
+
+
 def report(result: dict) -> str:
-    c = result["cpu"]
-    lines = [f"CPU: {c['model']} ({' '.join(c['flags'])}; torch {c['torch']}; {c['kernels']}); "
-             f"load {' '.join(c['load'])} at start; {c['date']}", "",
-             "| file | MiB | rank MiB tp1 / tp2 | llama.cpp 1 t | 2 t | tp=1 b1 | tp=2 b1 | tp2/tp1 | ceiling tp1 / tp2 | "
-             "tp=1 b4 | b16 | tp=2 b16 | b16 tokens/s over b1 |", "|" + "---|" * 13]  # fmt: skip
+    """Markdown: the machine and run, then one table per file and its targets (issue 35)."""
+    m, s, e = result["machine"], result["start"], result.get("end", result["start"])
+    llama_sys = next((r["llama"]["1"]["system"] for r in result["rows"] if "1" in r["llama"]), "?")
+    lines = [
+        f"CPU: {m['model']}, {m['cores']} cores; flags {' '.join(m['flags'])}",
+        f"torch {m['torch']}; {m['kernels']}; llama.cpp (llama-cpp-python): {llama_sys}",
+        f"{s['date']} to {e['date']} ({result.get('wall_s', 0) / 60:.1f} min, "
+        f"{result.get('files_s', 0) / 60:.1f} of them making or finding the files); load average "
+        f"{' '.join(s['load'])} at the start, {' '.join(e['load'])} at the end",
+        f"{result['layers']} layers; each median of {result['new']} decode steps after {result['warm']}; "
+        f"`{result.get('command', '')}`",
+    ]
     for r in result["rows"]:
-        t1, t2 = r["tp1"], r["tp2"]
-        b = {k: v for k, v in t1.items()}
-        lines.append(
-            f"| {r['format']} | {r['file_bytes'] / 2**20:.0f} | {r['tp1_bytes'] / 2**20:.0f} / {r['tp2_bytes'] / 2**20:.0f} "
-            f"| {r['llama_1']:.1f} | {r['llama_2']:.1f} | {b['1']:.1f} | {t2['1']:.1f} | {b['1'] / t2['1']:.2f}x "
-            f"| {r['tp1_ceiling']:.1f} / {r['tp2_ceiling']:.1f} | {b['4']:.1f} | {b['16']:.1f} | {t2['16']:.1f} "
-            f"| {16 * b['1'] / b['16']:.1f}x |"
-        )
+        sw, ll = r["shardwise"], r["llama"]
+        lines += ["", f"### {r['format']} ({r['file']}, {r['file_bytes'] / MiB:.0f} MiB)", ""]
+        lines += [
+            "| engine | ranks x threads | batch | ms/step | tokens/s | speed vs llama.cpp, same threads and batch "
+            "| ceiling ms | fraction of ceiling |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, runs in (("shardwise", sw), ("llama.cpp", ll)):
+            for n, run in runs.items():
+                ceiling = sw.get(n, {}).get("ceiling_ms")
+                for b, ms in run["ms"].items():
+                    ref = ll.get(n, {}).get("ms", {}).get(b)
+                    vs = f"{ref / ms:.2f}x" if name == "shardwise" and ref else "-"
+                    shape = f"{n} x 1" if name == "shardwise" else f"1 x {n}"
+                    frac = f"{ceiling / ms:.2f}" if ceiling else "-"
+                    ceil = f"{ceiling:.1f}" if ceiling else "-"
+                    lines.append(
+                        f"| {name} | {shape} | {b} | {ms:.1f} | {int(b) * 1e3 / ms:.1f} | {vs} | {ceil} | {frac} |"
+                    )
+        lines.append("")
+        lines.append(f"Rank weight MiB: tp=1 {sw['1']['bytes'] / MiB:.0f}, tp=2 {sw['2']['bytes'] / MiB:.0f}.")
+        for n in ("1", "2"):
+            if n in sw and n in ll:
+                lines.append(
+                    f"Agreement, shardwise tp={n} vs llama.cpp {n} threads: prompt argmax "
+                    f"{_same(sw[n]['argmax'], ll[n]['argmax'])}, batch-1 greedy tokens {_same(sw[n]['greedy'], ll[n]['greedy'])}."
+                )
+        lines += ["", "Targets:"] + [f"- {t}" for t in targets(r)]
     return "\n".join(lines)
+
+
+def targets(r: dict) -> list[str]:
+    """Issue 35's speed targets on one file, each with its numbers and met / not met."""
+    sw, ll = r["shardwise"], r["llama"]
+
+    def ok(good: bool) -> str:
+        return "met" if good else "**not met**"
+
+    out = []
+    for b in sw["1"]["ms"]:
+        t1, t2 = sw["1"]["ms"][b], sw["2"]["ms"][b]
+        out.append(f"batch {b}: tp=2 {t1 / t2:.2f}x tp=1 (target >= 1.5x): {ok(t1 / t2 >= 1.5)}")
+    for n in ("1", "2"):
+        for b, ms in sw[n]["ms"].items():
+            ref = ll.get(n, {}).get("ms", {}).get(b)
+            if ref:
+                out.append(
+                    f"batch {b}: tp={n} {ms:.1f} ms against llama.cpp {n} threads {ref:.1f} ms "
+                    f"(target: no slower): {ok(ms <= ref)}"
+                )
+    for n in ("1", "2"):
+        ms = sw[n]["ms"]
+        if "1" in ms and "16" in ms:
+            gain = 16 * ms["1"] / ms["16"]
+            out.append(f"tp={n}: batch 16 {gain:.1f}x the tokens/s of batch 1 (target >= 6x): {ok(gain >= 6)}")
+    return out
 
 
 if __name__ == "__main__":
