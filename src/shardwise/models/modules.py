@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.kernels.ops import rms_norm
 from shardwise.models.config import ModelConfig
 
 __all__ = [
@@ -51,7 +52,7 @@ class Norm(nn.Module):
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         w = self.weight if not self.offset else self.weight.float() + self.offset
         if x.dtype == w.dtype == torch.float32:  # an fp32 model: no casts, not even no-op ones
-            return F.rms_norm(x, w.shape, w, self.eps)
+            return rms_norm(x, w, self.eps)  # the native kernel outside autograd, else F.rms_norm
         return F.rms_norm(x.float(), w.shape, w.float(), self.eps).to(x.dtype)  # fp32 math
 
 

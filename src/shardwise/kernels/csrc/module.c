@@ -13,6 +13,7 @@ sw_gemm_fn sw_gemm_table[SW_NUM_TYPES][SW_NUM_ISA];
 sw_dequant_fn sw_dequant_table[SW_NUM_TYPES][SW_NUM_ISA];
 sw_quant_fn sw_quant32_table[SW_NUM_ISA];
 sw_quant_fn sw_quant256_table[SW_NUM_ISA];
+sw_rmsnorm_fn sw_rmsnorm_table[SW_NUM_ISA];
 
 static const char *isa_names[SW_NUM_ISA] = {"portable", "avx2", "avx512"};
 
@@ -90,6 +91,26 @@ static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+/* rmsnorm(isa, x, ldx, n, k, w, eps, out, ldo): eps a float, the rest integers */
+static PyObject *py_rmsnorm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) return PyErr_Format(PyExc_TypeError, "rmsnorm takes 9 arguments, got %zd", nargs);
+    long long a[9];
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (i == 6) continue;
+        a[i] = PyLong_AsLongLong(args[i]);
+        if (a[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    const double eps = PyFloat_AsDouble(args[6]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    if (check_isa(a[0]) < 0) return NULL;
+    sw_rmsnorm_fn f = NULL;
+    for (long long i = a[0]; i >= 0 && !f; i--) f = sw_rmsnorm_table[i];
+    if (!f) return PyErr_Format(PyExc_ValueError, "no %s rmsnorm", isa_names[a[0]]);
+    Py_BEGIN_ALLOW_THREADS f((const float *)(uintptr_t)a[1], a[2], a[3], a[4], (const float *)(uintptr_t)a[5], (float)eps,
+                             (float *)(uintptr_t)a[7], a[8]);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
 /* isas() -> names of the ISA levels this CPU runs, lowest first */
 static PyObject *py_isas(PyObject *self, PyObject *unused) {
     PyObject *out = PyList_New(0);
@@ -127,6 +148,7 @@ static PyMethodDef methods[] = {
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "gemm(type, isa, w, row_bytes, rows, kblocks, x, n, y, ldy)"},
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL, "quantize(block, isa, x, ldx, n, k, out)"},
     {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "dequantize(type, isa, w, row_bytes, rows, kblocks, out)"},
+    {"rmsnorm", (PyCFunction)(void (*)(void))py_rmsnorm, METH_FASTCALL, "rmsnorm(isa, x, ldx, n, k, w, eps, out, ldo)"},
     {"isas", py_isas, METH_NOARGS, "ISA levels this CPU runs, lowest first"},
     {"kernels", py_kernels, METH_NOARGS, "{type id: [ISA names with a gemm]}"},
     {NULL, NULL, 0, NULL},
@@ -138,6 +160,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     sw_register_act();
     sw_register_q32();
     sw_register_qk();
+    sw_register_norm();
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     PyObject *names = PyTuple_New(SW_NUM_ISA);

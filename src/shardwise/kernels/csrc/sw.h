@@ -65,7 +65,12 @@ typedef void (*sw_quant_fn)(const float *x, int64_t ldx, int64_t n, int64_t k, v
 /* w (rows of kblocks blocks, row_bytes apart) -> out (rows, kblocks * block) fp32, row-major. */
 typedef void (*sw_dequant_fn)(const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks, float *out);
 
+/* out (n rows, ldo apart) = RMSNorm of x (n rows of k, ldx apart) with weight w (k) and eps. */
+typedef void (*sw_rmsnorm_fn)(const float *x, int64_t ldx, int64_t n, int64_t k, const float *w, float eps, float *out,
+                              int64_t ldo);
+
 extern sw_gemm_fn sw_gemm_table[SW_NUM_TYPES][SW_NUM_ISA];
+extern sw_rmsnorm_fn sw_rmsnorm_table[SW_NUM_ISA];
 extern sw_dequant_fn sw_dequant_table[SW_NUM_TYPES][SW_NUM_ISA];
 extern sw_quant_fn sw_quant32_table[SW_NUM_ISA];
 extern sw_quant_fn sw_quant256_table[SW_NUM_ISA];
@@ -74,6 +79,7 @@ extern sw_quant_fn sw_quant256_table[SW_NUM_ISA];
 void sw_register_act(void);
 void sw_register_q32(void);
 void sw_register_qk(void);
+void sw_register_norm(void);
 
 /* IEEE half -> float without F16C (portable paths). */
 static inline float sw_fp16_to_fp32(uint16_t h) {

@@ -1,0 +1,47 @@
+/* RMSNorm of activation rows, the decode step's most frequent op outside the matmuls.
+ *
+ *   out[i, :] = x[i, :] * 1 / sqrt(mean(x[i, :]^2) + eps) * w
+ *
+ * fp32 throughout, the sum of squares accumulated in 16 fp32 lanes then in double (one row of
+ * a few thousand values: the same result to ~1e-7 relative as torch's F.rms_norm). The
+ * portable variant is plain C; the AVX2 and AVX-512 ones are the same source compiled for
+ * those targets (the loops vectorize), so the three differ only in summation order. */
+#include <math.h>
+
+#include "sw.h"
+
+#define SW_RMSNORM_BODY                                                                       \
+    for (int64_t i = 0; i < n; i++) {                                                         \
+        const float *xi = x + i * ldx;                                                        \
+        float *oi = out + i * ldo;                                                            \
+        float acc[16] = {0};                                                                  \
+        int64_t j = 0;                                                                        \
+        for (; j + 16 <= k; j += 16)                                                          \
+            for (int l = 0; l < 16; l++) acc[l] += xi[j + l] * xi[j + l];                     \
+        double ss = 0.0;                                                                      \
+        for (int l = 0; l < 16; l++) ss += acc[l];                                            \
+        for (; j < k; j++) ss += (double)xi[j] * xi[j];                                       \
+        const float r = (float)(1.0 / sqrt(ss / (double)k + (double)eps));                    \
+        for (j = 0; j < k; j++) oi[j] = xi[j] * r * w[j];                                     \
+    }
+
+static void rmsnorm_portable(const float *x, int64_t ldx, int64_t n, int64_t k, const float *w, float eps, float *out,
+                             int64_t ldo) {
+    SW_RMSNORM_BODY
+}
+
+__attribute__((target("avx2,fma"))) static void rmsnorm_avx2(const float *x, int64_t ldx, int64_t n, int64_t k,
+                                                               const float *w, float eps, float *out, int64_t ldo) {
+    SW_RMSNORM_BODY
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static void
+rmsnorm_avx512(const float *x, int64_t ldx, int64_t n, int64_t k, const float *w, float eps, float *out, int64_t ldo) {
+    SW_RMSNORM_BODY
+}
+
+void sw_register_norm(void) {
+    sw_rmsnorm_table[SW_ISA_PORTABLE] = rmsnorm_portable;
+    sw_rmsnorm_table[SW_ISA_AVX2] = rmsnorm_avx2;
+    sw_rmsnorm_table[SW_ISA_AVX512] = rmsnorm_avx512;
+}
