@@ -69,4 +69,3 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.numel() // k if k else 0
     lib.rmsnorm(native.isa(), x.data_ptr(), k, n, k, w.data_ptr(), float(eps), out.data_ptr(), k)
     return out
-
