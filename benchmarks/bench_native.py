@@ -217,7 +217,7 @@ def report(result: dict) -> str:
     llama_sys = next((r["llama"]["1"]["system"] for r in result["rows"] if "1" in r["llama"]), "?")
     lines = [
         f"CPU: {m['model']}, {m['cores']} cores; flags {' '.join(m['flags'])}",
-        f"torch {m['torch']}; {m['kernels']}; llama.cpp (llama-cpp-python): {llama_sys}",
+        f"torch {m['torch']}; {m['kernels']}; llama.cpp: {llama_sys}",
         f"{s['date']} to {e['date']} ({result.get('wall_s', 0) / 60:.1f} min, "
         f"{result.get('files_s', 0) / 60:.1f} of them making or finding the files); load average "
         f"{' '.join(s['load'])} at the start, {' '.join(e['load'])} at the end",

@@ -91,7 +91,8 @@ def main() -> None:
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     steps = args.warm + args.new
     per_seq = len(args.prompt) + steps + 1
-    out = {"threads": args.threads, "system": L.llama_print_system_info().decode().strip(), "ms": {}}
+    system = f"llama-cpp-python {L.__version__}, {L.llama_print_system_info().decode().strip()}"
+    out = {"threads": args.threads, "system": system, "ms": {}}
 
     ctx = Context(model, args.threads, 1, per_seq, n_vocab)
     out["argmax"] = ctx.decode([args.prompt], 0, every_logit=True).argmax(-1).tolist()
