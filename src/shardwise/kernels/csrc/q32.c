@@ -354,6 +354,11 @@ ALWAYS_INLINE void rows8(int f, int nr, int ni, const uint8_t *w, size_t row_byt
         for (int64_t g = 0; g < ng; g++) {
             __m512i wq[2][4];
             __m512 dv[2], mv[2];
+            if (r + nr < rows) /* the next rows' same group, a row-pair ahead: DRAM keeps up */
+                for (int k = 0; k < nr; k++) {
+                    const char *ahead = (const char *)(wr + (nr + k) * row_bytes + bs * 8 * g);
+                    for (int l = 0; l < 8 * bs; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+                }
             for (int k = 0; k < nr; k++) {
                 const uint8_t *b[8];
                 if (g < full)
