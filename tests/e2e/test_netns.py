@@ -208,6 +208,18 @@ def test_mpiexec_across_two_namespace_hosts_trains_tp2_dp2(tmp_path):
     assert min(sent.values()) > STEPS * 35_000 * 4 / 2, sent
 
 
+def _ranks_exit_after_cut(cluster: netns.Cluster, *, agent: int) -> None:
+    """After host 1's link went down: its rank times out too and exits (its board, on host 0,
+    unreachable: bounded reads) within 30 s, and nothing is left on host 0. torchrun's own
+    agent on host 1 (`agent`) waits for its rendezvous on host 0: the cluster's close() ends it."""
+    deadline = time.monotonic() + 30
+    while [p for p in cluster.hosts[1].pids() if p != agent] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [p for p in cluster.hosts[1].pids() if p != agent]
+    assert left == [], f"host1's rank processes still running 30 s after the cut: {left}"
+    assert cluster.hosts[0].pids() == []
+
+
 def test_a_host_cut_off_during_decode_is_named_and_its_rank_exits():
     argv = ["-m", "shardwise", "generate", "--tp", "2", "--backend", "gloo", "--max-new-tokens", "450"]
     argv += ["--allow-cross-host-tp", "--timeout", "5"]
@@ -227,15 +239,7 @@ def test_a_host_cut_off_during_decode_is_named_and_its_rank_exits():
         assert procs[0].returncode != 0
         assert "shardwise: error: rank 1 failed: stuck: never arrived at all_reduce/tp #" in err, err[-3000:]
         assert " on host1; no heartbeat for " in err, err[-3000:]
-        # host 1's rank times out too and exits (its board, on host 0, unreachable: bounded);
-        # torchrun's own agent on host 1 waits for its rendezvous on host 0: close() ends it
-        agent = procs[1].pid
-        deadline = time.monotonic() + 30
-        while [p for p in cluster.hosts[1].pids() if p != agent] and time.monotonic() < deadline:
-            time.sleep(0.5)
-        left = [p for p in cluster.hosts[1].pids() if p != agent]
-        assert left == [], f"host1's rank processes still running 30 s after the cut: {left}"
-        assert cluster.hosts[0].pids() == []
+        _ranks_exit_after_cut(cluster, agent=procs[1].pid)
     procs[1].wait(timeout=10)
 
 
@@ -261,15 +265,7 @@ def test_a_host_cut_off_during_training_is_named_and_the_checkpoint_stays_intact
         cluster.cut(1)
         _, err = procs[0].communicate(timeout=60)
         took = time.monotonic() - t_cut
-        # host 1's rank times out and exits; torchrun's agent there waits for its rendezvous
-        # on host 0, unreachable: close() ends it, as in the decode case above
-        agent = procs[1].pid
-        deadline = time.monotonic() + 30
-        while [p for p in cluster.hosts[1].pids() if p != agent] and time.monotonic() < deadline:
-            time.sleep(0.5)
-        left = [p for p in cluster.hosts[1].pids() if p != agent]
-        assert left == [], f"host1's rank processes still running 30 s after the cut: {left}"
-        assert cluster.hosts[0].pids() == []
+        _ranks_exit_after_cut(cluster, agent=procs[1].pid)
     procs[1].wait(timeout=10)
     assert procs[0].returncode != 0
     assert "shardwise: error: rank 1 failed" in err and "host1" in err, err[-3000:]
