@@ -115,6 +115,7 @@ def launch_mpi(
     finally:
         _kill(proc, ranks, grace)
         remove_segments([pid for pid, _ in ranks.values()])  # a rank that died while making its segment
+        remove_orphan_mpich_segments()  # MPICH's own, left by ranks killed before MPI_Finalize
         for conn in conns:
             conn.close()
         listener.close()
@@ -176,3 +177,32 @@ def _kill(proc: subprocess.Popen, ranks: dict[int, tuple[int, int]], grace_s: fl
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # mpiexec: its proxy then kills the stand-ins
     proc.wait(timeout=10)
+
+
+MPICH_SHM_GLOB = "mpich_shm_*"
+
+
+def remove_orphan_mpich_segments(shm_dir: str = "/dev/shm", *, min_age_s: float = 10.0) -> list[str]:
+    """Unlink MPICH's shared-memory segments (/dev/shm/mpich_shm_*) that no process maps and
+    that are older than `min_age_s`: what ranks killed before MPI_Finalize leave behind (a
+    failed or timed-out job: about 2-4 MB each). A segment of a job starting now is mapped
+    by its creator within milliseconds of being made, so neither test touches it. The names removed."""
+    now = time.time()
+    candidates = []
+    for path in Path(shm_dir).glob(MPICH_SHM_GLOB):
+        with contextlib.suppress(FileNotFoundError):
+            if now - path.stat().st_mtime >= min_age_s:
+                candidates.append(path)
+    if not candidates:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped.update(line.rsplit(None, 1)[-1] for line in maps.read_text().splitlines() if "mpich_shm_" in line)
+    removed = []
+    for path in candidates:
+        if str(path) not in mapped:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path.name)
+    return removed
