@@ -19,6 +19,8 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
+from native_calls import isa_index, run_gemm  # noqa: E402
+
 FORMATS = {  # name: (ggml type, bytes per block, has a min m)
     "Q8_0": (T.Q8_0, 34, False),
     "Q4_0": (T.Q4_0, 18, False),
@@ -32,9 +34,7 @@ ROWS, KB, PAD, OFF = 64, 13, 3, 2  # the weight matrix: ROWS x (OFF + KB + PAD) 
 
 
 def _isa(name: str) -> int:
-    if name not in native.isas():
-        pytest.skip(f"this CPU does not run the {name} kernels (it runs {native.isas()})")
-    return native.ISA_NAMES.index(name)
+    return isa_index(native, name)
 
 
 def _weights(fmt: str, kind: str, rng: np.random.Generator) -> np.ndarray:
@@ -95,26 +95,9 @@ def _reference(fmt: str, w: np.ndarray, xd: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def _gemm(fmt: str, isa: int, w: np.ndarray, rows: int, kb: int, xq: np.ndarray, n: int) -> np.ndarray:
-    """The kernel on rows x kb blocks of w from block OFF; y (n, rows) out of a (n, rows + 5) buffer."""
+    """The kernel on rows x kb blocks of w from block OFF (tests/native_calls.run_gemm)."""
     t, nbytes, _ = FORMATS[fmt]
-    ldy = rows + 5
-    ybuf = np.full(1 + max(n, 1) * ldy, np.nan, dtype=np.float32)
-    native.gemm(
-        int(t),
-        isa,
-        w.ctypes.data + OFF * nbytes,
-        w.shape[1],
-        rows,
-        kb,
-        xq.ctypes.data + 4,
-        n,
-        ybuf.ctypes.data + 4,
-        ldy,
-    )
-    y = ybuf[1 : 1 + n * ldy].reshape(n, ldy)
-    assert np.isnan(y[:, rows:]).all(), "wrote past rows in a y row"
-    assert np.isnan(ybuf[0]), "wrote before y"
-    return y[:, :rows].astype(np.float64)
+    return run_gemm(native, int(t), nbytes, OFF, isa, w, rows, kb, xq, 4, n)
 
 
 @pytest.mark.parametrize("isa_name", ISAS)

@@ -22,6 +22,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
+from native_calls import isa_index, run_gemm  # noqa: E402
 from shardwise.kernels import quantize_rows  # noqa: E402
 
 FORMATS = {  # name: (ggml type, bytes per block, where d is, where dmin is or None)
@@ -36,9 +37,7 @@ A256 = 292  # sw_a256: d (fp32), bsum[16] (int16), q[256] (int8)
 
 
 def _isa(name: str) -> int:
-    if name not in native.isas():
-        pytest.skip(f"this CPU does not run the {name} kernels (it runs {native.isas()})")
-    return native.ISA_NAMES.index(name)
+    return isa_index(native, name)
 
 
 def _f16(v: np.ndarray) -> np.ndarray:  # (...) float -> (..., 2) uint8
@@ -104,26 +103,9 @@ def _dequantized(fmt: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _gemm(fmt: str, isa: int, w: np.ndarray, rows: int, kb: int, xq: np.ndarray, n: int) -> np.ndarray:
-    """The kernel on rows x kb blocks of w from block OFF; y (n, rows) out of a (n, rows + 5) buffer."""
+    """The kernel on rows x kb blocks of w from block OFF (tests/native_calls.run_gemm)."""
     t, nbytes, _, _ = FORMATS[fmt]
-    ldy = rows + 5
-    ybuf = np.full(1 + max(n, 1) * ldy, np.nan, dtype=np.float32)
-    native.gemm(
-        int(t),
-        isa,
-        w.ctypes.data + OFF * nbytes,
-        w.shape[1],
-        rows,
-        kb,
-        xq.ctypes.data + 2,
-        n,
-        ybuf.ctypes.data + 4,
-        ldy,
-    )
-    y = ybuf[1 : 1 + n * ldy].reshape(n, ldy)
-    assert np.isnan(y[:, rows:]).all(), "wrote past rows in a y row"
-    assert np.isnan(ybuf[0]), "wrote before y"
-    return y[:, :rows].astype(np.float64)
+    return run_gemm(native, int(t), nbytes, OFF, isa, w, rows, kb, xq, 2, n)
 
 
 @pytest.mark.parametrize("isa_name", ISAS)
