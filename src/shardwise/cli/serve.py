@@ -252,19 +252,9 @@ def run(args: argparse.Namespace) -> int:
     pool.check(max_model_len, args.tp)
     default = model_dir == DEFAULT_MODEL
     opts = ServeOptions(
-        model=str(model_dir),
-        model_name=args.served_model_name or ("default" if default else model_dir.resolve().name),
-        dtype=args.dtype,
-        quantize=args.quantize,
-        host=args.host,
-        port=args.port,
+        **_common_options(args, model_dir, "default" if default else model_dir.resolve().name),
         max_batch_size=args.max_batch_size,
         max_model_len=max_model_len,
-        max_queue=args.max_queue,
-        max_body_bytes=args.max_body_bytes,
-        health_timeout=args.health_timeout,
-        fail_rank=args.debug_fail_rank,
-        fail_after=args.debug_fail_after,
         pp=args.pp,
         num_layers=cfg.num_layers,
         pp_layers=layout.layers if layout is not None else None,
@@ -272,7 +262,6 @@ def run(args: argparse.Namespace) -> int:
         kv_budget=pool.budget,
         activation_bytes=pool.activations,
         prefix_caching=args.prefix_caching,
-        comm_dtype=args.comm_dtype,
     )
     if default:
         print(
@@ -292,23 +281,30 @@ def _run_auto(args: argparse.Namespace, model_dir: Path) -> int:
     if problems:
         return fail(problems[0])
     opts = ServeOptions(
+        **_common_options(args, model_dir, model_dir.resolve().name),
+        max_batch_size=1,
+        max_model_len=args.max_model_len or sizes.max_positions,
+        auto=True,
+    )
+    return _serve(args, serve_auto_rank, opts)
+
+
+def _common_options(args: argparse.Namespace, model_dir: Path, name: str) -> dict:
+    """The ServeOptions fields every model's server takes from the command line alike."""
+    return dict(
         model=str(model_dir),
-        model_name=args.served_model_name or model_dir.resolve().name,
+        model_name=args.served_model_name or name,
         dtype=args.dtype,
         quantize=args.quantize,
         host=args.host,
         port=args.port,
-        max_batch_size=1,
-        max_model_len=args.max_model_len or sizes.max_positions,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         health_timeout=args.health_timeout,
         fail_rank=args.debug_fail_rank,
         fail_after=args.debug_fail_after,
         comm_dtype=args.comm_dtype,
-        auto=True,
     )
-    return _serve(args, serve_auto_rank, opts)
 
 
 def _serve(args: argparse.Namespace, rank_fn, opts) -> int:
