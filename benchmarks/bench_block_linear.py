@@ -30,15 +30,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--isa", default=None, help=f"the kernels' ISA variant (default: the highest of {native.ISAS})")
     ap.add_argument("--formats", default="Q8_0,Q4_K,Q5_K,Q6_K", help="comma-separated block formats")
+    ap.add_argument("--rows", default="1,4,16,32,64", help="comma-separated activation row counts")
+    ap.add_argument("--shapes", default="1536x576,2048x2048,8192x2048", help="comma-separated OUTxIN weights")
     args = ap.parse_args()
+    rows = [int(n) for n in args.rows.split(",")]
+    shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
     if args.isa is not None:
         with native.use_isa(args.isa):
-            run(args.formats.split(","))
+            run(args.formats.split(","), rows, shapes)
     else:
-        run(args.formats.split(","))
+        run(args.formats.split(","), rows, shapes)
 
 
-def run(formats: list[str]) -> None:
+def run(formats: list[str], rows: list[int], shapes: list[tuple[int, int]]) -> None:
     torch.manual_seed(0)
     cpu = next(
         ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln
@@ -48,16 +52,16 @@ def run(formats: list[str]) -> None:
     )
     saved = block.PREFILL_ROWS
     for fmt in formats:
-        for o, k in ((1536, 576), (2048, 2048), (8192, 2048)):
+        for o, k in shapes:
             if k % (256 if fmt.endswith("K") else 32):
                 continue
             w = BlockWeight.of([(fmt, quantize_rows(torch.randn(o, k), fmt))], k)
             wf = torch.randn(o, k)
-            for n in (1, 4, 16, 32, 64):
+            for n in rows:
                 x = torch.randn(n, k)
-                block.PREFILL_ROWS = 1 << 30
+                block.PREFILL_ROWS = None  # the integer kernels
                 ti = bench(lambda w=w, x=x: w.linear(x))
-                block.PREFILL_ROWS = 1
+                block.PREFILL_ROWS = 1  # tiles of dequantized rows through MKL
                 td = bench(lambda w=w, x=x: w.linear(x))
                 tf = bench(lambda wf=wf, x=x: torch.nn.functional.linear(x, wf))
                 print(

@@ -42,3 +42,9 @@ def test_autograd_bf16_and_meta_take_torchs_path():
     xb = torch.randn(3, 32, dtype=torch.bfloat16)
     assert rms_norm(xb, w.detach().bfloat16(), 1e-5).dtype == torch.bfloat16
     assert rms_norm(torch.empty(2, 32, device="meta"), torch.empty(32, device="meta"), 1e-5).device.type == "meta"
+
+
+def test_without_the_extension_it_is_torchs_rms_norm(monkeypatch):
+    monkeypatch.setattr(native, "lib", None)  # a machine where the extension did not build
+    x, w = torch.randn(3, 576), torch.randn(576)
+    assert torch.equal(rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))

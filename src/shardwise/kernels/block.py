@@ -47,8 +47,8 @@ PREFILL_ROWS: int | None = (
 """From this many activation rows on, a block-format part is dequantized a tile of rows at
 a time and multiplied by MKL in fp32 with unquantized activations; None (the default): the
 integer kernels at every row count. With the SIMD kernels the integer path measured faster
-at every size tried (benchmarks/bench_block_linear.py; AMD EPYC, AVX-512, 8192x2048: Q8_0
-at 64 rows 9.9 against 25.2 ms, at 512 rows 101 against 182; Q4_K 10.4 / 24.6 and 71 / 183),
+at every size tried (benchmarks/bench_block_linear.py, table in
+docs/benchmarks/native-kernels.md: 2.7-3.8x at 64-512 rows on AMD EPYC, AVX-512),
 as llama.cpp computes prefill. SHARDWISE_PREFILL_ROWS=N sets a threshold: exact fp32
 activations for prefill (no 8-bit activation cost, about 0.5% of perplexity on SmolLM2),
 at MKL's speed."""

@@ -49,8 +49,8 @@ def expert_blocks(w, num_experts: int) -> list:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x (..., k) fp32 -> x / sqrt(mean(x^2) + eps) * w. The native kernel (csrc/norm.c: one
-    call instead of torch's several passes, ~1-2 us a 576-wide row against ~14) where it can
-    run: an fp32 CPU tensor and weight, nothing to differentiate; else F.rms_norm."""
+    call and one pass per row) where it can run: an fp32 CPU tensor and weight, nothing to
+    differentiate; else F.rms_norm."""
     lib = native.lib
     if (
         lib is None
