@@ -25,7 +25,13 @@ starts ranks). Measured (shardwise.bench.measure):
   (shardwise.bench.comm.measure_all_reduce), fitted to time = latency + n / busbw; and
   what a small all-reduce costs more inside a step, after a burst of compute, for bursts
   of 0.1 to 10 ms (measure.after_compute_rank): the planner adds it to every collective,
-  for the burst that precedes it in the step it predicts.
+  for the burst that precedes it in the step it predicts;
+- the same for the two other paths a job's collectives take (shardwise.bench.hostlinks):
+  "shm", the shared-memory all-reduce of a tp group inside one host (the default there), and
+  "veth", gloo across a link between two hosts made as network namespaces (root only), with
+  one point-to-point message's time on each. `cluster()` puts the shared-memory all-reduce
+  over gloo between this host's devices; `hosts()` describes several such hosts joined by
+  veth links of a given rate (what benchmarks/bench_links.py runs).
 
 Every figure is the fastest of several tries (per rank, then the median over ranks): the
 machine may be shared, and load elsewhere only ever adds time.
@@ -42,7 +48,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from shardwise.planner.specs import Cluster, Device, Link, PlannerError
@@ -61,9 +67,9 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 6
+VERSION = 7
 """Bumped when the measurements change meaning: a cache of another version is measured again
-(6: the quantized linear kernels)."""
+(6: the quantized linear kernels; 7: the shared-memory and veth paths, point-to-point times)."""
 QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Rows of the quantized kernel probe: one sequence decoding up to a short prompt."""
 
@@ -121,19 +127,36 @@ class Calibration:
     version: int = VERSION
     """The measurements' meaning (a file without the field: 0, measured again)."""
 
-    def cluster(self, link: str = "gloo") -> Cluster:
-        """The planner's view of this host, with the link of backend `link` between its devices
-        (the other calibrated backends' links in other_links)."""
-        if link not in self.links:
-            why = self.unavailable.get(link, "not measured")
+    def link(self, name: str) -> Link:
+        """The calibrated link of a backend (gloo, mpi) or path (shm, veth)."""
+        if name not in self.links:
+            why = self.unavailable.get(name, "not measured")
             raise PlannerError(
-                f"backend {link!r} has no calibration on this host ({why}); calibrated: {', '.join(self.links)}"
+                f"backend {name!r} has no calibration on this host ({why}); calibrated: {', '.join(self.links)}"
+                + ("; --recalibrate measures it" if self.version < VERSION else "")
             )
-        links = {}
-        for b, v in self.links.items():
-            pts = tuple((pt["size_bytes"], pt["latency_us"] * 1e-6) for pt in v["points"])
-            after = tuple((pt["burst_us"] * 1e-6, pt["extra_us"] * 1e-6) for pt in v.get("after_compute", ()))
-            links[b] = Link(f"{b} (measured)", v["busbw_gbps"], v["latency_us"], pts, after)
+        v = self.links[name]
+        pts = tuple((pt["size_bytes"], pt["latency_us"] * 1e-6) for pt in v["points"])
+        after = tuple((pt["burst_us"] * 1e-6, pt["extra_us"] * 1e-6) for pt in v.get("after_compute", ()))
+        return Link(f"{name} (measured)", v["busbw_gbps"], v["latency_us"], pts, after, send_us=v.get("send_us"))
+
+    def intra_link(self, link: str = "gloo", *, shm: bool = True) -> Link:
+        """The link between two ranks of this host: backend `link`'s, under the shared-memory
+        all-reduce when `shm` and it is calibrated (what a tp group inside one host uses by
+        default: shardwise.comm.shm, SHARDWISE_SHM_ALLREDUCE)."""
+        from shardwise.comm.shm import DEFAULT_MAX_BYTES
+
+        base = self.link(link)
+        if not shm or "shm" not in self.links:
+            return base
+        return replace(self.link("shm"), name=f"shm over {link} (measured)", via=base, max_bytes=DEFAULT_MAX_BYTES)
+
+    def cluster(self, link: str = "gloo", *, shm: bool = True) -> Cluster:
+        """The planner's view of this host, with the link of backend `link` between its devices
+        (under the shared-memory all-reduce when `shm`: intra_link; the other calibrated backends'
+        links in other_links)."""
+        links = {b: self.link(b) for b in self.links if b not in ("shm", "veth")}
+        intra = self.intra_link(link, shm=shm)
         device = Device(
             name=f"CPU core of {self.host} (1 thread)",
             memory_gib=self.memory_gib,
@@ -164,7 +187,7 @@ class Calibration:
             device=device,
             devices=self.devices,
             devices_per_node=self.devices,
-            intra=links[link],
+            intra=intra,
             shared_memory=True,
             other_links={b: lk for b, lk in links.items() if b != link},
             notes=(
@@ -175,6 +198,21 @@ class Calibration:
                     else ""
                 ),
             ),
+        )
+
+    def hosts(self, nodes: int, per_node: int, *, rate_gbps: float | None = None, bucket_bytes: float = 0.0,
+              link: str = "gloo", shm: bool = True) -> Cluster:  # fmt: skip
+        """`nodes` hosts of `per_node` devices like this one's, joined by links of `rate_gbps`
+        (GB/s; None: the veth's own speed) with a token bucket of `bucket_bytes` (tc's tbf;
+        0 for a line rate): between hosts, gloo across the calibrated veth link, shaped
+        (specs.Link.shaped); inside a host, intra_link. NOTE: the devices keep this host's rates
+        with every core busy, as the namespace hosts of one machine share its cores."""
+        one = self.cluster(link, shm=shm)
+        inter = self.link("veth")
+        if rate_gbps is not None:
+            inter = inter.shaped(rate_gbps, bucket_bytes, name=f"gloo across a link of {rate_gbps * 8:g} Gbit/s")
+        return replace(
+            one, name=f"{nodes} hosts x {per_node}", devices=nodes * per_node, devices_per_node=per_node, inter=inter
         )
 
     def to_json(self) -> str:
@@ -306,6 +344,7 @@ def _measure_links(
     devices: int, backends: list[str], repeats: int, rounds: int, log, quiet, flops: float
 ) -> tuple[dict, dict]:
     from shardwise.bench.comm import available_backends, measure_all_reduce
+    from shardwise.bench.hostlinks import send_probe
     from shardwise.bench.measure import after_compute_rank
     from shardwise.launch import launch
 
@@ -330,6 +369,8 @@ def _measure_links(
                 quiet()
                 tries.append(launch(after_compute_rank, 2, args=({"flops": flops},), backend=b)[0]["points"])
             after = [min(pts, key=lambda pt: pt["per_call_us"]) for pts in zip(*tries, strict=True)]
+            quiet()
+            send_us = launch(send_probe, 2, backend=b)[0]
         except Exception as e:  # noqa: BLE001 - a backend that fails is reported, not fatal
             unavailable[b] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
             continue
@@ -339,6 +380,7 @@ def _measure_links(
         links[b] = {
             "latency_us": lat,
             "busbw_gbps": bw,
+            "send_us": send_us,
             "points": [{"size_bytes": n, "latency_us": us} for n, us in pts],
             "after_compute": [
                 {
@@ -396,6 +438,12 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
 
     serve = serving_overheads(log=log) or {}
     links, unavailable = _measure_links(devices, backends or ["gloo", "mpi"], 10 * repeats, 3, log, quiet, flops)
+    if devices > 1:
+        from shardwise.bench.hostlinks import measure_paths
+
+        paths, missing = measure_paths(flops=flops, log=log, quiet=quiet)
+        links.update(paths)
+        unavailable.update(missing)
     return Calibration(
         host=platform.node() or "localhost",
         torch=torch.__version__,
@@ -445,7 +493,11 @@ def load_calibration(*, recalibrate: bool = False, path: Path | None = None, log
     return cal
 
 
-def this_host(*, link: str = "gloo", recalibrate: bool = False) -> Cluster:
-    """The `this-host` cluster, with the calibrated link of backend `link` (measured first if
-    the cache is missing or stale)."""
-    return load_calibration(recalibrate=recalibrate).cluster(link)
+def this_host(*, link: str = "gloo", recalibrate: bool = False, nodes: int = 1, shm: bool = True) -> Cluster:
+    """The `this-host` cluster, with the calibrated link of backend `link` (under the
+    shared-memory all-reduce when `shm`; measured first if the cache is missing or stale);
+    with nodes > 1, that many hosts like it joined by the calibrated veth link (Calibration.hosts)."""
+    cal = load_calibration(recalibrate=recalibrate)
+    if nodes > 1:
+        return cal.hosts(nodes, cal.devices, link=link, shm=shm)
+    return cal.cluster(link, shm=shm)

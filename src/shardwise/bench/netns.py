@@ -42,7 +42,17 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["Cluster", "Host", "make_hosts", "probe", "unavailable", "cleanup_stale", "rate_bits", "PREFIX"]
+__all__ = [
+    "Cluster",
+    "Host",
+    "make_hosts",
+    "probe",
+    "unavailable",
+    "cleanup_stale",
+    "rate_bits",
+    "bucket_bytes",
+    "PREFIX",
+]
 
 PREFIX = "swns"
 """Namespace names: PREFIX + creating pid + 'c' + cluster number + 'h' + host (or 's', the switch)."""
@@ -279,13 +289,18 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
+def bucket_bytes(rate: str) -> int:
+    """The token bucket of a link shaped to `rate`: 1 ms at the rate, at least two full frames.
+    NOTE: a larger one lets a decode step's small messages pass at memory speed, a smaller one
+    cannot reach the rate."""
+    return max(3200, int(rate_bits(rate) / 8 / 1000))
+
+
 def _shape(netns: str, dev: str, rate: str | None) -> None:
     subprocess.run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
     if rate is None:
         return
-    # NOTE: the bucket holds 1 ms at the rate (at least two full frames): a larger one lets a
-    # decode step's small messages pass at memory speed, a smaller one cannot reach the rate.
-    burst = max(3200, int(rate_bits(rate) / 8 / 1000))
+    burst = bucket_bytes(rate)
     cmd = ["tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate]
     done = subprocess.run([*cmd, "burst", str(burst), "latency", "400ms"], capture_output=True, text=True)
     if done.returncode != 0:

@@ -3,6 +3,7 @@
     shardwise plan --model llama-3-70b --cluster dgx-a100-80gb --batch 8
     shardwise plan --model path/to/checkpoint --cluster this-host --link mpi
     shardwise plan --model gpt3-175b --cluster dgx-h100 --nodes 8 --train --global-batch 1536
+    shardwise plan --model MODEL --cluster this-host --nodes 2 --devices-per-node 2 --inter-gbps 0.0125
 
 Every input is checked before anything is computed; an unknown preset or inconsistent
 numbers exit with status 2 and one line naming them. When nothing fits, the layouts and
@@ -15,7 +16,9 @@ quantized (`--quantize fp16|int8`): asked for, or chosen by the planner when not
 no layout meets the latency target without it (JSON: "quantize", "quantize_why").
 
 `--cluster this-host` is measured, not a preset: the measuring is shardwise.bench.calibrate
-(cached); this command hands its Cluster to the planner.
+(cached); this command hands its Cluster to the planner. With `--nodes N`, N hosts like this
+one (`--devices-per-node` ranks each), joined by links of `--inter-gbps` GB/s: the calibrated
+veth link's per-message costs, its transfers at that rate.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--list-presets", action="store_true", help="list model and cluster presets, then exit")
     c = p.add_argument_group("cluster (a preset, then any number replaced)")
     c.add_argument("--cluster", default="this-host", help="dgx-a100-80gb, dgx-h100, pcie-8x-rtx4090, this-host")
-    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument(
+        "--nodes", type=int, default=1, help="nodes (hosts); this-host: hosts like this one, joined by veth links"
+    )
     c.add_argument(
         "--link", default="gloo", help="this-host: which calibrated backend's link joins the devices (gloo, mpi)"
     )
@@ -48,7 +53,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--mem-bw-gbps", type=float, help="device memory bandwidth, GB/s")
     c.add_argument("--intra-gbps", type=float, help="intra-node all-reduce bus bandwidth, GB/s")
     c.add_argument("--intra-latency-us", type=float)
-    c.add_argument("--inter-gbps", type=float, help="inter-node all-reduce bus bandwidth, GB/s")
+    c.add_argument(
+        "--inter-gbps",
+        type=float,
+        help="inter-node all-reduce bus bandwidth, GB/s; this-host: the links' rate (100 Mbit/s = 0.0125)",
+    )
     c.add_argument("--inter-latency-us", type=float)
     c.add_argument("--allow-cross-node-tp", action="store_true", help="also consider tp groups spanning nodes")
     i = p.add_argument_group("inference workload (the default)")
@@ -127,11 +136,14 @@ def _cluster(args):
 
     if preset_key(args.cluster) != THIS_HOST:
         return cluster_preset(args.cluster, nodes=args.nodes)
-    if args.nodes != 1:
-        raise PlannerError(f"this-host is one node; got nodes={args.nodes}")
+    if args.nodes < 1:
+        raise PlannerError(f"--nodes must be >= 1, got {args.nodes}")
     from shardwise.bench.calibrate import this_host
+    from shardwise.comm.shm import shm_mode
 
-    return this_host(link=args.link, recalibrate=args.recalibrate)
+    # nodes > 1: hosts like this one, joined by the calibrated veth link (--inter-gbps: its rate)
+    shm = shm_mode() != "off"
+    return this_host(link=args.link, recalibrate=args.recalibrate, nodes=args.nodes, shm=shm)
 
 
 def _build(args):

@@ -62,6 +62,8 @@ class Collective:
     """Total payload over the calls: each rank's input tensor, as shardwise's accounting counts it."""
     link: str = ""
     seconds: float = 0.0
+    wire: str = "fp32"
+    """The payload's format on the wire (planner.wire: fp32, bf16, q8)."""
 
     def key(self) -> str:
         return f"{self.op}/{self.group}"

@@ -208,6 +208,7 @@ def _inference(rec, why: list[str], warn: list[str]) -> None:
     )
     if cfg.num_experts and lay.tp > 1:
         why.append(_placement(rec))
+    why += _across_nodes(rec)
     why += _quantization(rec)
     ups = _speedups(rec, lambda c: c.inference.decode.total_s)
     if ups:
@@ -234,6 +235,39 @@ def _inference(rec, why: list[str], warn: list[str]) -> None:
                 f"no layout meets the target of {wl.target_latency_ms:g} ms per request: the fastest that fits, "
                 f"{fast.layout}, predicts {_ms(fast.time_s)} ({over:.4g} ms over)."
             )
+
+
+def _across_nodes(rec) -> list[str]:
+    """A replica over several nodes: what its layout sends across them, against the same devices
+    as one tp group across the nodes, its all-reduces in fp32 and in the fastest compressed
+    wire format (planner.wire: what `--comm-dtype auto` picks on such a link)."""
+    from shardwise.planner.predict import Layout, predict_inference
+
+    r, cl, wl = rec.recommended, rec.cluster, rec.workload
+    lay = r.layout
+    if cl.nodes == 1 or cl.inter is None or lay.replica <= cl.devices_per_node:
+        return []
+    kw = dict(batch=wl.batch, prompt_len=wl.prompt_len, output_len=wl.output_len, width=DTYPE_BYTES[rec.dtype],
+              dtype=rec.dtype, quantize=wl.quantize)  # fmt: skip
+    across = Layout(lay.replica, 1, lay.dp)
+    by_wire = {w: predict_inference(rec.cfg, cl, across, comm_dtype=w, **kw) for w in ("fp32", "auto")}
+    fp32, best = by_wire["fp32"].decode.total_s, by_wire["auto"]
+    ours = r.inference.decode.total_s
+    if lay.tp > cl.devices_per_node:
+        head = f"{lay}: its tp group crosses the nodes ({cl.inter.name})"
+    else:
+        head = f"{lay}: tp inside a node, the pipeline across the nodes ({cl.inter.name}: one activation a token)"
+    line = f"Across nodes: {head}, {_ms(ours)}/token. tp={across.tp} across the nodes would decode at {_ms(fp32)}/token with fp32 all-reduces"
+    if best.wire != "fp32":
+        saved = 1 - best.decode.total_s / fp32
+        verdict = "and wins" if best.decode.total_s < ours else f"and still loses to {lay}"
+        line += (
+            f", {_ms(best.decode.total_s)} with them compressed to {best.wire} on the wire (`--comm-dtype {best.wire}`, "
+            f"what `auto` picks there): compression saves {saved:.0%} {verdict}."
+        )
+    else:
+        line += "; compressing them (bf16, q8) would not be faster on this link: the cost is per message, not bytes."
+    return [line]
 
 
 def _weights_at(rec, c, quantize: str | None) -> float:

@@ -53,6 +53,7 @@ __all__ = [
     "TrainingPrediction",
     "predict_inference",
     "predict_training",
+    "tp_wire",
 ]
 
 
@@ -122,6 +123,11 @@ class InferencePrediction:
     """Each stage's decode step (compute, collectives and its send), at the batch one step
     holds: the whole batch at pp = 1, one group of it at pp > 1."""
 
+    @property
+    def wire(self) -> str:
+        """The tp all-reduces' wire format in the decode step (tp_wire): fp32, bf16 or q8."""
+        return next((c.wire for c in self.collectives if c.op == "all_reduce" and c.group == "tp"), "fp32")
+
 
 @dataclass(frozen=True)
 class TrainingPrediction:
@@ -152,11 +158,21 @@ def mean_burst_s(compute_s: float, calls: int) -> float:
     return compute_s / max(calls, 1)
 
 
-def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s: float = 0.0) -> Collective:
+def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s: float = 0.0, *,
+           wire: str = "fp32", width: int = 4) -> Collective:  # fmt: skip
     """`c` with its link and seconds: each call's alpha-beta time, plus what the link adds
-    after `burst_s` of compute."""
-    link = cluster.link_for(span)
+    after `burst_s` of compute. The link is the one the group's span crosses, or the one under
+    it for what it does not carry (specs.Link.carrier: a shared-memory all-reduce's gloo).
+    `wire`: a tp all-reduce's format on the wire (planner.wire; fp32: one all-reduce of its
+    values of `width` bytes)."""
     each = c.bytes / c.calls
+    if c.op == "all_reduce" and wire != "fp32":  # an all_to_all and an all_gather of the encoded chunks
+        from shardwise.planner.wire import all_reduce_s
+
+        link = cluster.link_for(span).carrier("all_gather", each)
+        s = all_reduce_s(link, each / width, group_size, wire) + 2 * link.extra_after_s(burst_s)
+        return Collective(c.op, c.group, c.calls, c.bytes, f"{link.name}, {wire} wire", s * c.calls, wire)
+    link = cluster.link_for(span).carrier(c.op, each)
     if c.op == "all_gather":
         s = link.all_gather_s(each, group_size)
     elif c.op == "reduce_scatter":  # each rank's input; ring: it moves what an all-gather of its share does
@@ -171,6 +187,27 @@ def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s:
     return Collective(c.op, c.group, c.calls, c.bytes, link.name, s * c.calls)
 
 
+def tp_wire(comm_dtype: str, cluster: Cluster, tp: int, values: float, burst_s: float = 0.0, *,
+            width: int = 4) -> str:  # fmt: skip
+    """The wire format of a tp group's all-reduces of `values` values of `width` bytes
+    (`--comm-dtype`): as given, or for "auto" what the runtime picks (planner.wire.choose_wire):
+    fp32 (the values as they are) for a group inside one node, else the format predicted
+    fastest on the link it crosses, each message paying the link's extra after `burst_s`."""
+    if comm_dtype != "auto":
+        return comm_dtype
+    if tp <= 1 or tp <= cluster.devices_per_node:
+        return "fp32"
+    from shardwise.planner.wire import WIRE_BYTES, all_reduce_s
+
+    link = cluster.link_for(tp)
+    extra = link.extra_after_s(burst_s)
+    times = {"fp32": link.carrier("all_reduce", values * width).all_reduce_s(values * width, tp) + extra}
+    for w in ("bf16", "q8"):  # an all_to_all and an all_gather: two messages
+        if WIRE_BYTES[w] < width:
+            times[w] = all_reduce_s(link.carrier("all_gather", values), values, tp, w) + 2 * extra
+    return min(times, key=times.get)
+
+
 def merge(colls: list[Collective]) -> list[Collective]:
     """Sum collectives of the same op, group and link."""
     out: dict[tuple, Collective] = {}
@@ -178,7 +215,7 @@ def merge(colls: list[Collective]) -> list[Collective]:
         k = (c.op, c.group, c.link)
         o = out.get(k)
         if o is not None:
-            c = Collective(c.op, c.group, o.calls + c.calls, o.bytes + c.bytes, c.link, o.seconds + c.seconds)
+            c = Collective(c.op, c.group, o.calls + c.calls, o.bytes + c.bytes, c.link, o.seconds + c.seconds, c.wire)
         out[k] = c
     return list(out.values())
 
@@ -251,11 +288,12 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
 
 def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int, tokens: int, context: float,
              width: int, dtype: str, busy: bool | None = None, expert_parallel: bool = False,
-             quantize: str | None = None) -> tuple[Timing, list[Collective], list[float]]:  # fmt: skip
+             quantize: str | None = None, comm_dtype: str = "fp32") -> tuple[Timing, list[Collective], list[float]]:  # fmt: skip
     """One forward of `tokens` new tokens per sequence through every stage, one stage after the
     other (the runtime's inference split, pipeline.stage.inference_layout): its timing, its
     collectives, and each stage's own time (compute and collectives). busy: every device
-    computes at once (default: the tp ranks of a stage, when tp > 1)."""
+    computes at once (default: the tp ranks of a stage, when tp > 1). comm_dtype: the tp
+    all-reduces' wire format (tp_wire)."""
     busy = tp > 1 if busy is None else busy
     split = inference_layout(cfg, pp).layers
     compute, raw, per_stage = cluster.device.step_overhead_us * 1e-6, [], []
@@ -269,7 +307,9 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
     if tp > 1 or pp > 1:  # the sampled tokens (int64) reach every rank of the job
         raw.append((Collective("broadcast", "tp" if pp == 1 else "world", 1, 8 * batch), tp * pp, tp * pp))
     burst = mean_burst_s(compute, sum(c.calls for c, _, _ in raw))
-    timed = [_timed(c, cluster, size, span, burst) for c, size, span in raw]
+    wire = tp_wire(comm_dtype, cluster, tp, batch * tokens * cfg.hidden_size, burst, width=width)
+    timed = [_timed(c, cluster, size, span, burst, wire=wire if c.group == "tp" else "fp32", width=width)
+             for c, size, span in raw]  # fmt: skip
     stage_s, i = [], 0
     for t, r in per_stage:
         stage_s.append(t + sum(c.seconds for c in timed[i : i + len(r)]))
@@ -280,14 +320,17 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
 
 
 def predict_inference(cfg: ModelConfig, cluster: Cluster, layout: Layout, *, batch: int, prompt_len: int,
-                      output_len: int, width: int, dtype: str, quantize: str | None = None) -> InferencePrediction:  # fmt: skip
+                      output_len: int, width: int, dtype: str, quantize: str | None = None,
+                      comm_dtype: str = "fp32") -> InferencePrediction:  # fmt: skip
     """Prefill, then decode steps at the mean context. At pp > 1 a server keeps up to pp steps
     in flight: the batch's sequences form g = min(pp, batch) groups of ceil(batch / g), and a
     sequence's next token comes after its group's pass through every stage, or after g of the
     slowest stage's steps, whichever is longer (every device then computes at once).
-    quantize: the weights' format (`--quantize`; None: `width` bytes, like the activations)."""
+    quantize: the weights' format (`--quantize`; None: `width` bytes, like the activations).
+    comm_dtype: the tp all-reduces' wire format (`--comm-dtype`; tp_wire), fp32 by default."""
     tp, pp = layout.tp, layout.pp
-    kw = dict(width=width, dtype=dtype, expert_parallel=layout.expert_parallel, quantize=quantize)
+    kw = dict(width=width, dtype=dtype, expert_parallel=layout.expert_parallel, quantize=quantize,
+              comm_dtype=comm_dtype)  # fmt: skip
     prefill, _, _ = _forward(cfg, cluster, tp, pp, batch=batch, tokens=prompt_len, context=prompt_len, **kw)
     context = prompt_len + output_len / 2
     decode, colls, stages = _forward(cfg, cluster, tp, pp, batch=batch, tokens=1, context=context, **kw)
@@ -296,7 +339,9 @@ def predict_inference(cfg: ModelConfig, cluster: Cluster, layout: Layout, *, bat
     if pp > 1:
         groups = min(pp, batch)
         rows = -(-batch // groups)
-        _, _, stages = _forward(cfg, cluster, tp, pp, batch=rows, tokens=1, context=context, busy=True, **kw)
+        # NOTE: with one group (batch 1) one stage computes at a time; with more, all at once
+        _, _, stages = _forward(cfg, cluster, tp, pp, batch=rows, tokens=1, context=context, busy=tp > 1 or groups > 1,
+                                **kw)  # fmt: skip
         per_token = max(sum(stages), groups * max(stages))
         decode = Timing(decode.compute_s * per_token / decode.total_s, decode.comm_s * per_token / decode.total_s)
         idle = 1 - sum(stages) * groups / (pp * per_token)  # each stage computes groups x its step per token

@@ -347,6 +347,8 @@ def customize(
     """The cluster with some numbers replaced (None keeps the preset's); validated again.
 
     peak_tflops replaces the peak of every dtype: give the one of the dtype you compute in.
+    inter_gbps alone, on a measured inter-node link (this-host's hosts: its veth), keeps the
+    link's measured per-message costs and limits its transfers to that rate (specs.Link.shaped).
     """
     dev = cluster.device
     dev_kw = {k: v for k, v in (("memory_gib", memory_gib), ("mem_bw_gbps", mem_bw_gbps)) if v is not None}
@@ -360,7 +362,10 @@ def customize(
             intra.latency_us if intra_latency_us is None else intra_latency_us,
         )
     inter = cluster.inter
-    if inter_gbps is not None or inter_latency_us is not None:
+    if inter is not None and inter.points and inter_gbps is not None and inter_latency_us is None:
+        # a measured link (this-host's veth): its per-message costs stay, its transfers at the rate
+        inter = inter.shaped(inter_gbps, name=f"{inter.name.split(' at ')[0]} at {inter_gbps:g} GB/s")
+    elif inter_gbps is not None or inter_latency_us is not None:
         if inter is None and (inter_gbps is None or inter_latency_us is None):
             raise PlannerError("an inter-node link needs both --inter-gbps and --inter-latency-us")
         inter = Link(

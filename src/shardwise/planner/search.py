@@ -210,7 +210,8 @@ def _candidate(cfg: ModelConfig, wl: Workload, cluster: Cluster, lay: Layout, he
         if cluster.shared_memory and fits:  # replicas share the node's memory too
             node = cluster.memory_budget_gib(1) * GIB * (1 - headroom)
             lay = replace(lay, dp=max(1, min(lay.dp, int(node // (lay.replica * mem.total)))))
-        pred = predict_inference(cfg, cluster, lay, dtype=dtype, **kw)
+        # the runtime's --comm-dtype auto: fp32 inside a node, the fastest wire across nodes
+        pred = predict_inference(cfg, cluster, lay, dtype=dtype, comm_dtype="auto", **kw)
         meets = None if wl.target_latency_ms is None else pred.request_s * 1e3 <= wl.target_latency_ms
         why_not = None  # pp > 1 too: generate/serve --pp run it, and its predictions are validated
         return Candidate(lay, mem, fits, cross, inference=pred, meets_target=meets, why_not=why_not)

@@ -7,7 +7,7 @@ PlannerError that names the numbers, before anything is computed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from shardwise.planner.activations import recompute_mode
@@ -81,9 +81,26 @@ class Link:
     """Measured (burst seconds, extra seconds): what a collective costs more, inside a step,
     right after a burst of compute of that length, than between idle ranks (this host's
     gloo: waking a rank that gave up its core; see measure.after_compute_rank). Empty: 0."""
+    send_us: float | None = None
+    """One point-to-point message between idle devices (a small send and its receive, one way),
+    microseconds; None: latency_us."""
+    rate_gbps: float | None = None
+    bucket_bytes: float = 0.0
+    """A shaped link (a token bucket: tc's tbf, or a NIC's line rate with bucket 0): every
+    transfer also waits for the bytes it sends beyond the bucket at rate_gbps (GB/s); the
+    unshaped times above are the link's own (for a veth: its per-message cost). None: unshaped."""
+    via: Link | None = None
+    """The link under this one, for what this one does not carry: every operation but an
+    all-reduce of up to max_bytes (a shared-memory all-reduce over gloo: shardwise.comm.shm).
+    None: this link carries everything."""
+    max_bytes: float = math.inf
 
     def __post_init__(self) -> None:
-        _check(self, positive=("busbw_gbps",), nonneg=("latency_us",))
+        _check(self, positive=("busbw_gbps",), nonneg=("latency_us", "bucket_bytes"))
+        if self.send_us is not None:
+            _check(self, nonneg=("send_us",))
+        if self.rate_gbps is not None:
+            _check(self, positive=("rate_gbps",))
         if any(n <= 0 or s <= 0 for n, s in self.points):
             raise PlannerError(f"Link {self.name}: measured points must be positive, got {self.points}")
         if any(b <= 0 or e < 0 for b, e in self.after_compute):
@@ -115,22 +132,43 @@ class Link:
                 return e0 + (e1 - e0) * math.log(burst_s / b0) / math.log(b1 / b0)
         return pts[-1][1]
 
+    def carrier(self, op: str, nbytes: float) -> Link:
+        """The link that carries one `op` of `nbytes` per rank: this one, or the one under it (via)."""
+        if self.via is not None and (op != "all_reduce" or nbytes > self.max_bytes):
+            return self.via.carrier(op, nbytes)
+        return self
+
+    def shaped(self, rate_gbps: float, bucket_bytes: float = 0.0, *, name: str | None = None) -> Link:
+        """This link with its transfers also limited to `rate_gbps` (a token bucket of `bucket_bytes`)."""
+        return replace(self, name=name or f"{self.name} at {rate_gbps:g} GB/s", rate_gbps=rate_gbps,
+                       bucket_bytes=bucket_bytes)  # fmt: skip
+
+    def _wait_s(self, sent: float) -> float:
+        """What the shaping adds to a transfer of `sent` bytes (each rank's): the bytes beyond the bucket, at the rate."""
+        return 0.0 if self.rate_gbps is None else max(0.0, sent - self.bucket_bytes) / (self.rate_gbps * 1e9)
+
     def all_reduce_s(self, nbytes: float, p: int) -> float:
-        """Seconds for one all-reduce of `nbytes` (each rank's buffer) over p devices."""
+        """Seconds for one all-reduce of `nbytes` (each rank's buffer) over p devices (ring:
+        each rank sends 2 (p - 1) / p of it)."""
         if p <= 1:
             return 0.0
+        shaped = self._wait_s(2 * (p - 1) / p * nbytes)
         measured = self._measured(nbytes) if p == 2 else None
         if measured is not None:
-            return measured
-        return self._alpha(p) + 2 * (p - 1) / p * nbytes / (self.busbw_gbps * 1e9)
+            return measured + shaped
+        return self._alpha(p) + 2 * (p - 1) / p * nbytes / (self.busbw_gbps * 1e9) + shaped
 
     def all_gather_s(self, nbytes_in: float, p: int) -> float:
         """Seconds for one all-gather of `nbytes_in` per rank (ring: each rank receives (p-1) pieces)."""
-        return 0.0 if p <= 1 else self._alpha(p) + (p - 1) * nbytes_in / (self.busbw_gbps * 1e9)
+        if p <= 1:
+            return 0.0
+        sent = (p - 1) * nbytes_in
+        return self._alpha(p) + sent / (self.busbw_gbps * 1e9) + self._wait_s(sent)
 
     def send_s(self, nbytes: float) -> float:
         """Seconds for one point-to-point transfer (pipeline stage boundary)."""
-        return self.latency_us * 1e-6 + nbytes / (self.busbw_gbps * 1e9)
+        alpha = self.latency_us if self.send_us is None else self.send_us
+        return alpha * 1e-6 + nbytes / (self.busbw_gbps * 1e9) + self._wait_s(nbytes)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,165 @@
+"""The two paths a job's collectives take besides gloo over loopback, measured for the planner:
+the shared-memory all-reduce of a group inside one host, and gloo across a link between hosts.
+
+    links, unavailable = measure_paths(flops=86e9)   # {"shm": {...}, "veth": {...}}, {path: why}
+
+Each path gets what shardwise.bench.calibrate records for a backend: all-reduce times of idle
+ranks by size (bench.comm's probe), what a small one costs more inside a step, after a burst
+of compute (measure.after_compute_rank), and one point-to-point message's time (send_probe):
+
+- "shm": 2 local ranks, their world wrapped by shardwise.comm.shm (what a tp group inside one
+  host uses by default); every other operation is the gloo link's.
+- "veth": 2 hosts made as network namespaces (shardwise.bench.netns, unshaped: root only),
+  one rank on each, gloo over the veth link between them. The planner adds a link's rate on
+  top (specs.Link.shaped): these are the costs a message pays whatever the rate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from shardwise.comm import Communicator
+
+__all__ = ["measure_paths", "send_probe", "path_rank", "SIZES"]
+
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
+"""All-reduce sizes of the idle probe (up to the shared-memory segment's 1 MiB)."""
+_PORT = 29471
+
+
+def send_probe(world: Communicator, repeats: int = 200) -> float:
+    """One point-to-point message of 4 KiB between ranks 0 and 1, one way, microseconds: the
+    median round trip of a ping-pong, halved (the slower rank's view: both time the same trips)."""
+    x = torch.zeros(1024)
+    times = []
+    for i in range(20 + repeats):
+        t0 = time.perf_counter()
+        if world.rank == 0:
+            world.send(x, 1)
+            world.recv(x, 1)
+        else:
+            world.recv(x, 0)
+            world.send(x, 0)
+        if i >= 20:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) / 2 * 1e6
+
+
+def path_rank(world: Communicator, opts: dict) -> dict:
+    """One rank's probes on `world` (2 ranks), wrapped in shared memory when opts["shm"]."""
+    from shardwise.bench.comm import _rank as idle_all_reduces
+    from shardwise.bench.measure import after_compute_rank
+
+    comm = world
+    if opts.get("shm"):
+        from shardwise.comm.shm import intra_host
+
+        comm = intra_host(world, mode="on")
+    idle = idle_all_reduces(comm, SIZES, opts.get("repeats", 50))
+    after = after_compute_rank(comm, {"flops": opts["flops"]})["points"]
+    return {"idle": idle, "after": after, "send_us": send_probe(world)}
+
+
+def _record(out: dict) -> dict:
+    """A rank's probes in the calibration's format (calibrate.Calibration.links)."""
+    from shardwise.bench.calibrate import after_compute_extra_us, fit_link
+
+    pts = sorted((n, s) for n, s in out["idle"])
+    lat, bw = fit_link(pts)
+    idle = pts[0][1] * 1e6  # NOTE: the step probe's all-reduces are 4 KiB, SIZES[0]
+    return {
+        "latency_us": lat,
+        "busbw_gbps": bw,
+        "send_us": out["send_us"],
+        "points": [{"size_bytes": n, "latency_us": s * 1e6} for n, s in pts],
+        "after_compute": [
+            {
+                "burst_us": p["burst_us"],
+                "per_call_us": p["per_call_us"],
+                "extra_us": after_compute_extra_us(p["per_call_us"], idle),
+            }
+            for p in out["after"]
+        ],  # fmt: skip
+    }
+
+
+def _better(a: dict, b: dict) -> dict:
+    """The faster of two launches' probes, figure by figure (load elsewhere only adds time)."""
+    idle = [(n, min(x, y)) for (n, x), (_, y) in zip(a["idle"], b["idle"], strict=True)]
+    after = [min(p, q, key=lambda pt: pt["per_call_us"]) for p, q in zip(a["after"], b["after"], strict=True)]
+    return {"idle": idle, "after": after, "send_us": min(a["send_us"], b["send_us"])}
+
+
+def _veth(flops: float, tries: int) -> dict:
+    from shardwise.bench import netns
+
+    outs = []
+    for _ in range(tries):
+        with netns.make_hosts(2, None) as cluster:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", **cluster.env()}
+            argv = [sys.executable, "-m", "shardwise.bench.hostlinks", cluster.hosts[0].addr, str(flops)]
+            procs = [
+                h.popen([*argv, str(h.index)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for h in cluster.hosts
+            ]
+            done = [p.communicate(timeout=600) for p in procs]
+            if any(p.returncode for p in procs):
+                raise RuntimeError("veth probe failed: " + " | ".join(e.strip().splitlines()[-1] for _, e in done if e))
+            outs.append(json.loads(done[0][0].strip().splitlines()[-1]))
+    best = outs[0]
+    for o in outs[1:]:
+        best = _better(best, o)
+    return best
+
+
+def measure_paths(*, flops: float, tries: int = 2, log=None, quiet=lambda: None) -> tuple[dict, dict]:
+    """({"shm": record, "veth": record}, {path: why not measured}); see the module docstring."""
+    from shardwise.bench import netns
+    from shardwise.comm.shm_segment import supported
+    from shardwise.launch import launch
+
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    links, unavailable = {}, {}
+    if supported():
+        log("calibrating: the shared-memory all-reduce over 2 ranks")
+        outs = []
+        for _ in range(tries):
+            quiet()
+            outs.append(launch(path_rank, 2, args=({"flops": flops, "shm": True},))[0])
+        links["shm"] = _record(_better(*outs) if len(outs) > 1 else outs[0])
+    else:
+        unavailable["shm"] = "no shared-memory all-reduce on this machine (shardwise.comm.shm_segment.supported)"
+    why = netns.unavailable()
+    if why is None:
+        log("calibrating: gloo across a veth link between two namespace hosts")
+        quiet()
+        try:
+            links["veth"] = _record(_veth(flops, tries))
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+            unavailable["veth"] = str(e)[:200]
+    else:
+        unavailable["veth"] = why
+    return links, unavailable
+
+
+def _main(addr: str, flops: float, rank: int) -> None:
+    """One rank of the veth probe, on its namespace host: gloo with rank 0's host as master."""
+    from shardwise.comm.torch_dist import init_torch_distributed
+
+    torch.set_num_threads(1)
+    world = init_torch_distributed(rank=rank, world_size=2, master_addr=addr, master_port=_PORT)
+    out = path_rank(world, {"flops": flops})
+    world.close()
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]))

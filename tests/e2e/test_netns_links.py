@@ -1,0 +1,36 @@
+"""The calibration's two host paths (shardwise.bench.hostlinks): the shared-memory all-reduce
+inside a host and gloo across a veth link between namespace hosts, measured for real, and the
+planner's hosts built from them. Skipped, with the reason, where namespaces cannot be made."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from shardwise.bench import netns
+
+WHY = netns.unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no network namespaces here: {WHY}")
+
+
+def test_shared_memory_and_veth_paths_are_measured_and_make_hosts_for_the_planner():
+    from shardwise.bench.calibrate import Calibration
+    from shardwise.bench.hostlinks import SIZES, measure_paths
+
+    links, missing = measure_paths(flops=50e9, tries=1, log=lambda msg: None)
+    assert set(links) == {"shm", "veth"}, missing
+    for name, rec in links.items():
+        assert [p["size_bytes"] for p in rec["points"]] == SIZES, name
+        assert rec["send_us"] > 0 and rec["latency_us"] > 0 and rec["busbw_gbps"] > 0, (name, rec)
+        assert rec["after_compute"] and all(p["burst_us"] > 0 and p["extra_us"] >= 0 for p in rec["after_compute"])
+    # a 4 KiB all-reduce through shared memory is faster than gloo's across the link
+    assert links["shm"]["points"][0]["latency_us"] < links["veth"]["points"][0]["latency_us"], links
+    gloo = {**links["veth"], "send_us": None}  # any gloo link will do for the cluster's other operations
+    cal = Calibration(host="h", torch="0", devices=2, memory_gib=16.0, gemm_tflops={"float32": 0.05}, mem_gbps=10.0,
+                      layer_overhead_us=100.0, step_overhead_us=100.0, links={"gloo": gloo, **links})  # fmt: skip
+    cl = cal.hosts(2, 1, rate_gbps=0.0125, bucket_bytes=netns.bucket_bytes("100mbit"))
+    assert cl.inter.send_us == links["veth"]["send_us"] and cl.intra.via is not None
+    ours = f"{netns.PREFIX}{os.getpid()}c"  # this process's namespaces: all deleted
+    assert ours not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
