@@ -138,3 +138,33 @@ def test_plan_recommends_quantized_weights_when_nothing_else_fits(tmp_path):
     )
     gpu = _plan("--model", "llama-3-8b", "--cluster", "dgx-h100", "--quantize", "int8")
     assert gpu.returncode == 2 and "has no measured int8 linear kernel" in gpu.stderr
+
+
+@pytest.mark.gate
+def test_plan_two_hosts_like_this_one_from_the_command_line(tmp_path):
+    from shardwise.bench.calibrate import VERSION, _cores
+
+    def link(small_us: float, big_us: float, send_us: float) -> dict:
+        pts = [{"size_bytes": 4096, "latency_us": small_us}, {"size_bytes": 1 << 20, "latency_us": big_us}]
+        return {"latency_us": small_us, "busbw_gbps": 1.0, "points": pts, "send_us": send_us}
+
+    cal = {
+        "host": platform.node() or "localhost", "torch": torch.__version__, "devices": _cores(), "memory_gib": 16.0,
+        "gemm_tflops": {"float32": 0.05, "bfloat16": 0.1}, "mem_gbps": 10.0, "layer_overhead_us": 200.0,
+        "step_overhead_us": 200.0, "version": VERSION,
+        "links": {"gloo": link(300, 1300, 150), "shm": link(20, 400, 20), "veth": link(700, 2500, 350)},
+    }  # fmt: skip
+    (tmp_path / "calibration.json").write_text(json.dumps(cal))
+    env = {"SHARDWISE_CACHE_DIR": str(tmp_path)}
+    # llama-3-8b in bf16 needs 4 devices of 7 GiB: 2 hosts x 2 ranks, 100 Mbit/s between them
+    args = ["--model", "llama-3-8b", "--cluster", "this-host", "--nodes", "2", "--devices-per-node", "2"]
+    args += ["--inter-gbps", "0.0125", "--batch", "32", "--prompt-len", "64", "--output-len", "16"]
+    out = _plan(*args, "--allow-cross-node-tp", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "recommended: tp=2 pp=2 dp=1" in out.stdout
+    assert "veth (measured) at 0.0125 GB/s" in out.stdout and "shm over gloo (measured)" in out.stdout
+    assert "compressed to q8 on the wire" in out.stdout and "still loses to tp=2 pp=2" in out.stdout
+    plan = json.loads(_plan(*args, "--json", env=env).stdout)
+    assert plan["layout"] == "tp=2,pp=2,dp=1"
+    one = _plan("--model", "llama-3-8b", "--cluster", "this-host", "--nodes", "0", env=env)
+    assert one.returncode == 2 and "--nodes must be >= 1, got 0" in one.stderr
