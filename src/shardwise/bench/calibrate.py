@@ -394,8 +394,9 @@ def _measure_links(
     return links, unavailable
 
 
-def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) -> Calibration:
-    """Measure this host (about 30 s)."""
+def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None, quantized: bool = True) -> Calibration:
+    """Measure this host (about 30 s idle; minutes on a busy machine). quantized=False leaves
+    out the quantized kernels' probes (the planner then plans no `--quantize` here)."""
     import torch
 
     from shardwise.bench.measure import probe_rank
@@ -425,7 +426,7 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None) 
         }
     log("calibrating: quantized linear kernels (fp16, int8) on one core")
     quiet()
-    q_alone = launch(quantized_probe_rank, 1, args=({"repeats": repeats},))[0]
+    q_alone = launch(quantized_probe_rank, 1, args=({"repeats": repeats},))[0] if quantized else {}
     q_busy = q_alone
     if devices > 1 and q_alone:
         log(f"calibrating: the same on {devices} cores at once")

@@ -43,9 +43,9 @@ def send_probe(world: Communicator, repeats: int = 200) -> float:
         t0 = time.perf_counter()
         if world.rank == 0:
             world.send(x, 1)
-            world.recv(x, 1)
+            world.recv(x.shape, x.dtype, 1)
         else:
-            world.recv(x, 0)
+            world.recv(x.shape, x.dtype, 0)
             world.send(x, 0)
         if i >= 20:
             times.append(time.perf_counter() - t0)
