@@ -1,7 +1,7 @@
 """Where one decode step's time goes, per rank, at tp 1 and 2: thread time and wall time.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_decode_step.py [--model DIR|FILE.gguf]
-        [--tp 1 2] [--quantize int8] [--backend mpi gloo] [--steps 32] [--json OUT]
+        [--tp 1 2] [--quantize int8] [--backend mpi gloo] [--fused on off] [--steps 32] [--json OUT]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_decode_step.py --collectives [--backend mpi gloo]
 
 Each configuration runs in fresh ranks (shardwise.launch, one thread each): load, a 64-token
@@ -9,9 +9,12 @@ prompt, 4 warm-up steps, then `--steps` timed decode steps (batch 1, greedy), ea
 generate() runs it: the forward (decode_step), rank 0's sampling, the token broadcast. Every
 collective the tp group issues is timed on entry and exit (wall, perf_counter, which all
 ranks of a host share) and in thread time. Then as many steps again under torch.profiler
-(CPU), for the ops: the matmul kernels' self time (aten::mm/addmm, quantized::linear_dynamic*),
+(CPU), for the ops: the matmul kernels' self time (aten::mm/addmm, the native gemm),
 the other top-level ops' time, and how many ops a layer runs per step (top-level ops, the
-ones Python calls, and every aten op including those they call inside).
+ones Python calls, and every aten op including those they call inside). The native module's
+calls (shardwise.kernels._native) are profiled as `shardwise::<name>` ranges, so a fused
+kernel counts as one op. `--fused on off` runs each configuration with the fused decode
+kernels (shardwise.kernels.decode) and on the plain path.
 
 Per rank, ms per step (medians over steps):
 
@@ -48,7 +51,7 @@ from shardwise.comm import tp_only  # noqa: E402
 from shardwise.launch import launch  # noqa: E402
 
 PROMPT, WARM = 64, 4
-MATMULS = ("aten::mm", "aten::addmm", "quantized::linear_dynamic", "quantized::linear_dynamic_fp16")
+MATMULS = ("aten::mm", "aten::addmm", "quantized::linear_dynamic", "quantized::linear_dynamic_fp16", "shardwise::gemm")
 OPS = ("aten::", "quantized::", "shardwise::")
 
 
@@ -69,6 +72,26 @@ def _timed(comm, calls: list, profiling: list):
         return out
 
     comm._run = timed
+
+
+class _Profiled:
+    """The native module with each call under a profiler range `shardwise::<name>`: its kernel
+    calls then count among a layer's ops, and its gemm among the matmuls."""
+
+    def __init__(self, lib):
+        from torch.profiler import record_function
+
+        for name in dir(lib):
+            f = getattr(lib, name)
+            if callable(f) and not name.startswith("_"):
+
+                def call(*a, _f=f, _n=f"shardwise::{name}"):
+                    with record_function(_n):
+                        return _f(*a)
+
+                setattr(self, name, call)
+            else:
+                setattr(self, name, f)
 
 
 def _stub_matmuls(stubbed: list) -> None:
@@ -99,6 +122,9 @@ def _rank(world, opts: dict) -> dict:
     from shardwise.quant.layout import decode_layout
 
     torch.set_num_threads(1)
+    from shardwise.kernels import decode
+
+    decode.FUSED = opts.get("fused", True)  # the fused decode kernels (kernels.decode), or the plain path
     tp = tp_only(world)
     model, _ = load_pretrained(opts["model"], comm=tp, quantize=opts["quantize"])
     decode_layout(model, rows=1)
@@ -141,9 +167,16 @@ def _rank(world, opts: dict) -> dict:
             pos += 1
         profiling.append(True)
         prof_rows: list = []
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                tok, pos = step(tok, pos, caches, prof_rows), pos + 1
+        from shardwise.kernels import native
+
+        real_lib = native.lib
+        native.lib = _Profiled(real_lib) if real_lib is not None else None
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    tok, pos = step(tok, pos, caches, prof_rows), pos + 1
+        finally:
+            native.lib = real_lib
     return {
         "rows": rows,
         "stub_rows": stub_rows,
@@ -282,6 +315,7 @@ def main() -> None:
     ap.add_argument("--quantize", nargs="+", default=["none", "int8"], help="none and/or int8 / fp16")
     ap.add_argument("--backend", nargs="+", default=["mpi", "gloo"])
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--fused", nargs="+", default=["on", "off"], help="the fused decode kernels on and/or off")
     ap.add_argument("--collectives", action="store_true", help="the all-reduce alone at decode sizes")
     ap.add_argument("--calls", type=int, default=2000, help="--collectives: timed calls per size")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
@@ -306,12 +340,15 @@ def main() -> None:
     for quantize in args.quantize:
         for tp in args.tp:
             for backend in args.backend if tp > 1 else ["local"]:
-                opts = {"model": args.model, "quantize": None if quantize == "none" else quantize, "steps": args.steps}
-                results = launch(_rank, tp, args=(opts,), backend="gloo" if tp == 1 else backend, timeout_s=600)
-                name = f"{'fp32' if quantize == 'none' else quantize} tp={tp} {backend}"
-                figs = _summary(results)
-                everything[name] = {"ranks": figs, "tokens": results[0]["tokens"]}
-                _print_rows([(name, r, f) for r, f in enumerate(figs)])
+                for fused in args.fused:
+                    opts = {"model": args.model, "quantize": None if quantize == "none" else quantize,
+                            "steps": args.steps, "fused": fused == "on"}  # fmt: skip
+                    results = launch(_rank, tp, args=(opts,), backend="gloo" if tp == 1 else backend, timeout_s=600)
+                    name = f"{'fp32' if quantize == 'none' else quantize} tp={tp} {backend}"
+                    name += " fused" if fused == "on" else " plain"
+                    figs = _summary(results)
+                    everything[name] = {"ranks": figs, "tokens": results[0]["tokens"]}
+                    _print_rows([(name, r, f) for r, f in enumerate(figs)])
     print("\nheaviest top-level ops (rank 0): name, calls per layer per step, ms per step")
     for name, rec in everything.items():
         print(f"  {name}: " + "; ".join(f"{n} {c:.1f} {ms:.2f}" for n, c, ms in rec["ranks"][0]["heaviest"][:6]))

@@ -35,6 +35,7 @@ from collections.abc import Iterable
 import torch
 
 from shardwise.engine.slots import LayerCaches, StepBatch, _StepIndex
+from shardwise.kernels.decode import DecodeLayout
 from shardwise.memory import zeros_on_touch
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.modules import KVCache
@@ -271,6 +272,18 @@ class PagedKVCache:
         k_flat[write] = k.transpose(1, 2)[ix.valid]  # (N, nkv, hd): only real tokens are written
         v_flat[write] = v.transpose(1, 2)[ix.valid]
         return k_flat[read].transpose(1, 2), v_flat[read].transpose(1, 2)  # (B, nkv, K, hd)
+
+    def decode_layout(self, start: int, batch: int) -> DecodeLayout | None:
+        """Where this step's keys live in the pool, for the fused decode kernel (kernels.decode):
+        one new token per row, read through the tables; None where it cannot run."""
+        step = self.owner.step
+        if step is None or start + 1 != step[0].K or step[0].valid.shape != (batch, 1):
+            return None
+        if self.k.dtype is not torch.float32 or self.k.device.type != "cpu":
+            return None
+        ix, write, read = step
+        _, _, nkv, hd = self.k.shape
+        return DecodeLayout(self.k, self.v, pos_stride=nkv * hd, head_stride=hd, K=ix.K, widx=write, ridx=read)
 
 
 class PagedCaches(LayerCaches):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.kernels.decode import DecodeLayout
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.modules import KVCache
 
@@ -130,6 +131,16 @@ class SlotKVCache:
         values = self.v[ix.read_slot, ix.read_pos]
         return keys.transpose(1, 2), values.transpose(1, 2)  # (B, nkv, K, hd)
 
+    def decode_layout(self, start: int, batch: int) -> DecodeLayout | None:
+        """Where this step's keys live, for the fused decode kernel (kernels.decode): one new
+        token per row; None where it cannot run."""
+        ix = self.owner.step
+        if ix is None or start + 1 != ix.K or ix.valid.shape != (batch, 1) or self.k.dtype is not torch.float32:
+            return None
+        write, read = self.owner.flat_index(self.k.shape[1])
+        _, _, nkv, hd = self.k.shape
+        return DecodeLayout(self.k, self.v, pos_stride=nkv * hd, head_stride=hd, K=ix.K, widx=write, ridx=read)
+
 
 class LayerCaches:
     """What the slot cache and the paged cache (engine/paged.py) share: one cache object per
@@ -137,6 +148,17 @@ class LayerCaches:
     says how a step's positions map to its storage (`_begin`: sets `self.step`)."""
 
     step = None
+    _flat: tuple | None = None
+
+    def flat_index(self, per_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's positions as flat indices into a (slots * per_slot, ...) cache: each new
+        token's (N,) and each row's keys' (B, K), int64 contiguous; computed once a step."""
+        ix = self.step
+        if self._flat is None or self._flat[0] is not ix:
+            write = (ix.write_slot * per_slot + ix.write_pos).contiguous()
+            read = (ix.read_slot * per_slot + ix.read_pos).contiguous()
+            self._flat = (ix, write, read)
+        return self._flat[1], self._flat[2]
 
     def _build(self, model: DecoderLM, make) -> None:
         """make(kv_heads, head_dim, dtype, device) -> one layer's cache."""

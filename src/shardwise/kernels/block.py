@@ -33,7 +33,16 @@ import torch.nn.functional as F
 import shardwise.kernels.native as native
 from shardwise.kernels.blocks import FORMATS, Format, dequantize_blocks
 
-__all__ = ["GGML_IDS", "NATIVE_FORMATS", "Part", "BlockWeight", "quantize_activations", "fake_quantize"]
+__all__ = [
+    "GGML_IDS",
+    "NATIVE_FORMATS",
+    "Part",
+    "BlockWeight",
+    "quantize_activations",
+    "fake_quantize",
+    "offer_blocks",
+    "act_block",
+]
 
 GGML_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 """The block formats computed as stored, by their ggml type ids (csrc/sw.h)."""
@@ -87,12 +96,44 @@ def fake_quantize(x: torch.Tensor, block: int) -> torch.Tensor:
     return (q * d).reshape(n, k)
 
 
-def quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x (n, k) contiguous float32 -> n * k / block activation blocks (uint8 bytes), native."""
-    n, k = x.shape
+def quantize_activations(x: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """x: n contiguous rows of k float32 (any shape) -> n * k / block activation blocks (uint8 bytes), native."""
     out = torch.empty(n * (k // block) * _ACT_BYTES[block], dtype=torch.uint8)
     native.lib.quantize(block, native.isa(), x.data_ptr(), k, n, k, out.data_ptr())
     return out
+
+
+_offered: tuple | None = None
+"""(tensor, its version, block, activation blocks): the last RMSNorm output quantized in the
+same native call (kernels.ops.rms_norm(block=...)); the next linear of that block length on
+that very tensor, unmodified, takes these blocks instead of quantizing it again. The strong
+reference keeps the tensor's memory from being reused while it is offered."""
+
+
+def offer_blocks(x: torch.Tensor, block: int, blocks: torch.Tensor) -> None:
+    """x (..., k) fp32 contiguous was quantized to `blocks` of `block`: offer them to its next linear."""
+    global _offered
+    _offered = (x, x._version, block, blocks)
+
+
+def _taken(x: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor | None:
+    """The offered blocks, when x (n contiguous rows of k) is the offered tensor, unchanged, in blocks of `block`."""
+    o = _offered
+    if o is None or o[2] != block:
+        return None
+    t = o[0]
+    if t.data_ptr() != x.data_ptr() or o[1] != x._version or t.shape[-1] != k or t.numel() != n * k:
+        return None
+    return o[3]
+
+
+def act_block(w) -> int | None:
+    """The one activation block length a weight's linear quantizes its input to, when every
+    part is a native block format of that length and the input needs no padding; else None."""
+    if not isinstance(w, BlockWeight) or w.padded_in != w.shape[1]:
+        return None
+    blocks = {FORMATS[p.fmt].block if p.fmt in GGML_IDS else 0 for p in w.parts}
+    return blocks.pop() if len(blocks) == 1 and 0 not in blocks else None
 
 
 class BlockWeight:
@@ -161,47 +202,59 @@ class BlockWeight:
         """x (..., in) -> (..., out) in x's dtype, plus bias when given."""
         out, k = self.shape
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, k)  # (N, in)
-        if x2.dtype is not torch.float32:
-            x2 = x2.float()
-        if self.padded_in != k:
-            x2 = F.pad(x2, (0, self.padded_in - k))
-        x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], out)  # (N, out)
-        if x2.shape[0] and out:
-            self._run(x2, y)
-        y = y.view(*lead, out)
+        if x.dtype is torch.float32 and self.padded_in == k and x.is_contiguous():
+            x2 = x  # read in place as (N, in) rows: no reshape, no copy (a decode step's usual case)
+        else:
+            x2 = x.reshape(-1, k)  # (N, in)
+            if x2.dtype is not torch.float32:
+                x2 = x2.float()
+            if self.padded_in != k:
+                x2 = F.pad(x2, (0, self.padded_in - k))
+            x2 = x2.contiguous()
+        n = x2.numel() // self.padded_in if self.padded_in else 0
+        y = torch.empty(*lead, out)  # (..., out)
+        if n and out:
+            self._run(x2, n, y)
         if y.dtype is not x.dtype:
             y = y.to(x.dtype)
         return y if bias is None else y + bias
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y (N, out) = x (N, padded in) times every part, into its columns. The native kernels
-        where built (else the same arithmetic in torch); from PREFILL_ROWS rows on (when set),
-        tiles of dequantized rows against the float activations on either path."""
-        n, kp = x.shape
+    def _run(self, x: torch.Tensor, n: int, y: torch.Tensor) -> None:
+        """y (N rows of out) = x (N contiguous rows of padded in) times every part, into its
+        columns. The native kernels where built (else the same arithmetic in torch); from
+        PREFILL_ROWS rows on (when set), tiles of dequantized rows against the float activations
+        on either path."""
+        kp = self.padded_in
         lib = native.lib if x.device.type == "cpu" else None
         acts: dict[int, torch.Tensor] = {}  # activation blocks, once per block length
+        rows: torch.Tensor | None = None  # x as (N, padded in), made only where a torch op needs it
+        ld = self.shape[0]
         for p, o in zip(self.parts, self._offsets, strict=True):
-            if p.fmt in FLOAT_FORMATS:
-                y[:, o : o + p.rows] = F.linear(x[:, : self.shape[1]], p.data.float())
+            f = None if p.fmt in FLOAT_FORMATS else _fmt(p.fmt)
+            if f is None or lib is None or (PREFILL_ROWS is not None and n >= PREFILL_ROWS):
+                rows = x.view(n, kp) if rows is None else rows
+                y2 = y.view(n, ld)
+            if f is None:
+                y2[:, o : o + p.rows] = F.linear(rows[:, : self.shape[1]], p.data.float())
                 continue
-            f = _fmt(p.fmt)
             if PREFILL_ROWS is not None and n >= PREFILL_ROWS:  # tiles of dequantized rows through MKL
                 step = max(1, _TILE_WEIGHTS // kp)
                 for r in range(0, p.rows, step):
                     e = min(r + step, p.rows)
-                    y[:, o + r : o + e] = F.linear(x, _dequantize(p.fmt, p.data[r:e]).to(x.device))
+                    y2[:, o + r : o + e] = F.linear(rows, _dequantize(p.fmt, p.data[r:e]).to(x.device))
                 continue
             a = acts.get(f.block)
+            if a is None and lib is not None:
+                a = _taken(x, n, kp, f.block)  # quantized with the op before it, in one call
             if a is None:
-                a = acts[f.block] = quantize_activations(x, f.block) if lib else fake_quantize(x, f.block)
+                a = quantize_activations(x, n, kp, f.block) if lib else fake_quantize(x.view(n, kp), f.block)
+            acts[f.block] = a
             if lib is None:
-                y[:, o : o + p.rows] = F.linear(a, dequantize_blocks(p.data, f).to(x.device))
+                y2[:, o : o + p.rows] = F.linear(a, dequantize_blocks(p.data, f).to(x.device))
                 continue
             lib.gemm(
                 GGML_IDS[p.fmt], native.isa(), p.data.data_ptr(), p.data.stride(0), p.rows, kp // f.block,
-                a.data_ptr(), n, y.data_ptr() + 4 * o, y.shape[1],
+                a.data_ptr(), n, y.data_ptr() + 4 * o, ld,
             )  # fmt: skip
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.kernels import native
+from shardwise.kernels.block import _ACT_BYTES as ACT_BYTES
+from shardwise.kernels.block import offer_blocks
 
 __all__ = ["linear", "embedding", "expert_blocks", "rms_norm"]
 
@@ -47,10 +49,11 @@ def expert_blocks(w, num_experts: int) -> list:
     return w.blocks
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, block: int | None = None) -> torch.Tensor:
     """x (..., k) fp32 -> x / sqrt(mean(x^2) + eps) * w. The native kernel (csrc/norm.c: one
     call and one pass per row) where it can run: an fp32 CPU tensor and weight, nothing to
-    differentiate; else F.rms_norm."""
+    differentiate; else F.rms_norm. block (32 or 256): also quantize the result to activation
+    blocks in the same call, for the block-format linear that reads it next (kernels.block)."""
     lib = native.lib
     if (
         lib is None
@@ -67,5 +70,12 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         w = w.contiguous()
     out = torch.empty_like(x)  # (..., k)
     n = x.numel() // k if k else 0
-    lib.rmsnorm(native.isa(), x.data_ptr(), k, n, k, w.data_ptr(), float(eps), out.data_ptr(), k)
+    if block is None or k % block or not n:
+        lib.rmsnorm(native.isa(), x.data_ptr(), k, n, k, w.data_ptr(), float(eps), out.data_ptr(), k)
+        return out
+    blocks = torch.empty(n * (k // block) * ACT_BYTES[block], dtype=torch.uint8)
+    lib.rmsnorm(
+        native.isa(), x.data_ptr(), k, n, k, w.data_ptr(), float(eps), out.data_ptr(), k, block, blocks.data_ptr()
+    )
+    offer_blocks(out, block, blocks)
     return out

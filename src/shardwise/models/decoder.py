@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from shardwise.kernels.block import act_block
 from shardwise.models.config import ModelConfig
 from shardwise.models.modules import MLP, Attention, KVCache, Norm, rope_cos_sin, rope_inv_freq
 from shardwise.models.modules import attention_mask as build_mask
@@ -40,10 +41,24 @@ class DecoderLayer(nn.Module):
     def forward(self, x, rope, mask, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
         if self.parallel_residual:  # GPT-NeoX: both sublayers read the same x
             return x + self.attn(self.attn_norm(x), rope, mask, cache, start) + self.mlp(self.mlp_norm(x))
-        a = self.attn(self.attn_norm(x), rope, mask, cache, start)  # (B, T, hidden)
-        x = x + (a if self.attn_post_norm is None else self.attn_post_norm(a))
-        m = self.mlp(self.mlp_norm(x))
+        qkv_block, up_block = self._act_blocks()
+        a = self.attn(self.attn_norm(x, qkv_block), rope, mask, cache, start)  # (B, T, hidden)
+        if self.attn_post_norm is not None:
+            a = self.attn_post_norm(a)
+        x, h = self.mlp_norm.add_forward(x, a, up_block)  # x + a, and its norm: one pass where native
+        m = self.mlp(h)
         return x + (m if self.mlp_post_norm is None else self.mlp_post_norm(m))
+
+    def _act_blocks(self) -> tuple[int | None, int | None]:
+        """The activation block lengths qkv's and the MLP's first linear quantize their inputs
+        to (kernels.block.act_block), so that each norm before them quantizes in its own call.
+        Read once from the weights; a stale answer costs only speed (the linear checks)."""
+        hint = self.__dict__.get("_act_hint")
+        if hint is None:
+            up = getattr(self.mlp, "up", None)
+            hint = (act_block(self.attn.qkv.weight), act_block(up.weight) if up is not None else None)
+            self.__dict__["_act_hint"] = hint
+        return hint
 
 
 class DecoderLM(nn.Module):

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.kernels.block import act_block
+from shardwise.kernels.decode import DecodeLayout, add_rms_norm, attend, fused_ok, glu
 from shardwise.kernels.ops import rms_norm
 from shardwise.models.config import ModelConfig
 
@@ -47,13 +49,25 @@ class Norm(nn.Module):
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))  # NOTE: no arithmetic, cheap on meta
         self.bias = nn.Parameter(torch.zeros(dim)) if kind == "layer" else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, block: int | None = None) -> torch.Tensor:
+        """block: the activation block length of the block-format linear that reads the output
+        (kernels.block.act_block), quantized in the same native call; None: nothing more."""
         if self.kind == "layer":
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         w = self.weight if not self.offset else self.weight.float() + self.offset
         if x.dtype == w.dtype == torch.float32:  # an fp32 model: no casts, not even no-op ones
-            return rms_norm(x, w, self.eps)  # the native kernel outside autograd, else F.rms_norm
+            return rms_norm(x, w, self.eps, block)  # the native kernel outside autograd, else F.rms_norm
         return F.rms_norm(x.float(), w.shape, w.float(), self.eps).to(x.dtype)  # fp32 math
+
+    def add_forward(
+        self, x: torch.Tensor, a: torch.Tensor, block: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + a, this norm of x + a): a residual add and the norm after it, one native pass
+        for an fp32 RMSNorm (shardwise.kernels.decode.add_rms_norm); block as in forward."""
+        if self.kind == "rms" and not self.offset and x.dtype == self.weight.dtype == torch.float32:
+            return add_rms_norm(x, a, self.weight, self.eps, block)
+        s = x + a
+        return s, self(s)
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -158,6 +172,15 @@ class KVCache:
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def decode_layout(self, start: int, batch: int) -> DecodeLayout | None:
+        """Where a decode step's keys live, for the fused kernel (kernels.decode); None where it cannot run."""
+        if self.k.dtype is not torch.float32 or self.k.device.type != "cpu" or self.k.shape[0] != batch:
+            return None
+        if start + 1 > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; writing up to {start + 1}")
+        _, nkv, L, hd = self.k.shape
+        return DecodeLayout(self.k, self.v, pos_stride=hd, head_stride=L * hd, K=start + 1, wbase=start, rrow=nkv * L)
+
     @staticmethod
     def local_heads(attn: Attention) -> tuple[int, int]:
         """(query heads, KV heads) this module computes: from its weights' shapes, sharded or not."""
@@ -191,8 +214,12 @@ class Attention(nn.Module):
         hd = self.head_dim
         h = self.qkv(x)  # (B, T, (nq + 2*nkv) * hd)
         B, T = h.shape[:2]
-        heads = h.view(B, T, -1, hd).transpose(1, 2)  # (B, nq + 2*nkv, T, hd)
         nq = self.o.weight.shape[1] // hd  # local query heads, from o's input width
+        if T == 1 and cache is not None and fused_ok(h) and h.is_contiguous():
+            y = self._fused_step(h, rope, mask, cache, start, nq)  # (B, 1, nq * hd) or None
+            if y is not None:
+                return self.o(y)  # (B, 1, hidden)
+        heads = h.view(B, T, -1, hd).transpose(1, 2)  # (B, nq + 2*nkv, T, hd)
         nkv = (heads.shape[1] - nq) // 2  # local KV heads
         if self.q_norm is not None:
             q, k, v = heads.split([nq, nkv, nkv], dim=1)
@@ -209,6 +236,30 @@ class Attention(nn.Module):
         groups = getattr(self.qkv, "kv_groups", None)  # None: plain GQA (see the module docstring)
         y = self.core(q, k, v, mask) if groups is None else self.core(q, k, v, mask, groups=groups)  # (B, nq, T, hd)
         return self.o(y.transpose(1, 2).reshape(B, T, nq * hd))  # (B, T, hidden)
+
+    def _fused_step(self, h: torch.Tensor, rope, mask, cache, start: int, nq: int) -> torch.Tensor | None:
+        """One new token per row (h: (B, 1, (nq + 2 nkv) * hd)) through the fused decode kernel:
+        rope, the cache write and attention in one call, its output quantized for o when o
+        holds blocks; None where it cannot run (the plain path then does the same)."""
+        hd, B = self.head_dim, h.shape[0]
+        layout = cache.decode_layout(start, B) if hasattr(cache, "decode_layout") else None
+        if layout is None or (mask is not None and (mask.shape[-1] != layout.K or not mask.is_contiguous())):
+            return None
+        if rope is not None and not (rope[0].is_contiguous() and rope[1].is_contiguous()):
+            return None
+        nkv = (h.shape[-1] // hd - nq) // 2
+        if self.q_norm is not None:  # q/k norm before the rotation, written back into h
+            heads = h.view(B, -1, hd)  # (B, nq + 2*nkv, hd)
+            heads[:, :nq] = self.q_norm(heads[:, :nq])
+            heads[:, nq : nq + nkv] = self.k_norm(heads[:, nq : nq + nkv])
+        groups = getattr(self.qkv, "kv_groups", None)
+        if groups is not None and getattr(self, "_groups_t", (None,))[0] != groups:
+            self._groups_t = (groups, torch.tensor(groups, dtype=torch.long))
+        g = None if groups is None else self._groups_t[1]
+        o_block = self.__dict__.get("_o_block", 0)
+        if o_block == 0:  # read once from o's weight; a stale answer costs only speed (the linear checks)
+            o_block = self.__dict__["_o_block"] = act_block(self.o.weight)
+        return attend(h, rope, mask, layout, nq=nq, nkv=nkv, head_dim=hd, groups=g, scale=self.scale, block=o_block)
 
     def core(
         self,
@@ -241,6 +292,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.act = ACTIVATIONS[cfg.act]
+        self.act_name = cfg.act
         self.gated = cfg.gated_mlp
         width = 2 * cfg.intermediate_size if cfg.gated_mlp else cfg.intermediate_size
         self.up = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
@@ -248,7 +300,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)  # (B, T, [2 *] inter), / tp when sharded
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            return self.down(self.act(gate) * up)
+        if self.gated:  # act(gate) * up: one native call where it can run (kernels.decode.glu)
+            block = self.__dict__.get("_down_block", 0)
+            if block == 0:  # quantized for down in the same call, when down holds blocks
+                block = self.__dict__["_down_block"] = act_block(self.down.weight)
+            return self.down(glu(h, self.act_name, self.act, block))
         return self.down(self.act(h))

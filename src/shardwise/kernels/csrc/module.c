@@ -14,6 +14,9 @@ sw_dequant_fn sw_dequant_table[SW_NUM_TYPES][SW_NUM_ISA];
 sw_quant_fn sw_quant32_table[SW_NUM_ISA];
 sw_quant_fn sw_quant256_table[SW_NUM_ISA];
 sw_rmsnorm_fn sw_rmsnorm_table[SW_NUM_ISA];
+sw_add_rmsnorm_fn sw_add_rmsnorm_table[SW_NUM_ISA];
+sw_attend_fn sw_attend_table[SW_NUM_ISA];
+sw_glu_fn sw_glu_table[SW_NUM_ISA];
 
 static const char *isa_names[SW_NUM_ISA] = {"portable", "avx2", "avx512"};
 
@@ -91,23 +94,124 @@ static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* rmsnorm(isa, x, ldx, n, k, w, eps, out, ldo): eps a float, the rest integers */
+static int args_i64_f(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t fpos, long long *out,
+                      double *f, const char *name);
+
+/* The activation quantizer for blocks of `block` (32 or 256) at this ISA, or NULL. */
+static sw_quant_fn quantizer(long long block, long long isa) {
+    return block == 32 ? sw_quant32_table[isa] : block == 256 ? sw_quant256_table[isa] : NULL;
+}
+
+/* rmsnorm(isa, x, ldx, n, k, w, eps, out, ldo[, block, q]): eps a float, the rest integers.
+ * With block (32 or 256) and q: the normed rows also quantized into activation blocks at q
+ * (what the next block-format linear reads), in the same call. */
 static PyObject *py_rmsnorm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) return PyErr_Format(PyExc_TypeError, "rmsnorm takes 9 arguments, got %zd", nargs);
-    long long a[9];
-    for (Py_ssize_t i = 0; i < nargs; i++) {
-        if (i == 6) continue;
-        a[i] = PyLong_AsLongLong(args[i]);
-        if (a[i] == -1 && PyErr_Occurred()) return NULL;
-    }
-    const double eps = PyFloat_AsDouble(args[6]);
-    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    long long a[11] = {0};
+    double eps;
+    if (nargs != 9 && nargs != 11) return PyErr_Format(PyExc_TypeError, "rmsnorm takes 9 or 11 arguments, got %zd", nargs);
+    if (args_i64_f(args, nargs, nargs, 6, a, &eps, "rmsnorm") < 0) return NULL;
     if (check_isa(a[0]) < 0) return NULL;
     sw_rmsnorm_fn f = NULL;
     for (long long i = a[0]; i >= 0 && !f; i--) f = sw_rmsnorm_table[i];
     if (!f) return PyErr_Format(PyExc_ValueError, "no %s rmsnorm", isa_names[a[0]]);
+    sw_quant_fn qf = NULL;
+    if (nargs == 11) {
+        qf = quantizer(a[9], a[0]);
+        if (!qf || a[4] % a[9]) return PyErr_Format(PyExc_ValueError, "rmsnorm: no quantizer for rows of %lld in blocks of %lld", a[4], a[9]);
+    }
     Py_BEGIN_ALLOW_THREADS f((const float *)(uintptr_t)a[1], a[2], a[3], a[4], (const float *)(uintptr_t)a[5], (float)eps,
                              (float *)(uintptr_t)a[7], a[8]);
+    if (qf) qf((const float *)(uintptr_t)a[7], a[8], a[3], a[4], (void *)(uintptr_t)a[10]);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+/* Integer arguments, except one float at position `fpos` (into *f). */
+static int args_i64_f(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t fpos, long long *out,
+                      double *f, const char *name) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (i == fpos) {
+            *f = PyFloat_AsDouble(args[i]);
+            if (*f == -1.0 && PyErr_Occurred()) return -1;
+            out[i] = 0;
+            continue;
+        }
+        out[i] = PyLong_AsLongLong(args[i]);
+        if (out[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* add_rmsnorm(isa, x, a, n, k, w, eps, sum, out[, block, q]): as rmsnorm, q the normed rows' blocks */
+static PyObject *py_add_rmsnorm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[11] = {0};
+    double eps;
+    if (nargs != 9 && nargs != 11) return PyErr_Format(PyExc_TypeError, "add_rmsnorm takes 9 or 11 arguments, got %zd", nargs);
+    if (args_i64_f(args, nargs, nargs, 6, a, &eps, "add_rmsnorm") < 0) return NULL;
+    if (check_isa(a[0]) < 0) return NULL;
+    sw_add_rmsnorm_fn f = sw_add_rmsnorm_table[a[0]];
+    sw_quant_fn qf = NULL;
+    if (nargs == 11) {
+        qf = quantizer(a[9], a[0]);
+        if (!qf || a[4] % a[9]) return PyErr_Format(PyExc_ValueError, "add_rmsnorm: no quantizer for rows of %lld in blocks of %lld", a[4], a[9]);
+    }
+    Py_BEGIN_ALLOW_THREADS f((const float *)(uintptr_t)a[1], (const float *)(uintptr_t)a[2], a[3], a[4],
+                             (const float *)(uintptr_t)a[5], (float)eps, (float *)(uintptr_t)a[7], (float *)(uintptr_t)a[8]);
+    if (qf) qf((const float *)(uintptr_t)a[8], a[4], a[3], a[4], (void *)(uintptr_t)a[10]);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+/* attend(isa, qkv, ldq, B, nq, nkv, hd, groups, cos, sin, ldr, rot, k, v, pos_stride, head_stride,
+ *        widx, wbase, ridx, rrow, K, mask, ldm, scale, out, ldo): pointers as integers (0 = none),
+ * scale a float (csrc/attn.c) */
+static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[28] = {0};
+    double scale;
+    if (nargs != 26 && nargs != 28) return PyErr_Format(PyExc_TypeError, "attend takes 26 or 28 arguments, got %zd", nargs);
+    if (args_i64_f(args, nargs, nargs, 23, a, &scale, "attend") < 0) return NULL;
+    if (check_isa(a[0]) < 0) return NULL;
+    if (a[4] < 1 || a[5] < 1 || a[6] < 1 || a[11] < 0 || a[11] > a[6] || a[11] % 2)
+        return PyErr_Format(PyExc_ValueError, "attend: bad heads (%lld q, %lld kv, dim %lld, rotary %lld)", a[4], a[5],
+                            a[6], a[11]);
+    if (!a[7] && a[4] % a[5])
+        return PyErr_Format(PyExc_ValueError, "attend: %lld query heads do not divide over %lld KV heads", a[4], a[5]);
+    sw_attend_fn f = sw_attend_table[a[0]];
+    sw_quant_fn qf = NULL;
+    if (nargs == 28) { /* the output also quantized, for the block-format linear that reads it */
+        qf = quantizer(a[26], a[0]);
+        if (!qf || (a[4] * a[6]) % a[26])
+            return PyErr_Format(PyExc_ValueError, "attend: no quantizer for rows of %lld in blocks of %lld", a[4] * a[6], a[26]);
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = f((float *)(uintptr_t)a[1], a[2], a[3], a[4], a[5], a[6], (const int64_t *)(uintptr_t)a[7],
+                                  (const float *)(uintptr_t)a[8], (const float *)(uintptr_t)a[9], a[10], a[11],
+                                  (float *)(uintptr_t)a[12], (float *)(uintptr_t)a[13], a[14], a[15],
+                                  (const int64_t *)(uintptr_t)a[16], a[17], (const int64_t *)(uintptr_t)a[18], a[19],
+                                  a[20], (const uint8_t *)(uintptr_t)a[21], a[22], (float)scale,
+                                  (float *)(uintptr_t)a[24], a[25]);
+    if (!rc && qf) qf((const float *)(uintptr_t)a[24], a[25], a[3], a[4] * a[6], (void *)(uintptr_t)a[27]);
+    Py_END_ALLOW_THREADS if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* glu(isa, h, ldh, n, inter, kind, out, ldo[, block, q]): q the output's activation blocks */
+static PyObject *py_glu(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[10] = {0};
+    if (nargs != 8 && nargs != 10) return PyErr_Format(PyExc_TypeError, "glu takes 8 or 10 arguments, got %zd", nargs);
+    if (args_i64(args, nargs, nargs, a, "glu") < 0) return NULL;
+    if (check_isa(a[0]) < 0) return NULL;
+    if (a[5] != 0 && a[5] != 1) return PyErr_Format(PyExc_ValueError, "glu: unknown activation kind %lld", a[5]);
+    sw_glu_fn f = sw_glu_table[a[0]];
+    sw_quant_fn qf = NULL;
+    if (nargs == 10) {
+        qf = quantizer(a[8], a[0]);
+        if (!qf || a[4] % a[8]) return PyErr_Format(PyExc_ValueError, "glu: no quantizer for rows of %lld in blocks of %lld", a[4], a[8]);
+    }
+    Py_BEGIN_ALLOW_THREADS f((const float *)(uintptr_t)a[1], a[2], a[3], a[4], (int)a[5], (float *)(uintptr_t)a[6], a[7]);
+    if (qf) qf((const float *)(uintptr_t)a[6], a[7], a[3], a[4], (void *)(uintptr_t)a[9]);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
@@ -148,7 +252,10 @@ static PyMethodDef methods[] = {
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL, "gemm(type, isa, w, row_bytes, rows, kblocks, x, n, y, ldy)"},
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL, "quantize(block, isa, x, ldx, n, k, out)"},
     {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "dequantize(type, isa, w, row_bytes, rows, kblocks, out)"},
-    {"rmsnorm", (PyCFunction)(void (*)(void))py_rmsnorm, METH_FASTCALL, "rmsnorm(isa, x, ldx, n, k, w, eps, out, ldo)"},
+    {"rmsnorm", (PyCFunction)(void (*)(void))py_rmsnorm, METH_FASTCALL, "rmsnorm(isa, x, ldx, n, k, w, eps, out, ldo[, block, q])"},
+    {"add_rmsnorm", (PyCFunction)(void (*)(void))py_add_rmsnorm, METH_FASTCALL, "add_rmsnorm(isa, x, a, n, k, w, eps, sum, out[, block, q])"},
+    {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL, "attend(isa, qkv, ldq, B, nq, nkv, hd, groups, cos, sin, ldr, rot, k, v, pos_stride, head_stride, widx, wbase, ridx, rrow, K, mask, ldm, scale, out, ldo[, block, q])"},
+    {"glu", (PyCFunction)(void (*)(void))py_glu, METH_FASTCALL, "glu(isa, h, ldh, n, inter, kind, out, ldo[, block, q])"},
     {"isas", py_isas, METH_NOARGS, "ISA levels this CPU runs, lowest first"},
     {"kernels", py_kernels, METH_NOARGS, "{type id: [ISA names with a gemm]}"},
     {NULL, NULL, 0, NULL},
@@ -161,6 +268,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     sw_register_q32();
     sw_register_qk();
     sw_register_norm();
+    sw_register_attn();
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     PyObject *names = PyTuple_New(SW_NUM_ISA);

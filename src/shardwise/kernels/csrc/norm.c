@@ -40,7 +40,36 @@ rmsnorm_avx512(const float *x, int64_t ldx, int64_t n, int64_t k, const float *w
     SW_RMSNORM_BODY
 }
 
+/* The residual add and the next norm in one pass: sum = x + a, out = RMSNorm(sum) * w
+ * (x, a, sum: n rows of k, contiguous). The same arithmetic as the add then rmsnorm. */
+#define SW_ADD_RMSNORM_BODY                                                                   \
+    for (int64_t i = 0; i < n; i++) {                                                         \
+        const float *xi = x + i * k, *ai = a + i * k;                                         \
+        float *si = sum + i * k;                                                              \
+        for (int64_t j = 0; j < k; j++) si[j] = xi[j] + ai[j];                                \
+    }                                                                                         \
+    {                                                                                         \
+        const float *x = sum;                                                                 \
+        const int64_t ldx = k, ldo = k;                                                       \
+        SW_RMSNORM_BODY                                                                       \
+    }
+
+#define SW_ADD_RMSNORM_ARGS \
+    const float *x, const float *a, int64_t n, int64_t k, const float *w, float eps, float *sum, float *out
+
+static void add_rmsnorm_portable(SW_ADD_RMSNORM_ARGS) { SW_ADD_RMSNORM_BODY }
+
+__attribute__((target("avx2,fma"))) static void add_rmsnorm_avx2(SW_ADD_RMSNORM_ARGS) { SW_ADD_RMSNORM_BODY }
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static void
+add_rmsnorm_avx512(SW_ADD_RMSNORM_ARGS) {
+    SW_ADD_RMSNORM_BODY
+}
+
 void sw_register_norm(void) {
+    sw_add_rmsnorm_table[SW_ISA_PORTABLE] = add_rmsnorm_portable;
+    sw_add_rmsnorm_table[SW_ISA_AVX2] = add_rmsnorm_avx2;
+    sw_add_rmsnorm_table[SW_ISA_AVX512] = add_rmsnorm_avx512;
     sw_rmsnorm_table[SW_ISA_PORTABLE] = rmsnorm_portable;
     sw_rmsnorm_table[SW_ISA_AVX2] = rmsnorm_avx2;
     sw_rmsnorm_table[SW_ISA_AVX512] = rmsnorm_avx512;

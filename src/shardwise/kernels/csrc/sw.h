@@ -69,6 +69,24 @@ typedef void (*sw_dequant_fn)(const uint8_t *w, size_t row_bytes, int64_t rows, 
 typedef void (*sw_rmsnorm_fn)(const float *x, int64_t ldx, int64_t n, int64_t k, const float *w, float eps, float *out,
                               int64_t ldo);
 
+/* sum = x + a and out = RMSNorm(sum) * w: n contiguous rows of k (the residual add and the next norm). */
+typedef void (*sw_add_rmsnorm_fn)(const float *x, const float *a, int64_t n, int64_t k, const float *w, float eps,
+                                  float *sum, float *out);
+
+/* One decode step of attention with rotary embedding and the KV-cache write (attn.c). 0, or -1
+ * when out of memory. */
+typedef int (*sw_attend_fn)(float *qkv, int64_t ldq, int64_t B, int64_t nq, int64_t nkv, int64_t hd,
+                            const int64_t *groups, const float *cos, const float *sin, int64_t ldr, int64_t rot,
+                            float *kc, float *vc, int64_t pos_stride, int64_t head_stride, const int64_t *widx,
+                            int64_t wbase, const int64_t *ridx, int64_t rrow, int64_t K, const uint8_t *mask,
+                            int64_t ldm, float scale, float *out, int64_t ldo);
+
+/* out (n, inter) = act(h[:, :inter]) * h[:, inter:]; kind 0 silu, 1 gelu (tanh) (attn.c). */
+typedef void (*sw_glu_fn)(const float *h, int64_t ldh, int64_t n, int64_t inter, int kind, float *out, int64_t ldo);
+
+extern sw_add_rmsnorm_fn sw_add_rmsnorm_table[SW_NUM_ISA];
+extern sw_attend_fn sw_attend_table[SW_NUM_ISA];
+extern sw_glu_fn sw_glu_table[SW_NUM_ISA];
 extern sw_gemm_fn sw_gemm_table[SW_NUM_TYPES][SW_NUM_ISA];
 extern sw_rmsnorm_fn sw_rmsnorm_table[SW_NUM_ISA];
 extern sw_dequant_fn sw_dequant_table[SW_NUM_TYPES][SW_NUM_ISA];
@@ -80,6 +98,7 @@ void sw_register_act(void);
 void sw_register_q32(void);
 void sw_register_qk(void);
 void sw_register_norm(void);
+void sw_register_attn(void);
 
 /* IEEE half -> float without F16C (portable paths). */
 static inline float sw_fp16_to_fp32(uint16_t h) {
