@@ -1,19 +1,26 @@
-"""Decode across shaped links: tp=2 inside one host, tp=2 across a link, pp=2 across a link.
+"""Decode and a training step across shaped links: tp=2 inside one host, tp=2 across a link, pp=2 across a link.
 
-    python benchmarks/bench_links.py [--model DIR] [--rates 100mbit,1gbit] [--out docs/benchmarks/bench_links.json]
+    python benchmarks/bench_links.py [--model DIR|FILE.gguf] [--quantize int8] [--rates 100mbit,1gbit]
+                                     [--layouts ...] [--train] [--out docs/benchmarks/bench_links.json]
 
-Needs root (hosts are network namespaces: shardwise.bench.netns). Each layout runs
-`torchrun ... -m shardwise generate --json` with one rank per host (both ranks on host 0
-for the one-host layout, over its loopback), greedy, gloo, twice: with SHORT and with
-LONG new tokens. Decode ms/token is the LONG run's median; bytes per token on the link
-are (tx bytes of every host's link in the LONG run - in the SHORT run) / (LONG - SHORT), so
-the rendezvous, loading and prefill cancel. tp=2 across a link also runs with
---comm-dtype q8 (8-bit blocks on the wire). Writes JSON and a plot (ms/token against rate).
+Needs root (hosts are network namespaces: shardwise.bench.netns). Each layout runs under
+torchrun with one rank per host (both ranks on host 0 for the one-host layout, over its
+loopback and its shared-memory all-reduce), gloo, one thread per rank, twice, so that the
+rendezvous, loading and the first steps cancel:
+
+- decode: `shardwise generate --json`, greedy, with SHORT and with LONG new tokens. ms/token
+  is the LONG run's median decode step; bytes per token on the links are (tx bytes of every
+  host's link in the LONG run - in the SHORT run) / (LONG - SHORT). tp=2 across a link also
+  runs with --comm-dtype q8 (8-bit blocks on the wire).
+- --train: `shardwise train --json` of the built-in model's shape (random weights, fp32,
+  AdamW, TRAIN's batch) for TRAIN_STEPS[0] and TRAIN_STEPS[1] steps: ms and link bytes per
+  step are the difference over the extra steps.
 
 Beside each measurement, the planner's prediction for the same layout and rate (Predictor:
-this host's calibration, `shardwise plan --cluster this-host`, plus the link's bytes / rate)
-and whether it is within 25% (issue 38's check). The figures mean something only on a
-quiet machine: say the load.
+this host's calibration, `shardwise plan --cluster this-host`, with the namespace hosts as
+Calibration.hosts describes them) and whether it is within 25% (issue 38's check). Writes
+JSON and a plot (measured and predicted ms against rate). The figures mean something only
+on a quiet machine: the load at the start and the end is in the JSON.
 """
 
 from __future__ import annotations
@@ -41,11 +48,9 @@ LAYOUTS = {  # name: (hosts, ranks per host, generate's layout flags)
 }
 
 
-def _generate(
-    cluster: netns.Cluster, per_host: int, flags: list[str], tokens: int, model: list[str]
-) -> tuple[dict, int]:
-    argv = ["-m", "shardwise", "generate", *model, *flags, "--backend", "gloo", "--ignore-eos", "--json"]
-    argv += ["--max-new-tokens", str(tokens)]
+def _run(cluster: netns.Cluster, per_host: int, argv: list[str]) -> tuple[dict, int]:
+    """`torchrun ... argv` over the cluster's hosts (both ranks on host 0 when it has one host):
+    the JSON line it printed, and the bytes every host's link sent meanwhile."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     before = sum(cluster.tx_bytes().values())
     if len(cluster.hosts) == 1:
@@ -67,139 +72,250 @@ def _generate(
     return json.loads(line), sent
 
 
-_RATE_GBPS = {"100mbit": 0.0125, "1gbit": 0.125, "10gbit": 1.25}  # bytes: a tbf rate of bits / 8
+def _generate(
+    cluster: netns.Cluster, per_host: int, flags: list[str], tokens: int, model: list[str]
+) -> tuple[dict, int]:
+    argv = ["-m", "shardwise", "generate", *model, *flags, "--backend", "gloo", "--ignore-eos", "--json"]
+    return _run(cluster, per_host, [*argv, "--max-new-tokens", str(tokens)])
 
 
 class Predictor:
-    """The planner's decode ms/token for each layout (shardwise.planner.predict), on this host as
-    calibrated (`plan --cluster this-host`: its gloo all-reduce times, measured over loopback,
-    and their extra right after a burst of compute). The namespace hosts are one machine: both
-    ranks share its cores and memory bus as in one host (2 devices on one node, busy), and a
-    collective that crosses the link also pays the link's serialization, bytes / rate (a tbf
-    rate of bits / 8 bytes per second) on top of the loopback time."""
+    """The planner's figures for each layout and rate, from this host's calibration
+    (shardwise.bench.calibrate, `plan --cluster this-host`): the namespace hosts as
+    Calibration.hosts describes them. Inside a host, the shared-memory all-reduce over gloo (what
+    a tp group there uses by default); between hosts, gloo across the calibrated veth link, its
+    per-message costs measured, its transfers at the link's rate beyond the token bucket
+    (netns.bucket_bytes); the devices at this host's rates with every core busy where both
+    ranks compute at once (one machine: the hosts share its cores)."""
 
-    def __init__(self, model: str | None, latency_us: float) -> None:
-        from shardwise.bench.calibrate import this_host
-        from shardwise.engine.text import DEFAULT_MODEL
-        from shardwise.planner.presets import resolve_model
+    def __init__(self, cfg, quantize: str | None = None) -> None:
+        from shardwise.bench.calibrate import load_calibration
 
-        self.cfg = resolve_model(model or DEFAULT_MODEL)[1]
-        self.base = this_host()
-        self.latency_us = latency_us
+        self.cfg, self.quantize = cfg, quantize
+        self.cal = load_calibration()
 
-    def _link(self, rate: str):
-        from shardwise.planner.specs import Link
+    def cluster(self, hosts: int, per_host: int, rate: str):
+        if hosts == 1:
+            return self.cal.hosts(1, per_host)
+        return self.cal.hosts(
+            hosts, per_host, rate_gbps=netns.rate_bits(rate) / 8e9, bucket_bytes=netns.bucket_bytes(rate)
+        )
 
-        intra, bw = self.base.intra, _RATE_GBPS[rate]
-        points = tuple((n, s + n / (bw * 1e9) + self.latency_us * 1e-6) for n, s in intra.points)
-        busbw = 1 / (1 / intra.busbw_gbps + 1 / bw)
-        return Link(f"{intra.name} over tbf {rate}", busbw, intra.latency_us + self.latency_us, points,
-                    intra.after_compute)  # fmt: skip
+    @staticmethod
+    def layout(name: str):
+        from shardwise.planner.predict import Layout
 
-    def decode_ms(self, layout: str, hosts: int, rate: str, *, prompt: int) -> float:
-        from dataclasses import replace
+        return Layout(1, 2, 1) if name.startswith("pp=2") else Layout(2, 1, 1)
 
-        from shardwise.planner.predict import Layout, predict_inference
+    def decode_ms(self, name: str, hosts: int, per_host: int, rate: str, *, prompt: int) -> float:
+        from shardwise.planner.predict import predict_inference
 
-        cluster = replace(self.base, devices=2, devices_per_node=2)
-        if hosts > 1:
-            cluster = replace(cluster, intra=self._link(rate))
-        tp, pp = (1, 2) if layout.startswith("pp=2") else (2, 1)
-        p = predict_inference(self.cfg, cluster, Layout(tp, pp, 1), batch=1, prompt_len=prompt, output_len=LONG,
-                              width=4, dtype="float32")  # fmt: skip
-        s = p.decode.total_s
-        if "q8" in layout:  # the tp all-reduces as 8-bit blocks on the wire (shardwise.planner.wire)
-            from shardwise.planner.wire import all_reduce_s
+        p = predict_inference(self.cfg, self.cluster(hosts, per_host, rate), self.layout(name), batch=1,
+                              prompt_len=prompt, output_len=LONG, width=4, dtype="float32", quantize=self.quantize,
+                              comm_dtype="q8" if "q8" in name else "fp32")  # fmt: skip
+        return p.decode.total_s * 1e3
 
-            for c in p.collectives:
-                if c.op == "all_reduce" and c.group == "tp" and c.calls:
-                    values = c.bytes / c.calls / 4
-                    fp32, q8 = (all_reduce_s(cluster.intra, values, 2, w) for w in ("fp32", "q8"))
-                    s += c.calls * (q8 - fp32)
-        return s * 1e3
+    def step_ms(self, name: str, hosts: int, per_host: int, rate: str, train: dict) -> float:
+        from shardwise.planner.predict import predict_training
+        from shardwise.planner.schedule import PipelineSchedule
+        from shardwise.planner.specs import TrainingWorkload
+
+        lay = self.layout(name)
+        m = train["global_batch_size"] // train["micro_batch_size"]
+        wl = TrainingWorkload(global_batch=train["global_batch_size"], micro_batch=train["micro_batch_size"],
+                              seq_len=train["seq_len"], precision="fp32", optimizer="adam")  # fmt: skip
+        sched = PipelineSchedule.build("1f1b", self.cfg.num_layers, lay.pp, m) if lay.pp > 1 else None
+        return predict_training(self.cfg, self.cluster(hosts, per_host, rate), lay, wl, sched).step.total_s * 1e3
+
+
+TRAIN = {"seq_len": 128, "global_batch_size": 8, "micro_batch_size": 2}
+"""The training step: the built-in model's shape, random weights, 4 micro-batches of 2 x 128 tokens."""
+TRAIN_STEPS = (2, 6)  # SHORT and LONG runs: per step = (LONG's total - SHORT's) / 4
+
+
+def _train_config(tmp: Path, flags: list[str], steps: int) -> Path:
+    """A `shardwise train` config of the built-in model's shape (random weights, fp32, AdamW)."""
+    import torch
+
+    from shardwise.train.data import write_token_file
+
+    tokens = tmp / "tokens.safetensors"
+    if not tokens.exists():
+        write_token_file(tokens, torch.randint(0, 512, (200_000,), generator=torch.Generator().manual_seed(0)),
+                         vocab_size=512)  # fmt: skip
+    tp, pp = (1, 2) if "--pp" in flags else (2, 1)
+    path = tmp / f"train-tp{tp}-pp{pp}-{steps}.toml"
+    d = TRAIN
+    path.write_text(f"""
+[model]
+vocab_size = 512
+hidden_size = 256
+intermediate_size = 512
+num_layers = 4
+num_heads = 8
+num_kv_heads = 4
+
+[data]
+tokens = "{tokens}"
+seq_len = {d["seq_len"]}
+global_batch_size = {d["global_batch_size"]}
+micro_batch_size = {d["micro_batch_size"]}
+
+[parallel]
+tp = {tp}
+pp = {pp}
+dp = 1
+backend = "gloo"
+
+[run]
+steps = {steps}
+out_dir = "{tmp / f"run-{tp}-{pp}-{steps}"}"
+progress = false
+save_at_end = false
+log_every = 1000
+""")
+    return path
+
+
+def _train(cluster: netns.Cluster, per_host: int, flags: list[str], tmp: Path) -> tuple[float, float]:
+    """(ms per step, link bytes per step): LONG's steps less SHORT's, so that start-up cancels."""
+    runs = []
+    for steps in TRAIN_STEPS:
+        config = _train_config(tmp, flags, steps)
+        argv = ["-m", "shardwise", "train", "--config", str(config), "--json"]
+        argv += ["--allow-cross-host-tp"] if "--allow-cross-host-tp" in flags else []
+        out, sent = _run(cluster, per_host, argv)
+        runs.append((out["ms_per_step"] * out["steps_run"], sent))
+    n = TRAIN_STEPS[1] - TRAIN_STEPS[0]
+    return (runs[1][0] - runs[0][0]) / n, (runs[1][1] - runs[0][1]) / n
+
+
+def _cpu() -> str:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    return next(x for x in lines if x.startswith("model name")).split(":")[1].strip()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="Hugging Face directory (default: the built-in model)")
+    ap.add_argument("--model", default=None, help="Hugging Face directory or GGUF file (default: the built-in model)")
+    ap.add_argument("--quantize", default=None, choices=["fp16", "int8"], help="generate's --quantize")
     ap.add_argument("--rates", default="100mbit,1gbit")
+    ap.add_argument("--layouts", default=None, help="comma-separated subset of the layouts (default: all)")
+    ap.add_argument("--train", action="store_true", help="a training step per layout instead of decode")
     ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/bench_links.json")
-    ap.add_argument(
-        "--latency-us",
-        type=float,
-        default=30.0,
-        help="what a message crossing the link adds to a loopback one, for the planner (veth + tbf here)",
-    )
+    ap.add_argument("--predict", action="store_true", help="no runs: the planner's figures beside --out's rows")
+    ap.add_argument("--measure-only", action="store_true", help="the runs only (--predict adds the planner's later)")
     a = ap.parse_args()
-    predictor = Predictor(a.model, a.latency_us)
+    from shardwise.engine.text import DEFAULT_MODEL
+    from shardwise.planner.presets import resolve_model
+
+    if a.train:
+        from shardwise.train.config import ModelSection
+
+        cfg = ModelSection(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
+                           num_kv_heads=4).model_config()  # fmt: skip
+    else:
+        from shardwise.hf import loaded_config
+
+        cfg = resolve_model(a.model or str(DEFAULT_MODEL))[1]
+        if not a.quantize:
+            cfg = loaded_config(a.model or str(DEFAULT_MODEL), cfg)  # a GGUF file computes in its own formats
+    if not a.predict:
+        _measure(a, cfg)
+    if not a.measure_only:
+        _predict(a, cfg)
+
+
+def _measure(a: argparse.Namespace, cfg) -> None:
+    """Run every layout at every rate; write the measured rows (a.out) before any prediction."""
+    layouts = {k: v for k, v in LAYOUTS.items() if a.layouts is None or k in a.layouts.split(",")}
+    if a.train:
+        layouts = {k: v for k, v in layouts.items() if "q8" not in k}  # training keeps its all-reduces exact
     # a random-weight directory has no tokenizer: a fixed prompt of 16 ids
     model = ["--model", a.model, "--prompt-ids", ",".join(str(100 + 7 * i) for i in range(16))] if a.model else []
+    model += ["--quantize", a.quantize] if a.quantize else []
+    load0, t0 = os.getloadavg(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = []
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-links-"))
+    unit = "step" if a.train else "token"
     for rate in a.rates.split(","):
-        for name, (n, per_host, flags) in LAYOUTS.items():
+        for name, (n, per_host, flags) in layouts.items():
             if n == 1 and rows and any(r["layout"] == name for r in rows):
                 continue  # inside one host the link does not matter: once
             with netns.make_hosts(n, rate) as cluster:
-                short, sent_short = _generate(cluster, per_host, flags, SHORT, model)
-                long, sent_long = _generate(cluster, per_host, flags, LONG, model)
-            row = {
-                "layout": name,
-                "rate": rate if n > 1 else "loopback",
-                "decode_ms_per_token": long["decode_ms_per_token"],
-                "link_bytes_per_token": round((sent_long - sent_short) / (LONG - SHORT)),
-                "tokens": long["tokens"],
-            }
-            row["predicted_ms_per_token"] = predictor.decode_ms(
-                name, n, rate, prompt=16
-            )  # NOTE: the built-in prompt is about as long
-            row["predicted_over_measured"] = row["predicted_ms_per_token"] / row["decode_ms_per_token"]
-            row["within_25pct"] = 0.75 <= row["predicted_over_measured"] <= 1.25
+                if a.train:
+                    ms, sent = _train(cluster, per_host, flags, tmp)
+                    row = {"layout": name, "rate": rate if n > 1 else "loopback", "ms": ms, "link_bytes": round(sent)}
+                else:
+                    short, sent_short = _generate(cluster, per_host, flags, SHORT, model)
+                    long, sent_long = _generate(cluster, per_host, flags, LONG, model)
+                    row = {"layout": name, "rate": rate if n > 1 else "loopback", "ms": long["decode_ms_per_token"],
+                           "link_bytes": round((sent_long - sent_short) / (LONG - SHORT)), "tokens": long["tokens"]}  # fmt: skip
+            row.update(hosts=n, per_host=per_host)
             rows.append(row)
             print(
-                f"{name:24s} {row['rate']:9s} {row['decode_ms_per_token']:8.2f} ms/token {row['link_bytes_per_token']:9d} B/token"
-                f"  planner {row['predicted_ms_per_token']:8.2f} ms ({row['predicted_over_measured']:.2f}x)",
-                flush=True,
+                f"{name:24s} {row['rate']:9s} {row['ms']:8.2f} ms/{unit} {row['link_bytes']:10,d} B/{unit}", flush=True
             )
     for r in rows:  # greedy tokens of the q8 wire against fp32's at the same rate
         fp32 = [x for x in rows if x["layout"] == "tp=2 across the link" and x["rate"] == r["rate"]]
         if "q8" in r["layout"] and fp32:
             r["same_tokens_as_fp32"] = r["tokens"] == fp32[0]["tokens"]
-    load = os.getloadavg()
-    cpu = (
-        next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name"))
-        .split(":")[1]
-        .strip()
-    )
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "load": load,
-        "cpu": cpu,
-        "model": a.model or "built-in",
-    }
-    meta.update({"short": SHORT, "long": LONG, "backend": "gloo", "threads_per_rank": 1})
+    meta = {"date": t0, "end": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": load0,
+            "load_end": os.getloadavg(), "cpu": _cpu(), "model": a.model or "built-in", "quantize": a.quantize,
+            "what": "train step" if a.train else "decode token", "backend": "gloo", "threads_per_rank": 1}  # fmt: skip
+    meta.update({"steps": TRAIN_STEPS, **TRAIN} if a.train else {"short": SHORT, "long": LONG})
     a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    _plot(rows, a.out.with_suffix(".png"))
 
 
-def _plot(rows: list[dict], path: Path) -> None:
+def _predict(a: argparse.Namespace, cfg) -> None:
+    """The planner's figure beside every measured row of a.out (after the runs: the calibration
+    may measure first, never during them); writes a.out again and its plot."""
+    data = json.loads(a.out.read_text())
+    predictor = Predictor(cfg, data["meta"].get("quantize"))
+    train = data["meta"]["what"] == "train step"
+    for row in data["rows"]:
+        name, n, per_host, rate = row["layout"], row["hosts"], row["per_host"], row["rate"]
+        if train:
+            row["predicted_ms"] = predictor.step_ms(name, n, per_host, rate, TRAIN)
+        else:
+            row["predicted_ms"] = predictor.decode_ms(name, n, per_host, rate, prompt=16)
+        row["predicted_over_measured"] = row["predicted_ms"] / row["ms"]
+        row["within_25pct"] = 0.75 <= row["predicted_over_measured"] <= 1.25
+        print(f"{name:24s} {rate:9s} {row['ms']:8.2f} ms, planner {row['predicted_ms']:8.2f} ms "
+              f"({row['predicted_over_measured']:.2f}x)", flush=True)  # fmt: skip
+    data["meta"]["calibration"] = predictor.cal.created
+    a.out.write_text(json.dumps(data, indent=1) + "\n")
+    _plot(data["rows"], a.out.with_suffix(".png"), "training step" if train else "decode token")
+    inside = sum(r["within_25pct"] for r in data["rows"])
+    print(f"planner within 25%: {inside} of {len(data['rows'])} rows")
+
+
+def _plot(rows: list[dict], path: Path, what: str) -> None:
+    """Measured ms against the link's rate per layout (dots), the planner's beside them (crosses)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    rates = [r["rate"] for r in rows if r["rate"] != "loopback"]
-    order = list(dict.fromkeys(rates))
-    for name in LAYOUTS:
+    order = list(dict.fromkeys(r["rate"] for r in rows if r["rate"] != "loopback"))
+    for i, name in enumerate(LAYOUTS):
         pts = [r for r in rows if r["layout"] == name]
+        color = f"C{i}"
         if pts and pts[0]["rate"] == "loopback":
-            ax.axhline(pts[0]["decode_ms_per_token"], ls="--", color="gray", label=f"{name} (loopback)")
+            ax.axhline(pts[0]["ms"], ls="--", color=color, label=f"{name} (loopback)")
+            ax.axhline(pts[0]["predicted_ms"], ls=":", color=color)
         elif pts:
-            ax.plot([order.index(r["rate"]) for r in pts], [r["decode_ms_per_token"] for r in pts], "o-", label=name)
+            x = [order.index(r["rate"]) for r in pts]
+            ax.plot(x, [r["ms"] for r in pts], "o-", color=color, label=name)
+            ax.plot(x, [r["predicted_ms"] for r in pts], "x:", color=color)
     ax.set_xticks(range(len(order)), order)
+    ax.set_yscale("log")
     ax.set_xlabel("link rate (tbf)")
-    ax.set_ylabel("decode ms/token (median)")
-    ax.set_title("decode across a shaped link (2 ranks, gloo)")
+    ax.set_ylabel(f"ms per {what.split()[-1]}")
+    ax.set_title(f"{what} across a shaped link (2 ranks, gloo): measured o, planner x")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -212,7 +212,7 @@ class Calibration:
         if rate_gbps is not None:
             inter = inter.shaped(rate_gbps, bucket_bytes, name=f"gloo across a link of {rate_gbps * 8:g} Gbit/s")
         return replace(
-            one, name=f"{nodes} hosts x {per_node}", devices=nodes * per_node, devices_per_node=per_node, inter=inter
+            one, name=f"{nodes} hosts like this one", devices=nodes * per_node, devices_per_node=per_node, inter=inter
         )
 
     def to_json(self) -> str:

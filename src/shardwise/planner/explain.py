@@ -260,7 +260,12 @@ def _across_nodes(rec) -> list[str]:
     line = f"Across nodes: {head}, {_ms(ours)}/token. tp={across.tp} across the nodes would decode at {_ms(fp32)}/token with fp32 all-reduces"
     if best.wire != "fp32":
         saved = 1 - best.decode.total_s / fp32
-        verdict = "and wins" if best.decode.total_s < ours else f"and still loses to {lay}"
+        if lay.tp > cl.devices_per_node:
+            verdict = "which is the layout recommended"
+        elif best.decode.total_s < ours:
+            verdict = "and wins (--allow-cross-node-tp plans it)"
+        else:
+            verdict = f"and still loses to {lay}"
         line += (
             f", {_ms(best.decode.total_s)} with them compressed to {best.wire} on the wire (`--comm-dtype {best.wire}`, "
             f"what `auto` picks there): compression saves {saved:.0%} {verdict}."
