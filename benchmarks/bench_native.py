@@ -17,7 +17,13 @@ Q8_0 file: hidden 2048, MLP 8192, 32/8 heads of 64, vocabulary 128256, tied; 16 
 llama_model_quantize) to Q4_K_M and Q5_K_M. shardwise: tp 1 and 2 (one process and one
 thread per rank, shardwise.launch). llama.cpp: 1 and 2 threads of one process
 (benchmarks/llama_cpp_decode.py, run by --llama-python: llama-cpp-python lives in its own
-venv and is never a dependency of shardwise). Both at batch 1, 4 and 16 (b prompts of 32
+venv and is never a dependency of shardwise; built for the CPU at hand, one build job, e.g.
+
+    python3 -m venv /tmp/llamacpp/venv
+    CMAKE_ARGS=-DGGML_NATIVE=ON CMAKE_BUILD_PARALLEL_LEVEL=1 nice -n 19 /tmp/llamacpp/venv/bin/pip install \\
+        --no-binary llama-cpp-python llama-cpp-python==0.3.36 numpy
+
+about 20 minutes on 2 shared cores). Both at batch 1, 4 and 16 (b prompts of 32
 fixed ids, prompt i = ids + 7 i, greedy), each batch one generation: the median decode step
 of --new steps after --warm. Ceiling: the rank's weight bytes over the memory bandwidth
 measured in the same processes, every rank streaming its own buffer of that size at once
