@@ -295,3 +295,15 @@ def test_act_block_answers_only_for_one_native_block_length():
     assert act_block(mixed) is None  # two block lengths: the linear quantizes per part
     with_float = BlockWeight.of([("Q8_0", quantize_rows(w, "Q8_0")), ("F32", w)], 256)
     assert act_block(with_float) is None
+
+
+def test_only_cpu_fp32_outside_autograd_takes_the_fused_kernels():
+    """Other devices and dtypes (CUDA among them) run the stock path: fused_ok says no."""
+    assert decode.fused_ok(torch.zeros(2, 8))
+    assert not decode.fused_ok(torch.zeros(2, 8, device="meta"))  # any non-CPU device
+    assert not decode.fused_ok(torch.zeros(2, 8, dtype=torch.bfloat16))
+    assert not decode.fused_ok(torch.zeros(2, 8, requires_grad=True))
+    with decode.unfused():
+        assert not decode.fused_ok(torch.zeros(2, 8))
+    with torch.no_grad():
+        assert decode.fused_ok(torch.zeros(2, 8, requires_grad=True))
