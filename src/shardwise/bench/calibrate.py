@@ -51,6 +51,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from shardwise.bench.fits import after_compute_extra_us, fit_link
 from shardwise.planner.specs import Cluster, Device, Link, PlannerError
 
 __all__ = [
@@ -318,26 +319,6 @@ def wait_idle(max_s: float = 30.0) -> bool:
             return True
         time.sleep(0.2)
     return False
-
-
-def after_compute_extra_us(per_call_us: float, idle_us: float) -> float:
-    """What a collective inside a step costs beyond the same collective between idle ranks:
-    per_call - idle, at least 0 (a backend that spins may come out a little faster)."""
-    return max(0.0, per_call_us - idle_us)
-
-
-def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(latency_us, busbw_gbps) of time = latency + n / busbw over (bytes, seconds) points at
-    world size 2, by least squares on relative error (small and large sizes count alike)."""
-    import numpy as np
-
-    n = np.array([p[0] for p in points], dtype=float)
-    t = np.array([p[1] for p in points], dtype=float)
-    (a, b), *_ = np.linalg.lstsq(np.stack([1 / t, n / t], axis=1), np.ones_like(t), rcond=None)
-    if b <= 0:  # latency-bound everywhere: take the bandwidth of the largest message alone
-        b = t[-1] / n[-1]
-    a = max(a, float(t.min()) * 0.5) if a <= 0 else a
-    return a * 1e6, 1 / b / 1e9
 
 
 def _measure_links(

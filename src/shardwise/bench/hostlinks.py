@@ -69,7 +69,7 @@ def path_rank(world: Communicator, opts: dict) -> dict:
 
 def _record(out: dict) -> dict:
     """A rank's probes in the calibration's format (calibrate.Calibration.links)."""
-    from shardwise.bench.calibrate import after_compute_extra_us, fit_link
+    from shardwise.bench.fits import after_compute_extra_us, fit_link
 
     pts = sorted((n, s) for n, s in out["idle"])
     lat, bw = fit_link(pts)
