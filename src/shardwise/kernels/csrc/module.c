@@ -97,9 +97,20 @@ static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t
 static int args_i64_f(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t fpos, long long *out,
                       double *f, const char *name);
 
-/* The activation quantizer for blocks of `block` (32 or 256) at this ISA, or NULL. */
-static sw_quant_fn quantizer(long long block, long long isa) {
-    return block == 32 ? sw_quant32_table[isa] : block == 256 ? sw_quant256_table[isa] : NULL;
+/* The optional trailing (block, q) of a kernel that can also quantize its output rows of
+ * `row` floats into activation blocks: *qf = the quantizer, or NULL without them. -1 (an
+ * exception set) when there is no quantizer for that block or the rows do not split into it. */
+static int tail_quantizer(Py_ssize_t nargs, Py_ssize_t base, const long long *a, long long row, sw_quant_fn *qf,
+                          const char *name) {
+    *qf = NULL;
+    if (nargs == base) return 0;
+    const long long block = a[base], isa = a[0];
+    *qf = block == 32 ? sw_quant32_table[isa] : block == 256 ? sw_quant256_table[isa] : NULL;
+    if (!*qf || row % block) {
+        PyErr_Format(PyExc_ValueError, "%s: no quantizer for rows of %lld in blocks of %lld", name, row, block);
+        return -1;
+    }
+    return 0;
 }
 
 /* rmsnorm(isa, x, ldx, n, k, w, eps, out, ldo[, block, q]): eps a float, the rest integers.
@@ -114,11 +125,8 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *const *args, Py_ssize_t na
     sw_rmsnorm_fn f = NULL;
     for (long long i = a[0]; i >= 0 && !f; i--) f = sw_rmsnorm_table[i];
     if (!f) return PyErr_Format(PyExc_ValueError, "no %s rmsnorm", isa_names[a[0]]);
-    sw_quant_fn qf = NULL;
-    if (nargs == 11) {
-        qf = quantizer(a[9], a[0]);
-        if (!qf || a[4] % a[9]) return PyErr_Format(PyExc_ValueError, "rmsnorm: no quantizer for rows of %lld in blocks of %lld", a[4], a[9]);
-    }
+    sw_quant_fn qf;
+    if (tail_quantizer(nargs, 9, a, a[4], &qf, "rmsnorm") < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS f((const float *)(uintptr_t)a[1], a[2], a[3], a[4], (const float *)(uintptr_t)a[5], (float)eps,
                              (float *)(uintptr_t)a[7], a[8]);
     if (qf) qf((const float *)(uintptr_t)a[7], a[8], a[3], a[4], (void *)(uintptr_t)a[10]);
@@ -153,11 +161,8 @@ static PyObject *py_add_rmsnorm(PyObject *self, PyObject *const *args, Py_ssize_
     if (args_i64_f(args, nargs, nargs, 6, a, &eps, "add_rmsnorm") < 0) return NULL;
     if (check_isa(a[0]) < 0) return NULL;
     sw_add_rmsnorm_fn f = sw_add_rmsnorm_table[a[0]];
-    sw_quant_fn qf = NULL;
-    if (nargs == 11) {
-        qf = quantizer(a[9], a[0]);
-        if (!qf || a[4] % a[9]) return PyErr_Format(PyExc_ValueError, "add_rmsnorm: no quantizer for rows of %lld in blocks of %lld", a[4], a[9]);
-    }
+    sw_quant_fn qf;
+    if (tail_quantizer(nargs, 9, a, a[4], &qf, "add_rmsnorm") < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS f((const float *)(uintptr_t)a[1], (const float *)(uintptr_t)a[2], a[3], a[4],
                              (const float *)(uintptr_t)a[5], (float)eps, (float *)(uintptr_t)a[7], (float *)(uintptr_t)a[8]);
     if (qf) qf((const float *)(uintptr_t)a[8], a[4], a[3], a[4], (void *)(uintptr_t)a[10]);
@@ -179,12 +184,8 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (!a[7] && a[4] % a[5])
         return PyErr_Format(PyExc_ValueError, "attend: %lld query heads do not divide over %lld KV heads", a[4], a[5]);
     sw_attend_fn f = sw_attend_table[a[0]];
-    sw_quant_fn qf = NULL;
-    if (nargs == 28) { /* the output also quantized, for the block-format linear that reads it */
-        qf = quantizer(a[26], a[0]);
-        if (!qf || (a[4] * a[6]) % a[26])
-            return PyErr_Format(PyExc_ValueError, "attend: no quantizer for rows of %lld in blocks of %lld", a[4] * a[6], a[26]);
-    }
+    sw_quant_fn qf; /* the output also quantized, for the block-format linear that reads it */
+    if (tail_quantizer(nargs, 26, a, a[4] * a[6], &qf, "attend") < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = f((float *)(uintptr_t)a[1], a[2], a[3], a[4], a[5], a[6], (const int64_t *)(uintptr_t)a[7],
                                   (const float *)(uintptr_t)a[8], (const float *)(uintptr_t)a[9], a[10], a[11],
@@ -205,11 +206,8 @@ static PyObject *py_glu(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (check_isa(a[0]) < 0) return NULL;
     if (a[5] != 0 && a[5] != 1) return PyErr_Format(PyExc_ValueError, "glu: unknown activation kind %lld", a[5]);
     sw_glu_fn f = sw_glu_table[a[0]];
-    sw_quant_fn qf = NULL;
-    if (nargs == 10) {
-        qf = quantizer(a[8], a[0]);
-        if (!qf || a[4] % a[8]) return PyErr_Format(PyExc_ValueError, "glu: no quantizer for rows of %lld in blocks of %lld", a[4], a[8]);
-    }
+    sw_quant_fn qf;
+    if (tail_quantizer(nargs, 8, a, a[4], &qf, "glu") < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS f((const float *)(uintptr_t)a[1], a[2], a[3], a[4], (int)a[5], (float *)(uintptr_t)a[6], a[7]);
     if (qf) qf((const float *)(uintptr_t)a[6], a[7], a[3], a[4], (void *)(uintptr_t)a[9]);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
