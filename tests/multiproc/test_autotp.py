@@ -1,7 +1,7 @@
 """The automatic plan: architectures without shardwise model code (OPT, Granite), loaded
 sharded through load_pretrained, against transformers on the same checkpoint: logits on
 2 unequal-length left-padded prompts and 16 greedy tokens, at tp = 1, 2, 4, and OPT (MHA)
-at tp=3, which splits its 4 heads unevenly. And the
+at tp=3, which splits its 4 heads unevenly (in make test-more). And the
 refusals: structures the plan cannot shard safely, and indivisible KV heads."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _auto_case(world, path: str, vocab: int) -> dict:
 CASES = [(arch, tp) for arch in ("opt", "granite") for tp in (1, 2, 4)] + [("opt", 3)]  # MHA: 4 heads, 2/1/1 at tp=3
 
 
-FULL = {("opt", 2), ("opt", 4), ("granite", 4)}  # make test keeps tp 1 and 3 (uneven) of opt, tp 1 and 2 of granite
+FULL = {("opt", 2), ("opt", 3), ("opt", 4), ("granite", 4)}  # make test keeps tp 1 of opt, tp 1 and 2 of granite
 PARAMS = [pytest.param(a, t, id=f"{a}-tp{t}", marks=[pytest.mark.full] if (a, t) in FULL else []) for a, t in CASES]
 
 

@@ -4,7 +4,7 @@ and match an uninterrupted single-process run's losses and final weights; the sa
 tied embedding (the last stage's copy loads stage 0's values and AdamW moments); and
 export-hf of the pipeline checkpoint matches the export of the reference run's own
 checkpoint at the same step. One saved checkpoint serves every resume, and the resumes at
-world size 4 run in one case."""
+world size 4 run in one case (in make test-more)."""
 
 from __future__ import annotations
 
@@ -122,6 +122,7 @@ def _resume_each(world, jobs):
     return out
 
 
+@pytest.mark.full  # make test-more; the gate keeps the resume at 1x1x1
 def test_resume_at_other_layouts_matches_uninterrupted_run(rank_pool, run):
     """4x1x1, 1x4x1, 1x2x2 and 2x2x1 from the 2x2x1 checkpoint, and a tied model at 1x4x1: one case."""
     jobs = []

@@ -71,6 +71,7 @@ def test_all_to_all_uneven_and_empty_splits(rank_pool, world_size):
         check_all_to_all(out, world_size)
 
 
+@pytest.mark.full  # a launch of its own; test_failure's all_reduce timeout covers the gate
 def test_all_to_all_with_a_rank_that_never_arrives_times_out():
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:

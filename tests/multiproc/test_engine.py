@@ -55,11 +55,18 @@ CASES += [("llama3", 3), ("llama_9h3kv", 2)]  # uneven heads: 8 / 2 KV at tp 3, 
 
 
 SMOKE = ("llama3", 2)  # in `make test-fast`
+FULL = {("llama3", 4), ("gpt2", 3)}  # in make test-more: gpt_neox-tp4 and llama3-tp3 cover the gate
+
+
+def _marks(family: str, tp: int) -> list:
+    if (family, tp) == SMOKE:
+        return [pytest.mark.smoke]
+    return [pytest.mark.full] if (family, tp) in FULL else []
 
 
 @pytest.mark.parametrize(
     "family,tp",
-    [pytest.param(f, t, id=f"{f}-tp{t}", marks=[pytest.mark.smoke] if (f, t) == SMOKE else []) for f, t in CASES],
+    [pytest.param(f, t, id=f"{f}-tp{t}", marks=_marks(f, t)) for f, t in CASES],
 )
 def test_greedy_with_kv_cache_matches_transformers_generate(rank_pool, reference, family, tp):
     path, ref, ids, mask = reference(family)

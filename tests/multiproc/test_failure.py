@@ -2,7 +2,7 @@
 error, within the collective timeout, and leaves no process behind; a collective whose
 peer never arrives times out instead of hanging, and the error names the rank that did
 not arrive (stopped, or stuck in Python), the operation and how long the others waited;
-a checkpoint saved before such a hang verifies and resumes."""
+a checkpoint saved before such a hang verifies and resumes (in make test-more)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,11 @@ GRACE_S = 5.0
 the ranks, and slack for a loaded machine."""
 
 
-@pytest.mark.parametrize("world_size,bad_rank", [pytest.param(2, 1, marks=pytest.mark.smoke), (4, 2), (4, 0)])
+# (4, 2) in make test-more: (2, 1) and (4, 0) cover the gate
+@pytest.mark.parametrize(
+    "world_size,bad_rank",
+    [pytest.param(2, 1, marks=pytest.mark.smoke), pytest.param(4, 2, marks=pytest.mark.full), (4, 0)],
+)
 def test_raising_rank_takes_job_down_with_its_error(world_size, bad_rank):
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
@@ -77,7 +81,10 @@ _MPI = pytest.mark.skipif(not _mpi_available(), reason="needs mpi4py and mpiexec
 
 @pytest.mark.parametrize(
     "backend,hangs",
-    [("gloo", {3: "stop"}), pytest.param("mpi", {1: "sleep", 3: "stop"}, marks=[_MPI, pytest.mark.full])],
+    [  # both in make test-more; the gate's timeout cases above name a rank that never arrived
+        pytest.param("gloo", {3: "stop"}, marks=pytest.mark.full),
+        pytest.param("mpi", {1: "sleep", 3: "stop"}, marks=[_MPI, pytest.mark.full]),
+    ],
     ids=str,
 )
 def test_a_stuck_training_rank_is_named_and_its_checkpoint_resumes(tmp_path, monkeypatch, backend, hangs):

@@ -250,7 +250,10 @@ def _source_params():
     return [
         pytest.param(3, [("gemma", "F32")], id="tp3-gemma-gate"),  # uneven: 4 q heads 2/1/1, 1 KV head shared
         # uneven: qwen2's 12 heads 4/4/4 of an MLP 96 in 32s, Mixtral's 4 heads 2/1/1 and experts 40 wide 14/13/13
-        pytest.param(3, [("qwen2", "F32"), ("mixtral", "Q8_0"), ("qwen2_moe", "F32")], id="tp3-moe-gate"),
+        # (in make test-more now; the id is kept)
+        pytest.param(
+            3, [("qwen2", "F32"), ("mixtral", "Q8_0"), ("qwen2_moe", "F32")], id="tp3-moe-gate", marks=pytest.mark.full
+        ),
         pytest.param(1, everything, id="tp1", marks=pytest.mark.full),
         pytest.param(2, everything, id="tp2", marks=pytest.mark.full),
         pytest.param(3, everything, id="tp3", marks=pytest.mark.full),  # mistral, qwen3, gemma, the MoEs uneven

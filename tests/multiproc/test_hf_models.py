@@ -60,12 +60,15 @@ CASES = [(family, tp) for family, (_, _, _, tps) in TINY.items() for tp in tps]
 
 
 SMOKE = ("llama3", 2)  # in `make test-fast`
+FULL = {("llama2", 4), ("qwen2", 3)}  # in make test-more: the gate keeps their other tps and the other families'
 
 
 def _marks(family: str, tp: int) -> list:
     if (family, tp) == SMOKE:
         return [pytest.mark.smoke]
     if family == "gemma3" and tp != 3:  # the gate keeps the uneven split (2/1/1 heads)
+        return [pytest.mark.full]
+    if (family, tp) in FULL:
         return [pytest.mark.full]
     return [pytest.mark.full] if tp > 4 else []  # 8 ranks on this 2-core machine: make test-full
 

@@ -112,6 +112,7 @@ def test_sharded_native_equals_unsharded_and_holds_its_share(rank_pool, files, t
     assert one[q]["bytes"] < 1.1 * _file_bytes(files(q)[0]), (one[q]["bytes"], _file_bytes(files(q)[0]))
 
 
+@pytest.mark.full  # a 3-rank job for one refusal: make test-more
 def test_k_quants_at_tp3_refused_naming_the_blocks(rank_pool, files):
     """A Q4_K o_proj at tp=3 would be cut at column 192, inside a block of 256."""
     [r, *_] = rank_pool.run(_native, 3, args=([("Q4_K", files("Q4_K")[0])],))

@@ -64,6 +64,7 @@ def test_mismatch_raises_on_both_sides(rank_pool, world_size):
     assert all(r == [] for r in results[2:])
 
 
+@pytest.mark.full  # a launch of its own; test_failure's collective timeout covers the gate
 def test_recv_from_a_peer_that_never_sends_times_out():
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:

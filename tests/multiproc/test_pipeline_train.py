@@ -182,8 +182,8 @@ def _refusals(tokens, out, tp, pp, dp) -> None:
 
 
 def _marks(tp: int, pp: int, dp: int) -> list:
-    if (tp, pp, dp) == (1, 2, 1):
-        return [pytest.mark.smoke]
+    if (tp, pp, dp) == (1, 2, 1):  # make test-fast and make test-more; 2x2x1 covers the gate
+        return [pytest.mark.smoke, pytest.mark.full]
     if tp * pp * dp > 4 or (tp, pp, dp) in ((1, 4, 1), (1, 2, 2)):  # 8 ranks on 2 cores; 1x4x1: 11 s here, 2x2x1
         return [pytest.mark.full]  # covers it; 1x2x2 (11 s): dp x pp runs in the full tier and in test_train_distopt
     return []

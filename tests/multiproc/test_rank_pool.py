@@ -124,6 +124,7 @@ def _long_train(world, cfg) -> list[tuple[int, int]]:
     return counting.seen
 
 
+@pytest.mark.full  # 12 steps and saves: make test-more
 def test_a_long_training_run_keeps_its_threads_and_descriptors(rank_pool, tiny_pp_config):
     """12 steps at tp=2 x pp=2, a checkpoint after each: the counts after the 12th save are
     no higher than after the 2nd on every rank (the product itself creates nothing per step;

@@ -1,11 +1,12 @@
 """Gemma 3 and sliding-window attention, sharded, against transformers.
 
 - Gemma 3 GGUF files (written with the gguf package as llama.cpp's converter writes them) at
-  tp 1, 2 and 3 (3: 4 query heads split 2/1/1, the one KV head on every rank): a file of
-  head_dim 256 and every 6th layer global (llama.cpp's defaults) against transformers' own
-  GGUF load; one with a layer pattern of its own and linear rope scaling on the global layers
-  against transformers on the checkpoint it was written from. A Mistral file records its
-  sliding window (llama.attention.sliding_window) and is checked against its checkpoint.
+  tp 1, 2 and 3 (3: 4 query heads split 2/1/1, the one KV head on every rank; all in make
+  test-more): a file of head_dim 256 and every 6th layer global (llama.cpp's defaults)
+  against transformers' own GGUF load; one with a layer pattern of its own and linear rope
+  scaling on the global layers against transformers on the checkpoint it was written from. A
+  Mistral file records its sliding window (llama.attention.sliding_window) and is checked
+  against its checkpoint.
 - Generation past the window through every engine path: generate() (one KV cache per layer),
   the slot cache and the paged cache under the server's scheduler, at tp 2, and generate() at
   tp 2 x pp 2. Mistral's paged sequences free the blocks their window has left (4-token
@@ -107,7 +108,7 @@ def _err(a: torch.Tensor, b: torch.Tensor, real: torch.Tensor) -> float:
 GGUF_CASES = ("gemma3-gguf", "gemma3-256-gguf", "mistral-gguf")
 
 
-@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.full), pytest.param(2, marks=pytest.mark.full), 3])
+@pytest.mark.parametrize("tp", [pytest.param(tp, marks=pytest.mark.full) for tp in (1, 2, 3)])  # make test-more
 def test_gguf_files_match_transformers(rank_pool, models, tp):
     jobs = [(n, models(n)[0], models(n)[1]) for n in GGUF_CASES]
     results = rank_pool.run(_logits_and_tokens, tp, args=(jobs,))

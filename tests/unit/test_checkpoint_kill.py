@@ -43,6 +43,7 @@ def _saver_loop(tr, root) -> None:
         save_checkpoint(tr, root, keep_last=2)
 
 
+@pytest.mark.full  # repeated kills and restarts: make test-more
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_sigkill_during_saves_never_corrupts_latest(tmp_path):
     cfg = tiny_config(write_tiny_tokens(tmp_path / "tokens.safetensors"), tmp_path / "run")
