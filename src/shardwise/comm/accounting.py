@@ -28,9 +28,10 @@ class CommStats:
 
     counts: dict[tuple[str, str], OpCount] = field(default_factory=dict)
 
-    def record(self, op: str, group: str, nbytes: int, seconds: float = 0.0) -> None:
+    def record(self, op: str, group: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+        """One call (or `calls` calls of nbytes in all, seconds in all) of op on group."""
         entry = self.counts.setdefault((op, group), OpCount())
-        entry.calls += 1
+        entry.calls += calls
         entry.bytes += nbytes
         entry.seconds += seconds
 

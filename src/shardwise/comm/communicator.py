@@ -177,6 +177,12 @@ class Communicator(ABC):
     def _all_reduce_inplace(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         return t.copy_(self._all_reduce(t, op))  # backends override with a true in-place reduction
 
+    def native_all_reduce(self):
+        """A handle through which native code runs this group's fp32 sum all-reduces itself
+        (shardwise.comm.shm.NativeAllReduce; used by the native decode step), or None: only the
+        shared-memory all-reduce has one."""
+        return None
+
     def all_gather(self, t: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
         """Concatenate every rank's `t` along `dim`, in rank order.
 

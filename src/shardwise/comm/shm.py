@@ -42,10 +42,10 @@ import torch
 from shardwise.comm.communicator import Communicator, ReduceOp
 from shardwise.comm.hang import proc_state
 from shardwise.comm.mpi import _peer_failure
-from shardwise.comm.shm_segment import FAILED, PID, PREFIX, SHM_DIR, Segment, host_key, supported
+from shardwise.comm.shm_segment import DATA, FAILED, PID, PREFIX, SHM_DIR, Segment, host_key, supported
 from shardwise.log import get_logger
 
-__all__ = ["ShmCommunicator", "intra_host", "shm_mode", "MODE_ENV", "MODES"]
+__all__ = ["ShmCommunicator", "NativeAllReduce", "intra_host", "shm_mode", "MODE_ENV", "MODES"]
 
 log = get_logger("comm")
 
@@ -187,6 +187,17 @@ class ShmCommunicator(Communicator):
         self.seg.words[self._mine + FAILED] = 1  # peers waiting for this rank fail at once
         raise RuntimeError(problem)
 
+    # ---- the native decode step's all-reduces (shardwise.kernels.step) -------------------------
+    def native_all_reduce(self) -> NativeAllReduce | None:
+        """This group's all-reduce for native code that runs the protocol itself (csrc/step.c);
+        None after a failure. The mapping lives as long as this communicator."""
+        if self._broken is not None:
+            return None
+        slots = self._slots.get(torch.float32)
+        if slots is None:
+            slots = self._slots[torch.float32] = self.seg.slots(torch.float32)  # (2, size, per)
+        return NativeAllReduce(self, slots)
+
     # ---- everything else: the wrapped communicator's ------------------------------------------
     def __getattr__(self, name: str):
         # only for what this class lacks (a backend's own handle: .group, .comm): the wrapped one's
@@ -245,6 +256,57 @@ class ShmCommunicator(Communicator):
         self._rows.clear()
         self._slots.clear()
         self.seg.close()
+
+
+class NativeAllReduce:
+    """A ShmCommunicator's segment as native code addresses it (the words' and the fp32 slots'
+    addresses, this rank's and its peers' seq words), and the bookkeeping of the calls native
+    code makes: `done` counts, numbers on the progress board and times those it completed,
+    as `_run` does for one; `wait` waits for a late peer of the call it posted, as one of the
+    communicator's own (its timeout, peer checks, diagnosis)."""
+
+    def __init__(self, comm: ShmCommunicator, slots: torch.Tensor) -> None:
+        self.comm = comm
+        self.slots = slots.data_ptr()
+        self.words = self.slots - DATA  # NOTE: one mapping: the header words start DATA bytes before
+        self.slot_floats = slots.shape[2]
+        self.mine, self.peers = comm._mine, [line for _, line in comm._peers]
+        self.rank, self.size, self.period = comm.rank, comm.size, comm.period
+
+    def calls(self) -> int:
+        """All-reduces this rank has made on the group so far (the next one is calls() + 1)."""
+        return self.comm._calls
+
+    def done(self, calls: int, nbytes: int, seconds: float) -> None:
+        if calls <= 0:
+            return
+        c = self.comm
+        c._calls += calls
+        board = c._board
+        if board is not None:
+            board.counts[c._chan] = board.counts.get(c._chan, 0) + calls
+            board.idle_since = time.perf_counter()
+        c.stats.record("all_reduce", c.name, nbytes * calls, seconds, calls=calls)
+
+    def wait(self, seq: int, nbytes: int) -> None:
+        c = self.comm
+        if c._broken is not None:
+            raise RuntimeError(f"shared-memory all_reduce is unusable after an earlier failure: {c._broken}")
+        c._calls += 1
+
+        def wait() -> None:
+            start = None
+            for _, line in c._peers:
+                if (c.seg.words[line] - seq) % c.period > 1:
+                    start = c._wait(line, seq, start)
+
+        c._run("all_reduce", nbytes, wait)
+
+    def fault_injected(self) -> bool:
+        """A fault is injected on this rank's board (SHARDWISE_DEBUG_HANG): checked per call by the
+        communicator, so native code must not make the calls."""
+        board = self.comm._board
+        return board is not None and board.fault is not None
 
 
 def _reduce(rows: tuple[torch.Tensor, ...], op: ReduceOp, dtype: torch.dtype, out: torch.Tensor | None):

@@ -20,6 +20,7 @@ from shardwise.models.config import ModelConfig
 from shardwise.models.modules import MLP, Attention, KVCache, Norm, rope_cos_sin, rope_inv_freq
 from shardwise.models.modules import attention_mask as build_mask
 from shardwise.models.moe import MoE
+from shardwise.models.step import step_layers
 
 __all__ = ["DecoderLayer", "DecoderLM"]
 
@@ -147,8 +148,13 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """x (B, T, hidden) through the decoder layers `layers` (global indices; default
         every layer this model holds), caches[i] being layer i's."""
+        ids = list(layers) if layers is not None else self.layer_indices()
+        if caches is not None and x.shape[1] == 1 and ids:  # a decode step: one native call where it can run
+            y = step_layers(self, x, rope, mask, caches, start, ids)
+            if y is not None:
+                return y
         mixed = isinstance(mask, dict)  # per kind of layer (prelude)
-        for i in layers if layers is not None else self.layer_indices():
+        for i in ids:
             layer = self.layers[i if isinstance(self.layers, nn.ModuleList) else str(i)]
             r, m = (rope[layer.sliding], mask[layer.sliding]) if mixed else (rope, mask)
             x = layer(x, r, m, caches[i] if caches is not None else None, start)

@@ -213,6 +213,25 @@ static PyObject *py_glu(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+/* step(header, layers, cos, sin, ldr, rot, mask, ldm, K, wbase, widx, ridx, calls, st) -> 0 done,
+ * 1 waiting for a peer (st: where to resume), -1 out of memory: a decode step's layers (step.c) */
+static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[14];
+    if (args_i64(args, nargs, 14, a, "step") < 0) return NULL;
+    const int64_t *H = (const int64_t *)(uintptr_t)a[0], *layers = (const int64_t *)(uintptr_t)a[1];
+    if (!H || !layers || !a[13]) return PyErr_Format(PyExc_ValueError, "step: null program");
+    const char *why = sw_step_check(H, layers);
+    if (why) return PyErr_Format(PyExc_ValueError, "step: %s", why);
+    if (check_isa(H[0]) < 0) return NULL;
+    sw_step_args sa = {(const float *)(uintptr_t)a[2], (const float *)(uintptr_t)a[3], a[4], a[5],
+                       (const uint8_t *)(uintptr_t)a[6], a[7], a[8], a[9], (const int64_t *)(uintptr_t)a[10],
+                       (const int64_t *)(uintptr_t)a[11], a[12]};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = sw_step(H, layers, &sa, (int64_t *)(uintptr_t)a[13]);
+    Py_END_ALLOW_THREADS if (rc < 0) return PyErr_NoMemory();
+    return PyLong_FromLong(rc);
+}
+
 /* isas() -> names of the ISA levels this CPU runs, lowest first */
 static PyObject *py_isas(PyObject *self, PyObject *unused) {
     PyObject *out = PyList_New(0);
@@ -254,6 +273,7 @@ static PyMethodDef methods[] = {
     {"add_rmsnorm", (PyCFunction)(void (*)(void))py_add_rmsnorm, METH_FASTCALL, "add_rmsnorm(isa, x, a, n, k, w, eps, sum, out[, block, q])"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL, "attend(isa, qkv, ldq, B, nq, nkv, hd, groups, cos, sin, ldr, rot, k, v, pos_stride, head_stride, widx, wbase, ridx, rrow, K, mask, ldm, scale, out, ldo[, block, q])"},
     {"glu", (PyCFunction)(void (*)(void))py_glu, METH_FASTCALL, "glu(isa, h, ldh, n, inter, kind, out, ldo[, block, q])"},
+    {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL, "step(header, layers, cos, sin, ldr, rot, mask, ldm, K, wbase, widx, ridx, calls, st) -> 0 done, 1 waiting"},
     {"isas", py_isas, METH_NOARGS, "ISA levels this CPU runs, lowest first"},
     {"kernels", py_kernels, METH_NOARGS, "{type id: [ISA names with a gemm]}"},
     {NULL, NULL, 0, NULL},
@@ -274,5 +294,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddObject(m, "ISA_NAMES", names);
     PyModule_AddIntConstant(m, "A32_BYTES", (long)sizeof(sw_a32));
     PyModule_AddIntConstant(m, "A256_BYTES", (long)sizeof(sw_a256));
+    PyModule_AddIntConstant(m, "STEP_HEADER_WORDS", sw_step_header_words());
+    PyModule_AddIntConstant(m, "STEP_LAYER_WORDS", sw_step_layer_words());
+    PyModule_AddIntConstant(m, "STEP_LIN_WORDS", sw_step_lin_words());
     return m;
 }

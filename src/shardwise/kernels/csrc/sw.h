@@ -93,6 +93,23 @@ extern sw_dequant_fn sw_dequant_table[SW_NUM_TYPES][SW_NUM_ISA];
 extern sw_quant_fn sw_quant32_table[SW_NUM_ISA];
 extern sw_quant_fn sw_quant256_table[SW_NUM_ISA];
 
+/* A decode step's layers in one call (step.c): the program's header and layer words, the
+ * step's own arguments and the resume state; SW_STEP_DONE, SW_STEP_WAIT or SW_STEP_NOMEM. */
+typedef struct sw_step_args sw_step_args;
+struct sw_step_args {
+    const float *cos, *sin;
+    int64_t ldr, rot;
+    const uint8_t *mask;
+    int64_t ldm, K, wbase;
+    const int64_t *widx, *ridx;
+    int64_t calls; /* the communicator's all-reduces before this step */
+};
+int sw_step(const int64_t *header, const int64_t *layers, const sw_step_args *a, int64_t *st);
+const char *sw_step_check(const int64_t *header, const int64_t *layers);
+int sw_step_header_words(void);
+int sw_step_layer_words(void);
+int sw_step_lin_words(void);
+
 /* Each source file fills its entries of the tables (called once at import). */
 void sw_register_act(void);
 void sw_register_q32(void);

@@ -1,0 +1,137 @@
+"""A DecoderLM's decode step as one native program (shardwise.kernels.step), where it can run.
+
+    y = step_layers(model, x, rope, mask, caches, start, ids)   # None: run the layers as usual
+
+Reads each layer of `ids` off the model as a kernels.step.LayerSpec, builds the program once
+per (layers, batch) and keeps it on the model (rebuilt when a weight or a cache tensor
+changes: `_Entry.fits`). It runs where every layer is a plain pre-norm decoder layer (RMSNorm
+without offset, no q/k norm, no sandwich norms, a gated silu or gelu_tanh MLP, no experts)
+whose four projections are the sharded layers (column-parallel qkv and [gate | up],
+row-parallel o and down; recognised by class name: models do not import layers) holding
+native block-format weights, on fp32 CPU activations outside autograd, with a tp group of
+one rank or with the shared-memory all-reduce, and no fault injected. Anywhere else it
+answers None and the layers run op by op; `model.__dict__["_step_refused"]` says why.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+from torch import nn
+
+from shardwise.kernels import step
+from shardwise.kernels.decode import fused_ok
+
+__all__ = ["step_layers"]
+
+_COLUMN = {"QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear"}
+_ROW = {"RowParallelLinear"}
+_MAX_PROGRAMS = 40
+"""Programs kept per model: one per (layer range, batch); a server steps at every batch of 1-16."""
+
+
+def _proj(mod, kinds: set[str], what: str):
+    """A projection's (weight, bias, tp group), if it is one of `kinds`, without sequence parallelism or a gather."""
+    step.need(type(mod).__name__ in kinds, f"{what} is a {type(mod).__name__}")
+    step.need(not getattr(mod, "sequence_parallel", False) and not getattr(mod, "gather_output", False), what)
+    return mod.weight, mod.bias, mod.comm
+
+
+def _spec(layer, cache, hid: int) -> tuple[step.LayerSpec, object, list]:
+    """(the layer's spec, its tp group, (module, weight) pairs whose identity the program depends on)."""
+    step.need(not layer.parallel_residual, "a parallel residual")
+    step.need(layer.attn_post_norm is None and layer.mlp_post_norm is None, "sandwich norms")
+    attn, mlp = layer.attn, layer.mlp
+    step.need(attn.q_norm is None, "q/k norm")
+    step.need(hasattr(mlp, "up") and getattr(mlp, "gated", False), "experts, or an MLP that is not gated")
+    for n in (layer.attn_norm, layer.mlp_norm):
+        step.need(n.kind == "rms" and not n.offset, f"a {n.kind} norm with offset {n.offset}")
+    wq, bq, g1 = _proj(attn.qkv, _COLUMN, "qkv")
+    wo, bo, g2 = _proj(attn.o, _ROW, "o")
+    wu, bu, g3 = _proj(mlp.up, _COLUMN, "up")
+    wd, bd, g4 = _proj(mlp.down, _ROW, "down")
+    step.need(g1 is g2 is g3 is g4, "projections on different groups")
+    hd = attn.head_dim
+    nq = wo.shape[1] // hd
+    groups = getattr(attn.qkv, "kv_groups", None)
+    spec = step.LayerSpec(
+        norm1=layer.attn_norm.weight, eps1=layer.attn_norm.eps, qkv=wq, qkv_bias=bq, nq=nq,
+        nkv=(wq.shape[0] // hd - nq) // 2, head_dim=hd,
+        groups=None if groups is None else torch.tensor(groups, dtype=torch.long), k=cache.k, v=cache.v,
+        scale=attn.scale if attn.scale is not None else 1.0 / math.sqrt(hd), o=wo, obias=bo,
+        norm2=layer.mlp_norm.weight, eps2=layer.mlp_norm.eps, up=wu, up_bias=bu, glu=mlp.act_name,
+        inter=wd.shape[1], down=wd, dbias=bd,
+    )  # fmt: skip
+    mods = (attn.qkv, attn.o, mlp.up, mlp.down, layer.attn_norm, layer.mlp_norm)
+    return spec, g1, [(m, m.weight) for m in mods]
+
+
+class _Entry:
+    """A program and what it was built from: the modules' weights (strongly: the program points
+    into them) and the caches' tensors (weakly: a finished request's cache may go)."""
+
+    def __init__(self, model, ids: list[int], caches, batch: int, start: int) -> None:
+        specs, weights, kv, group, lay0 = [], [], [], None, None
+        for i in ids:
+            cache = caches[i]
+            lay = cache.decode_layout(start, batch) if hasattr(cache, "decode_layout") else None
+            step.need(lay is not None and lay.k is cache.k and lay.v is cache.v, "a cache without a decode layout")
+            lay0 = lay0 or lay
+            key = (lay.pos_stride, lay.head_stride, lay.rrow, lay.K, lay.wbase, lay.widx, lay.ridx)
+            step.need(key == (lay0.pos_stride, lay0.head_stride, lay0.rrow, lay0.K, lay0.wbase, lay0.widx, lay0.ridx),
+                      "caches laid out differently from layer to layer")  # fmt: skip
+            layer = model.layers[i if isinstance(model.layers, nn.ModuleList) else str(i)]
+            spec, g, w = _spec(layer, cache, model.cfg.hidden_size)
+            step.need(group is None or g is group, "layers on different tp groups")
+            group = g
+            specs.append(spec)
+            weights += w
+            kv.append((weakref.ref(cache.k), weakref.ref(cache.v)))
+        ar = None
+        if group.size > 1:
+            ar = group.native_all_reduce()
+            step.need(ar is not None, f"a tp group ({group.backend}) without the shared-memory all-reduce")
+        self.program = step.StepProgram(specs, hidden=model.cfg.hidden_size, batch=batch, allreduce=ar)
+        self.ids, self.batch, self.weights, self.kv = ids, batch, weights, kv
+
+    def fits(self, caches, batch: int) -> bool:
+        """Whether the model still holds the same weights and `caches` the same tensors."""
+        if batch != self.batch or not all(m.weight is w for m, w in self.weights):
+            return False
+        return all(caches[i].k is k() and caches[i].v is v() for i, (k, v) in zip(self.ids, self.kv, strict=True))
+
+
+def step_layers(model, x: torch.Tensor, rope, mask, caches, start: int, ids: list[int]) -> torch.Tensor | None:
+    """A decode step (x: (B, 1, hidden)) through layers `ids` as one native call, or None where
+    it cannot run (see the module docstring)."""
+    if not (step.enabled() and x.shape[1] == 1 and fused_ok(x) and x.is_contiguous()) or isinstance(mask, dict):
+        return None
+    if mask is not None and not mask.is_contiguous():
+        return None
+    if rope is not None and not (rope[0].is_contiguous() and rope[1].is_contiguous()):
+        return None
+    B = x.shape[0]
+    cache0 = caches[ids[0]]
+    lay = cache0.decode_layout(start, B) if hasattr(cache0, "decode_layout") else None
+    if lay is None or (mask is not None and mask.shape[-1] != lay.K):
+        return None
+    entries = model.__dict__.setdefault("_step_programs", {})
+    key = (tuple(ids), B)
+    entry = entries.get(key)
+    if entry is None or (entry is not False and not entry.fits(caches, B)):
+        if len(entries) >= _MAX_PROGRAMS:
+            entries.clear()
+        try:
+            entry = _Entry(model, ids, caches, B, start)
+        except step.Unsupported as e:
+            model.__dict__["_step_refused"] = str(e)
+            entry = False
+        entries[key] = entry
+    if entry is False:
+        return None
+    ar = entry.program.allreduce
+    if ar is not None and ar.fault_injected():
+        return None  # an injected fault is checked per call, by the communicator
+    return entry.program.run(x, rope, mask, lay)

@@ -1,0 +1,108 @@
+"""The native decode step in one process (shardwise.models.step, kernels.step): where it runs
+it equals the per-op path bit for bit (Q8_0, a K-quant, Qwen2's q/k/v biases), where it cannot
+it says why and the per-op path runs, a replaced weight rebuilds it, and the native module
+refuses a program it has no kernel for. The sharded cases are tests/multiproc/test_native_step.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_models import save_tiny
+from shardwise.comm import LocalCommunicator
+from shardwise.hf import load_pretrained
+from shardwise.kernels import native, step
+
+pytestmark = pytest.mark.skipif(not step.enabled(), reason="the native module (or its step) is not built")
+
+WIDE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+"""Widths of whole blocks of 256, for the K-quants."""
+
+
+def _logits(model, native_step: bool, B: int = 3, L: int = 6, new: int = 4) -> torch.Tensor:
+    from shardwise.engine.generate import decode_step, prefill
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, model.cfg.vocab_size, (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.long)
+    mask[0, :2] = 0  # a left-padded row: the step's mask
+    caches = model.new_caches(B, L + new)
+    out = []
+    with torch.no_grad(), step.off() if not native_step else torch.no_grad():
+        logits = prefill(model, ids, mask, caches)
+        for t in range(new):
+            out.append(logits)
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1)
+            logits = decode_step(model, logits.argmax(-1, keepdim=True), mask, caches, L + t)
+    return torch.stack(out)
+
+
+def _load(tmp_path, family, quantize, overrides=None):
+    path = save_tiny(family, tmp_path, overrides=overrides)
+    model, _ = load_pretrained(str(path), comm=LocalCommunicator("tp"), quantize=quantize)
+    return model
+
+
+def _ran(model) -> bool:
+    return any(e for e in model.__dict__.get("_step_programs", {}).values())
+
+
+@pytest.mark.parametrize(
+    "family,quantize,overrides",
+    [
+        ("llama3", "q8_0", None),
+        ("llama3", "q4_k", WIDE),
+        ("qwen2", "q5_1", dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)),
+        ("llama3", "q6_k", WIDE),
+    ],
+)
+def test_the_native_step_equals_the_per_op_path(tmp_path, family, quantize, overrides):
+    model = _load(tmp_path, family, quantize, overrides)
+    plain = _logits(model, False)
+    assert not _ran(model)
+    fast = _logits(model, True)
+    assert _ran(model), model.__dict__.get("_step_refused")
+    assert torch.equal(plain, fast), (plain - fast).abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "family,quantize,why",
+    [
+        ("llama3", None, "qkv: a weight not in native blocks"),  # fp32 weights: MKL's linear, op by op
+        ("qwen3", "q8_0", "q/k norm"),
+        ("gemma", "q8_0", "with offset"),
+    ],
+)
+def test_where_it_cannot_run_it_says_why_and_the_layers_run_op_by_op(tmp_path, family, quantize, why):
+    model = _load(tmp_path, family, quantize)
+    plain = _logits(model, False)
+    fast = _logits(model, True)
+    assert not _ran(model) and why in model.__dict__["_step_refused"], model.__dict__.get("_step_refused")
+    assert torch.equal(plain, fast)
+
+
+def test_a_replaced_weight_rebuilds_the_program(tmp_path):
+    from shardwise.kernels.block import BlockWeight
+
+    model = _load(tmp_path, "llama3", "q8_0")
+    _logits(model, True)
+    (entry,) = [e for e in model.__dict__["_step_programs"].values() if e]
+    down = model.layers[1].mlp.down
+    w = down.weight
+    down.weight = BlockWeight([type(p)(p.fmt, p.data.clone().flip(0)) for p in w.parts], w.shape[1])
+    plain, fast = _logits(model, False), _logits(model, True)
+    assert torch.equal(plain, fast)
+    assert all(e is not entry for e in model.__dict__["_step_programs"].values())
+
+
+def test_the_native_module_refuses_a_program_it_has_no_kernel_for(tmp_path):
+    model = _load(tmp_path, "llama3", "q8_0")
+    _logits(model, True)
+    (entry,) = [e for e in model.__dict__["_step_programs"].values() if e]
+    prog = entry.program
+    layers = prog.layers
+    bad = type(layers)("q", layers)
+    bad[step.Y["qkv"] + 4] = 9  # the first part's ggml type: Q8_1, no kernel
+    st = type(layers)("q", [0] * 8)
+    with pytest.raises(ValueError, match="step: a weight type without a kernel"):
+        native.lib.step(prog.head.buffer_info()[0], bad.buffer_info()[0], *[0] * 11, st.buffer_info()[0])
