@@ -16,7 +16,7 @@ setup(
     ext_modules=[
         Extension(
             "shardwise.kernels._native",
-            sources=[f"{CSRC}/{name}.c" for name in ("module", "act", "q32", "qk", "norm", "attn", "step")],
+            sources=[f"{CSRC}/{name}.c" for name in ("module", "act", "q32", "qk", "norm", "attn", "step", "f32")],
             depends=[f"{CSRC}/sw.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function"],
             optional=True,

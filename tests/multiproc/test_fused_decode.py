@@ -2,7 +2,8 @@
 1-4 (3: uneven heads) on the generate cache at batch 1 and 16 (rows of different lengths,
 left-padded), and on the paged cache with sequences joining and leaving. Each rank runs both
 paths on its own shard; the logits of every step agree within
-1e-5 and pick the same tokens. pp=2 is checked through the CLI in tests/e2e."""
+1e-5 and pick the same tokens. The per-op kernels, that is: the native step that runs a whole
+step in one call (kernels.step) is off here, and tested against this path in test_native_step.py. pp=2 is checked through the CLI in tests/e2e."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def tiny(tmp_path_factory):
 def _generate_logits(model, tp, prompts: list[list[int]], fused: bool) -> torch.Tensor:
     """Greedy decode of left-padded prompts on the generate cache -> every step's logits (steps, B, V)."""
     from shardwise.engine.generate import decode_step, prefill
-    from shardwise.kernels import decode
+    from shardwise.kernels import decode, step
 
     B, L = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(B, L, dtype=torch.long)
@@ -34,7 +35,7 @@ def _generate_logits(model, tp, prompts: list[list[int]], fused: bool) -> torch.
         ids[b, L - len(p) :], mask[b, L - len(p) :] = torch.tensor(p), 1
     caches = model.new_caches(B, L + NEW)
     out = []
-    with torch.no_grad(), decode.unfused() if not fused else torch.no_grad():
+    with torch.no_grad(), decode.unfused() if not fused else step.off():  # the per-op kernels: no program
         logits = prefill(model, ids, mask, caches)
         for t in range(NEW):
             out.append(logits)  # (B, V): the LM head gathers the vocabulary
@@ -49,7 +50,7 @@ def _paged_logits(model, tp, fused: bool) -> list[torch.Tensor]:
     (one left), then a fourth sequence's prompt and 3 rows again -> each step's logits."""
     from shardwise.engine.paged import PagedCaches
     from shardwise.engine.slots import StepBatch
-    from shardwise.kernels import decode
+    from shardwise.kernels import decode, step
 
     g = torch.Generator().manual_seed(3)
     V = model.cfg.vocab_size
@@ -84,7 +85,7 @@ def _paged_logits(model, tp, fused: bool) -> list[torch.Tensor]:
             past[3] = 17
     caches = PagedCaches(model, 64, bs)
     out = []
-    with torch.no_grad(), decode.unfused() if not fused else torch.no_grad():
+    with torch.no_grad(), decode.unfused() if not fused else step.off():
         for b in script:
             out.append(caches.forward(model, b))  # (B, V)
     return out
@@ -113,7 +114,7 @@ def test_fused_decode_equals_the_plain_path_at_every_tp(rank_pool, tiny, tp):
     for r in rank_pool.run(_case, tp, args=(tiny,)):
         for name in ("batch1", "batch16"):
             plain, fused = r[name]
-            torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5, msg=f"{name} at tp={tp}")
+            torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n} at tp={tp}: {m}")
             assert torch.equal(fused.argmax(-1), plain.argmax(-1)), name
         for plain, fused in zip(*r["paged"], strict=True):
             torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5, msg=f"paged at tp={tp}")

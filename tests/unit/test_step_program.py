@@ -68,7 +68,7 @@ def test_the_native_step_equals_the_per_op_path(tmp_path, family, quantize, over
 @pytest.mark.parametrize(
     "family,quantize,why",
     [
-        ("llama3", None, "qkv: a weight not in native blocks"),  # fp32 weights: MKL's linear, op by op
+        ("llama3", "fp16", "qkv: a weight not in native blocks"),  # fp16 weights: op by op
         ("qwen3", "q8_0", "q/k norm"),
         ("gemma", "q8_0", "with offset"),
     ],
@@ -79,6 +79,32 @@ def test_where_it_cannot_run_it_says_why_and_the_layers_run_op_by_op(tmp_path, f
     fast = _logits(model, True)
     assert not _ran(model) and why in model.__dict__["_step_refused"], model.__dict__.get("_step_refused")
     assert torch.equal(plain, fast)
+
+
+@pytest.mark.parametrize("overrides", [None, WIDE])
+def test_an_fp32_model_runs_its_linears_natively_within_rounding(tmp_path, overrides):
+    """fp32 weights: the program's own fp32 kernel (csrc/f32.c) where the per-op path runs MKL's,
+    so the two differ in summation order only."""
+    model = _load(tmp_path, "llama3", None, overrides)
+    plain = _logits(model, False)
+    fast = _logits(model, True)
+    assert _ran(model), model.__dict__.get("_step_refused")
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fast.argmax(-1), plain.argmax(-1))
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("rows,k,n", [(1, 1, 1), (7, 33, 5), (64, 576, 1), (130, 100, 16), (5, 17, 9)])
+def test_the_fp32_kernel_equals_a_float64_product_on_every_path(isa, rows, k, n):
+    g = torch.Generator().manual_seed(rows * k + n)
+    w, x = torch.randn(rows, k + 3, generator=g)[:, :k], torch.randn(n, k, generator=g)  # w's rows k + 3 apart
+    y = torch.full((n, rows + 2), float("nan"))
+    native.lib.f32_gemm(
+        native.lib.ISA_NAMES.index(isa), w.data_ptr(), k + 3, rows, k, x.data_ptr(), k, n, y.data_ptr(), rows + 2
+    )
+    ref = (x.double() @ w.double().T).float()
+    torch.testing.assert_close(y[:, :rows], ref, rtol=1e-5, atol=1e-5 * k**0.5)
+    assert y[:, rows:].isnan().all()  # nothing written past the rows
 
 
 def test_a_replaced_weight_rebuilds_the_program(tmp_path):

@@ -27,6 +27,7 @@ import array
 import contextlib
 import os
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -46,12 +47,19 @@ SPIN_NS = 50_000
 when a program is built; negative: no spin at all, every late peer's wait in Python)."""
 MAX_PARTS = 4
 """Parts (formats stacked along the output rows) a projection may have."""
+PROFILE = os.environ.get("SHARDWISE_STEP_PROFILE", "0") == "1"
+"""SHARDWISE_STEP_PROFILE=1 (read when a program is built): time each step's parts in C
+(StepProgram.times; benchmarks/bench_decode_step.py reads them). A few clock reads a layer."""
+_ST = 12  # the resume state's words (csrc/step.c)
+TIMES = ("linears", "attention", "other", "spin", "allreduce")
+"""StepProgram.times' keys: ns in the linears, attention, everything else between them, spinning
+for late peers, and the all-reduces in all (spinning included)."""
 
 # the words of csrc/step.c (header, linear, layer), in its order
 _H = (
     "isa nlayers B hidden x hn qa qkv att oa y up g ga words mine npeers "
     + " ".join(f"peer{i}" for i in range(8))
-    + " slots slot_floats rank size period spin_ns"
+    + " slots slot_floats rank size period spin_ns profile"
 ).split()
 H = {name: i for i, name in enumerate(_H)}
 _PART = 5  # type, weight, row bytes, rows, kblocks
@@ -103,12 +111,12 @@ def need(cond: bool, why: str) -> None:
 class LayerSpec:
     """One pre-norm decoder layer as the program runs it:
     x += o(attend(qkv(norm1(x)))) [all-reduced] + obias; x += down(glu(up(norm2(x)))) [all-reduced] + dbias.
-    Weights are native block-format BlockWeights; qkv's and up's biases are added before any
+    Weights are native block-format BlockWeights or fp32 matrices (out, in); qkv's and up's biases are added before any
     reduce (column-parallel), obias and dbias after it (row-parallel); k, v: this layer's cache."""
 
     norm1: torch.Tensor
     eps1: float
-    qkv: BlockWeight
+    qkv: BlockWeight | torch.Tensor
     qkv_bias: torch.Tensor | None
     nq: int
     nkv: int
@@ -117,15 +125,15 @@ class LayerSpec:
     k: torch.Tensor
     v: torch.Tensor
     scale: float
-    o: BlockWeight
+    o: BlockWeight | torch.Tensor
     obias: torch.Tensor | None
     norm2: torch.Tensor
     eps2: float
-    up: BlockWeight  # [gate | up]
+    up: BlockWeight | torch.Tensor  # [gate | up]
     up_bias: torch.Tensor | None
     glu: str
     inter: int
-    down: BlockWeight
+    down: BlockWeight | torch.Tensor
     dbias: torch.Tensor | None
 
 
@@ -145,7 +153,16 @@ def _vector(t: torch.Tensor | None, n: int, what: str) -> None:
 
 
 def _lin_words(w, bias: torch.Tensor | None, k: int, what: str) -> tuple[list[int], int]:
-    """A projection's words, and its output width."""
+    """A projection's words, and its output width: native blocks (BlockWeight) or an fp32 matrix."""
+    if isinstance(w, torch.Tensor):
+        need(
+            w.dtype is torch.float32 and w.device.type == "cpu" and w.dim() == 2 and w.stride(1) == 1,
+            f"{what}: a float weight that is not fp32 rows on CPU",
+        )
+        need(w.shape[1] == k, f"{what}: {tuple(w.shape)} does not take rows of {k}")
+        _vector(bias, w.shape[0], f"{what}: a bias")
+        words = [0, 1, w.shape[0], _ptr(bias), 0, w.data_ptr(), w.stride(0) * 4, w.shape[0], k]
+        return words + [0] * (LIN - len(words)), w.shape[0]
     block = act_block(w)
     need(
         isinstance(w, BlockWeight) and block is not None and len(w.parts) <= MAX_PARTS,
@@ -214,7 +231,7 @@ class StepProgram:
         head[H["isa"]], head[H["nlayers"]], head[H["B"]], head[H["hidden"]] = native.isa(), len(specs), B, hid
         for name, t in self._bufs.items():
             head[H[name]] = t.data_ptr()
-        head[H["size"]], head[H["spin_ns"]] = 1 if ar is None else ar.size, SPIN_NS
+        head[H["size"]], head[H["spin_ns"]], head[H["profile"]] = 1 if ar is None else ar.size, SPIN_NS, int(PROFILE)
         if ar is not None:
             head[H["words"]], head[H["mine"]], head[H["slots"]] = ar.words, ar.mine, ar.slots
             head[H["slot_floats"]], head[H["rank"]], head[H["period"]] = ar.slot_floats, ar.rank, ar.period
@@ -224,7 +241,8 @@ class StepProgram:
         self.specs, self.allreduce, self.batch, self.hidden = specs, ar, B, hid
         self.head = array.array("q", head)
         self.layers = array.array("q", words)
-        self.st = array.array("q", [0] * 8)
+        self.st = array.array("q", [0] * _ST)
+        self.times = dict.fromkeys(TIMES, 0)  # ns over every step run, with PROFILE (all-reduces: always)
         self._layout_key: tuple | None = None
         self.waits = 0  # all-reduces whose late peers were waited for in Python
         self.nbytes = B * hid * 4  # one all-reduce's payload
@@ -255,19 +273,29 @@ class StepProgram:
         if mask is not None:
             mask_p, ldm = mask.data_ptr(), lay.K if mask.shape[0] == B else 0
         st = self.st
-        for j in range(8):
+        for j in range(_ST):
             st[j] = 0
         ar = self.allreduce
         args = (self.head.buffer_info()[0], self.layers.buffer_info()[0], cos_p, sin_p, ldr, rot, mask_p, ldm,
                 lay.K, lay.wbase, _ptr(lay.widx), _ptr(lay.ridx), 0 if ar is None else ar.calls(),
                 st.buffer_info()[0])  # fmt: skip
-        noted = 0  # all-reduces already counted
+        noted, times = 0, self.times  # all-reduces already counted
         while native.lib.step(*args):  # a peer is late: wait through the communicator, then resume
             ar.done(st[2] - noted, self.nbytes, st[4] * 1e-9)
+            times["allreduce"] += st[4]
             st[4] = 0
+            t0 = time.perf_counter_ns()
             ar.wait(st[3], self.nbytes)
+            waited = time.perf_counter_ns() - t0
+            times["allreduce"] += waited
+            times["spin"] += waited
             noted = st[2] + 1
             self.waits += 1
         if ar is not None:
             ar.done(st[2] - noted, self.nbytes, st[4] * 1e-9)
+            times["allreduce"] += st[4]
+        times["linears"] += st[5]
+        times["attention"] += st[6]
+        times["other"] += st[7]
+        times["spin"] += st[8]
         return self.x.clone().view(B, 1, hid)

@@ -36,7 +36,10 @@ def _proj(mod, kinds: set[str], what: str):
     """A projection's (weight, bias, tp group), if it is one of `kinds`, without sequence parallelism or a gather."""
     step.need(type(mod).__name__ in kinds, f"{what} is a {type(mod).__name__}")
     step.need(not getattr(mod, "sequence_parallel", False) and not getattr(mod, "gather_output", False), what)
-    return mod.weight, mod.bias, mod.comm
+    w = mod.weight
+    if isinstance(w, torch.Tensor):  # an fp32 model's Parameter: its data (outside autograd)
+        w = w.detach()
+    return w, mod.bias, mod.comm
 
 
 def _spec(layer, cache, hid: int) -> tuple[step.LayerSpec, object, list]:

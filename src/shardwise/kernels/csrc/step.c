@@ -23,11 +23,13 @@ enum {
     H_X, H_HN, H_QA, H_QKV, H_ATT, H_OA, H_Y, H_UP, H_G, H_GA,
     H_WORDS, H_MINE, H_NPEERS, H_PEERS, /* H_PEERS .. H_PEERS + 7: the peers' seq word indices */
     H_SLOTS = H_PEERS + 8, H_SLOT_FLOATS, H_RANK, H_SIZE, H_PERIOD, H_SPIN_NS,
+    H_PROFILE, /* nonzero: time the step's parts into st[5..8] */
     SW_STEP_HEADER
 };
 
-/* a linear's words: its activation block, parts, output width, bias; then per part
- * (ggml type, weight pointer, row bytes, rows, kblocks) */
+/* a linear's words: its activation block (0: an fp32 linear of the float rows), parts, output
+ * width, bias; then per part (ggml type, weight pointer, row bytes, rows, kblocks; for fp32:
+ * type 0 and kblocks = the row's length) */
 enum { L_BLOCK, L_NPARTS, L_OUT, L_BIAS, L_PARTS, SW_STEP_MAX_PARTS = 4, P_WORDS = 5 };
 #define SW_STEP_LIN (L_PARTS + SW_STEP_MAX_PARTS * P_WORDS)
 
@@ -47,7 +49,10 @@ enum {
 
 
 /* st (in/out): [0] layer to resume at, [1] phase (0 start, 1 o's reduce, 2 down's reduce),
- * [2] all-reduces completed so far, [3] the seq waited on, [4] ns inside all-reduces */
+ * [2] all-reduces completed so far, [3] the seq waited on, [4] ns inside all-reduces; with
+ * H_PROFILE, ns added up in [5] the linears, [6] attention, [7] everything else (norms,
+ * activation quantization, the gated activation, residual adds), [8] all-reduces spinning
+ * for a peer (the rest of [4] is the copy in and the sum) */
 enum { SW_STEP_DONE = 0, SW_STEP_WAIT = 1, SW_STEP_NOMEM = -1 };
 
 #define PTR(T, v) ((T)(uintptr_t)(v))
@@ -81,16 +86,31 @@ static void add_bias(float *y, int64_t bias, int64_t n, int64_t out) {
         for (int64_t j = 0; j < out; j++) y[i * out + j] += b[j];
 }
 
-/* y (n rows of L_OUT) = the activation blocks qa times every part (+ bias) */
-static void lin_run(const int64_t *L, int64_t isa, const void *qa, int64_t n, float *y) {
+static sw_f32_fn f32_for(int64_t isa) {
+    sw_f32_fn f = NULL;
+    for (int64_t i = isa; i >= 0 && !f; i--) f = sw_f32_table[i];
+    return f;
+}
+
+/* y (n rows of L_OUT) = the input times every part (+ bias): the activation blocks qa of a
+ * block-format linear, or the float rows x (n rows of k) of an fp32 one */
+static void lin_run(const int64_t *L, int64_t isa, const void *qa, const float *x, int64_t n, float *y) {
     const int64_t out = L[L_OUT];
     int64_t col = 0;
     for (int64_t p = 0; p < L[L_NPARTS]; p++) {
         const int64_t *P = L + L_PARTS + p * P_WORDS;
-        gemm_for(P[0], isa)(PTR(const uint8_t *, P[1]), (size_t)P[2], P[3], P[4], qa, n, y + col, out);
+        if (L[L_BLOCK])
+            gemm_for(P[0], isa)(PTR(const uint8_t *, P[1]), (size_t)P[2], P[3], P[4], qa, n, y + col, out);
+        else
+            f32_for(isa)(PTR(const float *, P[1]), P[2] / 4, P[3], P[4], x, P[4], n, y + col, out);
         col += P[3];
     }
     add_bias(y, L[L_BIAS], n, out);
+}
+
+/* the activation blocks of n rows of k for L, when it reads blocks */
+static void quant_in(const int64_t *L, int64_t isa, const float *x, int64_t n, int64_t k, void *qa) {
+    if (L[L_BLOCK]) quant_for(L[L_BLOCK], isa)(x, k, n, k, qa);
 }
 
 
@@ -151,9 +171,13 @@ static int reduce_or_wait(const int64_t *H, const sw_step_args *a, int64_t *st, 
     const int64_t seq = seq_of(H, a->calls + st[2] + 1);
     const int64_t t0 = now_ns();
     if (st[1] != phase) ar_post(H, y, n, seq); /* not yet posted: a resume has posted already */
-    if (!ar_spin(H, seq)) {
+    const int64_t t1 = now_ns();
+    const int arrived = ar_spin(H, seq);
+    const int64_t t2 = now_ns();
+    st[8] += t2 - t1;
+    if (!arrived) {
         st[0] = layer, st[1] = phase, st[3] = seq;
-        st[4] += now_ns() - t0;
+        st[4] += t2 - t0;
         return 0;
     }
     ar_sum(H, y, n, seq);
@@ -162,13 +186,22 @@ static int reduce_or_wait(const int64_t *H, const sw_step_args *a, int64_t *st, 
     return 1;
 }
 
+/* with H_PROFILE: ns since *t added to st[slot], *t moved on */
+#define LAP(slot)                            \
+    if (prof) {                              \
+        const int64_t t1 = now_ns();         \
+        st[slot] += t1 - tl;                 \
+        tl = t1;                             \
+    }
+
 int sw_step(const int64_t *H, const int64_t *layers, const sw_step_args *a, int64_t *st) {
     const int64_t isa = H[H_ISA], B = H[H_B], hid = H[H_HIDDEN];
     float *x = PTR(float *, H[H_X]), *hn = PTR(float *, H[H_HN]), *qkv = PTR(float *, H[H_QKV]);
     float *att = PTR(float *, H[H_ATT]), *y = PTR(float *, H[H_Y]), *up = PTR(float *, H[H_UP]);
     float *g = PTR(float *, H[H_G]);
     void *qa = PTR(void *, H[H_QA]), *oa = PTR(void *, H[H_OA]), *ga = PTR(void *, H[H_GA]);
-    const int tp = H[H_SIZE] > 1;
+    const int tp = H[H_SIZE] > 1, prof = H[H_PROFILE] != 0;
+    int64_t tl = prof ? now_ns() : 0;
     for (int64_t l = st[0]; l < H[H_NLAYERS]; l++) {
         const int64_t *Y = layers + l * SW_STEP_LAYER;
         const int64_t *Lq = Y + Y_QKV, *Lo = Y + Y_O, *Lu = Y + Y_UP, *Ld = Y + Y_DOWN;
@@ -176,32 +209,37 @@ int sw_step(const int64_t *H, const int64_t *layers, const sw_step_args *a, int6
         if (phase == 0) {
             sw_rmsnorm_table[isa](x, hid, B, hid, PTR(const float *, Y[Y_NORM1]), (float)bits_double(Y[Y_EPS1]), hn,
                                   hid);
-            quant_for(Lq[L_BLOCK], isa)(hn, hid, B, hid, qa);
-            lin_run(Lq, isa, qa, B, qkv);
-            const int64_t nq = Y[Y_NQ], hd = Y[Y_HD], ldq = Lq[L_OUT];
+            quant_in(Lq, isa, hn, B, hid, qa);
+            LAP(7) lin_run(Lq, isa, qa, hn, B, qkv);
+            LAP(5) const int64_t nq = Y[Y_NQ], hd = Y[Y_HD], ldq = Lq[L_OUT];
             if (sw_attend_table[isa](qkv, ldq, B, nq, Y[Y_NKV], hd, PTR(const int64_t *, Y[Y_GROUPS]), a->cos, a->sin,
                                      a->ldr, a->rot, PTR(float *, Y[Y_KC]), PTR(float *, Y[Y_VC]), Y[Y_POS_STRIDE],
                                      Y[Y_HEAD_STRIDE], a->widx, a->wbase, a->ridx, Y[Y_RROW], a->K, a->mask, a->ldm,
                                      (float)bits_double(Y[Y_SCALE]), att, nq * hd))
                 return SW_STEP_NOMEM;
-            quant_for(Lo[L_BLOCK], isa)(att, nq * hd, B, nq * hd, oa);
-            lin_run(Lo, isa, oa, B, y); /* its bias is Y_OBIAS, after the reduce */
+            LAP(6) quant_in(Lo, isa, att, B, nq * hd, oa);
+            LAP(7) lin_run(Lo, isa, oa, att, B, y); /* its bias is Y_OBIAS, after the reduce */
+            LAP(5)
         }
         if (phase <= 1) {
             if (tp && !reduce_or_wait(H, a, st, y, B * hid, 1, l)) return SW_STEP_WAIT;
+            if (prof) tl = now_ns(); /* the reduce timed itself */
             add_bias(y, Y[Y_OBIAS], B, hid);
             sw_add_rmsnorm_table[isa](x, y, B, hid, PTR(const float *, Y[Y_NORM2]), (float)bits_double(Y[Y_EPS2]), x,
                                       hn);
-            quant_for(Lu[L_BLOCK], isa)(hn, hid, B, hid, qa);
-            lin_run(Lu, isa, qa, B, up);
-            const int64_t inter = Y[Y_INTER];
+            quant_in(Lu, isa, hn, B, hid, qa);
+            LAP(7) lin_run(Lu, isa, qa, hn, B, up);
+            LAP(5) const int64_t inter = Y[Y_INTER];
             sw_glu_table[isa](up, 2 * inter, B, inter, (int)Y[Y_GLU], g, inter);
-            quant_for(Ld[L_BLOCK], isa)(g, inter, B, inter, ga);
-            lin_run(Ld, isa, ga, B, y);
+            quant_in(Ld, isa, g, B, inter, ga);
+            LAP(7) lin_run(Ld, isa, ga, g, B, y);
+            LAP(5)
         }
         if (tp && !reduce_or_wait(H, a, st, y, B * hid, 2, l)) return SW_STEP_WAIT;
+        if (prof) tl = now_ns();
         add_bias(y, Y[Y_DBIAS], B, hid);
         for (int64_t i = 0; i < B * hid; i++) x[i] += y[i];
+        LAP(7)
     }
     st[0] = H[H_NLAYERS], st[1] = 0;
     return SW_STEP_DONE;
@@ -220,13 +258,14 @@ const char *sw_step_check(const int64_t *H, const int64_t *layers) {
         const int64_t lins[4] = {Y_QKV, Y_O, Y_UP, Y_DOWN};
         for (int i = 0; i < 4; i++) {
             const int64_t *L = Y + lins[i];
-            if (L[L_BLOCK] != 32 && L[L_BLOCK] != 256) return "an activation block that is not 32 or 256";
-            if (!quant_for(L[L_BLOCK], isa)) return "no activation quantizer";
+            if (L[L_BLOCK] != 0 && L[L_BLOCK] != 32 && L[L_BLOCK] != 256) return "an activation block that is not 32 or 256";
+            if (L[L_BLOCK] && !quant_for(L[L_BLOCK], isa)) return "no activation quantizer";
             if (L[L_NPARTS] < 1 || L[L_NPARTS] > SW_STEP_MAX_PARTS) return "bad parts";
             int64_t rows = 0;
             for (int64_t p = 0; p < L[L_NPARTS]; p++) {
                 const int64_t *P = L + L_PARTS + p * P_WORDS;
-                if (P[0] < 0 || P[0] >= SW_NUM_TYPES || !gemm_for(P[0], isa)) return "a weight type without a kernel";
+                if (!L[L_BLOCK] ? (P[0] != 0 || !f32_for(isa)) : (P[0] < 1 || P[0] >= SW_NUM_TYPES || !gemm_for(P[0], isa)))
+                    return "a weight type without a kernel";
                 rows += P[3];
             }
             if (rows != L[L_OUT]) return "parts that do not add up to the output";

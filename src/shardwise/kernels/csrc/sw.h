@@ -84,6 +84,11 @@ typedef int (*sw_attend_fn)(float *qkv, int64_t ldq, int64_t B, int64_t nq, int6
 /* out (n, inter) = act(h[:, :inter]) * h[:, inter:]; kind 0 silu, 1 gelu (tanh) (attn.c). */
 typedef void (*sw_glu_fn)(const float *h, int64_t ldh, int64_t n, int64_t inter, int kind, float *out, int64_t ldo);
 
+/* y[i * ldy + r] = sum_j x[i * ldx + j] w[r * ldw + j]: an fp32 linear, r < rows, i < n (f32.c). */
+typedef void (*sw_f32_fn)(const float *w, int64_t ldw, int64_t rows, int64_t k, const float *x, int64_t ldx,
+                          int64_t n, float *y, int64_t ldy);
+
+extern sw_f32_fn sw_f32_table[SW_NUM_ISA];
 extern sw_add_rmsnorm_fn sw_add_rmsnorm_table[SW_NUM_ISA];
 extern sw_attend_fn sw_attend_table[SW_NUM_ISA];
 extern sw_glu_fn sw_glu_table[SW_NUM_ISA];
@@ -116,6 +121,7 @@ void sw_register_q32(void);
 void sw_register_qk(void);
 void sw_register_norm(void);
 void sw_register_attn(void);
+void sw_register_f32(void);
 
 /* IEEE half -> float without F16C (portable paths). */
 static inline float sw_fp16_to_fp32(uint16_t h) {
