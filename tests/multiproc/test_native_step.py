@@ -150,7 +150,11 @@ def test_native_step_equals_the_per_op_path_at_every_tp(rank_pool, tiny, tp, qua
             for name, a, b in pairs:
                 if quantize is None:
                     torch.testing.assert_close(
-                        b, a, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name} at tp={tp} ({native}): {m}"
+                        b,
+                        a,
+                        rtol=1e-4,
+                        atol=1e-4,
+                        msg=lambda m, name=name, native=native: f"{name} at tp={tp} ({native}): {m}",
                     )
                     assert torch.equal(a.argmax(-1), b.argmax(-1)), name
                 else:
