@@ -19,6 +19,7 @@ from shardwise.comm.shm_segment import PREFIX, SHM_DIR, Segment
 
 __all__ = [
     "parity_case",
+    "gather_broadcast_case",
     "many_calls_case",
     "decode_case",
     "other_host_case",
@@ -93,6 +94,42 @@ def parity_case(world) -> dict:
     return {"checked": checked, "linked": linked, "calls": on._calls}
 
 
+def gather_broadcast_case(world) -> dict:
+    """all_gather (even and uneven, along the first and last dim) and broadcast (from every rank)
+    through the segment against the wrapped communicator's: equal, counted alike, in place."""
+    on, off = _groups(world)
+    gen = torch.Generator().manual_seed(99 + world.rank)
+    checked = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for shape in ((1, 24576), (4, 3, 5), (7,)):
+            x = (torch.randn(shape, generator=gen) * 100).to(dtype)
+            for dim in {0, len(shape) - 1}:
+                with world.stats.track() as c_on:
+                    got = on.all_gather(x, dim=dim)
+                with world.stats.track() as c_off:
+                    ref = off.all_gather(x, dim=dim)
+                assert torch.equal(got, ref) and c_on.snapshot() == c_off.snapshot(), (
+                    f"all_gather {dtype} {shape} {dim}"
+                )
+            sizes = [shape[-1] - (r % 2) for r in range(world.size)]  # uneven along the last dim
+            part = x[..., : sizes[world.rank]]
+            assert torch.equal(on.all_gather(part, dim=-1, sizes=sizes), off.all_gather(part, dim=-1, sizes=sizes))
+            for src in range(world.size):
+                a, b = x.clone(), x.clone()
+                with world.stats.track() as c_on:
+                    out = on.broadcast(a, src=src)
+                with world.stats.track() as c_off:
+                    ref = off.broadcast(b, src=src)
+                assert out is a and torch.equal(a, ref) and c_on.snapshot() == c_off.snapshot(), f"broadcast {src}"
+            checked += 1
+    calls = on._calls
+    big = torch.full((on.max_bytes // 4 + 1,), float(world.rank))  # past a slot: the wrapped one's
+    assert torch.equal(on.all_gather(big, dim=0), off.all_gather(big, dim=0))
+    assert torch.equal(on.broadcast(big.clone(), src=0), torch.zeros_like(big))
+    assert on._calls == calls
+    return {"checked": checked, "calls": on._calls}
+
+
 def many_calls_case(world, calls: int, period: int) -> dict:
     """`calls` all-reduces of alternating shapes, dtypes and ops, the counter wrapping every `period`."""
     on, _ = _groups(world, period=period)
@@ -100,7 +137,11 @@ def many_calls_case(world, calls: int, period: int) -> dict:
     for i in range(calls):
         shape, dtype = SHAPES[i % 3], (torch.float32, torch.bfloat16)[i % 2]
         x = torch.full(shape, float(world.rank + i % 7), dtype=dtype)
-        if i % 5 == 4:
+        if i % 11 == 10:  # an all-gather and a broadcast take their turn in the same counter
+            got, want = on.all_gather(x.reshape(-1), dim=0).view(p, -1)[p - 1], float(p - 1 + i % 7)
+        elif i % 13 == 12:
+            got, want = on.broadcast(x, src=p - 1), float(p - 1 + i % 7)
+        elif i % 5 == 4:
             got, want = on.all_reduce(x, "max"), float(p - 1 + i % 7)
         elif i % 5 == 3:
             got, want = on.all_reduce_(x), float(p * (i % 7) + p * (p - 1) // 2)

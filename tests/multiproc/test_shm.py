@@ -15,6 +15,7 @@ from cases.shm import (
     decode_case,
     dies_holding_a_segment,
     fails_mid_collective,
+    gather_broadcast_case,
     many_calls_case,
     other_host_case,
     parity_case,
@@ -34,6 +35,12 @@ def test_equals_the_wrapped_all_reduce_and_the_plain_sum(rank_pool, world_size):
     assert all(len(r["checked"]) == 6 for r in out)
     assert all(r["linked"] == [] for r in out), "the segment's name must go once every rank has mapped it"
     assert len({r["calls"] for r in out}) == 1
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.full)])
+def test_all_gather_and_broadcast_equal_the_wrapped_ones(rank_pool, world_size):
+    out = rank_pool.run(gather_broadcast_case, world_size)
+    assert all(r["checked"] == 9 for r in out) and len({r["calls"] for r in out}) == 1
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

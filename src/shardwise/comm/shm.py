@@ -2,17 +2,19 @@
 
     tp = intra_host(world.split(groups, name="tp"), parent=world, mode="auto")
 
-wraps a group's communicator (gloo or MPI) so that its all-reduces of tensors up to
-`max_bytes` go through one POSIX shared-memory segment (a file in /dev/shm) made once, at
-setup; every other operation, and larger or non-CPU tensors, pass through to the wrapped
-communicator. The accounting, the progress board and CollectiveError are the base class's,
+wraps a group's communicator (gloo or MPI) so that its all-reduces, all-gathers and
+broadcasts of tensors up to `max_bytes` go through one POSIX shared-memory segment (a file in
+/dev/shm) made once, at setup; every other operation, and larger or non-CPU tensors, pass
+through to the wrapped communicator. (A decode step's all-gather of vocabulary-parallel
+logits and its token broadcast cost gloo a few hundred us each; through the segment, a copy.) The accounting, the progress board and CollectiveError are the base class's,
 so the calls count exactly as the wrapped communicator's would.
 
 The segment (shardwise.comm.shm_segment) holds a line per rank (its seq, pid, failed words)
 and two buffers of one slot per rank.
 
-All-reduce number k (every rank counts its calls) uses buffer b = k % 2: each rank copies
-its tensor into its slot, then stores k into its seq (mod PERIOD), waits until every peer's
+Operation number k (every rank counts its calls; an all-gather and a broadcast are one call
+each, exactly like an all-reduce) uses buffer b = k % 2: each rank copies its tensor into its
+slot, then stores k into its seq (mod PERIOD), waits until every peer's
 seq is k or k + 1, and sums the size slots in rank order (every rank the same order, so the
 replicas stay bitwise equal). Two buffers are enough: a rank writes call k + 1's slot only
 after seeing every peer at k, and a peer stores k only once it has finished reading call
@@ -54,7 +56,7 @@ MODE_ENV = "SHARDWISE_SHM_ALLREDUCE"
 both: docs/benchmarks/decode-step.md); on: the same, and a warning where it cannot be used;
 off: the wrapped communicator's all-reduce."""
 MODES = ("auto", "on", "off")
-DEFAULT_MAX_BYTES = 1 << 20
+DEFAULT_MAX_BYTES = 4 << 20
 """The largest tensor the segment holds (per rank and buffer); larger ones go to the wrapped one."""
 PERIOD = 1 << 62
 """Sequence numbers are counted modulo this (even, so a call's buffer parity survives the wrap)."""
@@ -206,13 +208,18 @@ class ShmCommunicator(Communicator):
         return getattr(self.inner, name)
 
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return self.inner._all_gather(t, dim)
+        if not self._fits(t):
+            return self.inner._all_gather(t, dim)
+        return torch.cat(self._exchange(t), dim)  # every rank's slot, in rank order: a copy each
 
     def _reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self.inner._reduce_scatter(t, dim)
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        return self.inner._broadcast(t, src)
+        if not (self._fits(t) and t.is_contiguous()):
+            return self.inner._broadcast(t, src)
+        rows = self._exchange(t)  # NOTE: every rank posts (the protocol's seq); only src's slot is read
+        return t.copy_(rows[src])  # in place, as the backends' broadcast
 
     def _all_to_all(self, t: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
         return self.inner._all_to_all(t, send_sizes, recv_sizes)
