@@ -18,8 +18,9 @@ Per rank, ms per step (medians of wall and thread time; the program's parts as m
                    inside the program (SHARDWISE_STEP_PROFILE's clocks): the projections, the
                    attention, and the norms, activation quantization, gated activation and
                    residual adds between them
-    allreduce      inside the program's all-reduces (copy in, wait for the peer, sum), and of
-    spin           that, waiting for the peer (spinning, or in Python past SPIN_NS)
+    allreduce      inside the program's all-reduces (copy in, spin for the peer, sum), and of
+    spin           that, spinning for the peer
+    wait           waiting for a peer later than SPIN_NS, in Python (wall time, not in the rest)
     python         the forward's thread time less the program: embedding, final norm, LM
                    head, Python (with the program off: the whole forward)
     sample+bcast   rank 0's argmax and the token broadcast
@@ -52,7 +53,7 @@ from bench_decode_step import OPS, _Profiled  # noqa: E402
 from bench_native import LLAMA_VENV, _machine, _now, llama_cpp  # noqa: E402
 
 PROMPT = [(37 * i + 300) % 49152 for i in range(32)]
-PARTS = ("linears", "attention", "other", "allreduce", "spin")
+PARTS = ("linears", "attention", "other", "allreduce", "spin", "wait")
 
 
 def _rank(world, opts: dict) -> dict:
@@ -172,9 +173,9 @@ def table(res: dict) -> str:
     lines = [f"Machine: {m['model']}, {m['cores']} cores; flags {' '.join(m['flags'])}; torch {m['torch']}; "
              f"kernels: {m['kernels']}. Start {res['start']['date']} (load {' '.join(res['start']['load'])}), "
              f"end {res['end']['date']} (load {' '.join(res['end']['load'])}).", "",
-             "| model | weights | tp | step | wall | cpu | linears | attention | other | allreduce | spin | python "
+             "| model | weights | tp | step | wall | cpu | linears | attention | other | allreduce | spin | wait | python "
              "| sample+bcast | ops/layer | ceiling | ceiling/wall |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for row in res["shardwise"]:
         r = row["ranks"][0]
         inside = sum(r[k] for k in ("linears", "attention", "other", "allreduce"))
@@ -183,6 +184,7 @@ def table(res: dict) -> str:
         lines.append(
             f"| {row['model']} | {row['quantize']} | {row['tp']} | {row['step']} | {wall:.2f} | {r['cpu']:.2f} "
             f"| {r['linears']:.2f} | {r['attention']:.2f} | {r['other']:.2f} | {r['allreduce']:.2f} | {r['spin']:.2f} "
+            f"| {r['wait']:.2f} "
             f"| {r['fwd_cpu'] - inside:.2f} | {r['sample_bcast']:.2f} | {r['ops_per_layer']:.1f} | {ceiling:.2f} "
             f"| {ceiling / wall:.2f} |"
         )

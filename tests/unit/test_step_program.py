@@ -81,11 +81,17 @@ def test_where_it_cannot_run_it_says_why_and_the_layers_run_op_by_op(tmp_path, f
     assert torch.equal(plain, fast)
 
 
-@pytest.mark.parametrize("overrides", [None, WIDE])
-def test_an_fp32_model_runs_its_linears_natively_within_rounding(tmp_path, overrides):
+@pytest.mark.parametrize("overrides,layout", [(None, False), (WIDE, False), (WIDE, True)])
+def test_an_fp32_model_runs_its_linears_natively_within_rounding(tmp_path, overrides, layout):
     """fp32 weights: the program's own fp32 kernel (csrc/f32.c) where the per-op path runs MKL's,
-    so the two differ in summation order only."""
+    so the two differ in summation order only; also with the wide weights re-strided
+    column-major for decode (quant.layout.decode_layout, as generate and serve do)."""
+    from shardwise.quant.layout import decode_layout
+
     model = _load(tmp_path, "llama3", None, overrides)
+    if layout:
+        decode_layout(model, rows=1)
+        assert model.layers[0].attn.qkv.weight.stride(0) == 1  # column-major now
     plain = _logits(model, False)
     fast = _logits(model, True)
     assert _ran(model), model.__dict__.get("_step_refused")
@@ -94,14 +100,21 @@ def test_an_fp32_model_runs_its_linears_natively_within_rounding(tmp_path, overr
 
 
 @pytest.mark.parametrize("isa", native.ISAS)
-@pytest.mark.parametrize("rows,k,n", [(1, 1, 1), (7, 33, 5), (64, 576, 1), (130, 100, 16), (5, 17, 9)])
-def test_the_fp32_kernel_equals_a_float64_product_on_every_path(isa, rows, k, n):
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows,k,n", [(1, 1, 1), (7, 33, 5), (64, 576, 1), (130, 100, 16), (5, 17, 9), (300, 9, 2)])
+def test_the_fp32_kernel_equals_a_float64_product_on_every_path(isa, transposed, rows, k, n):
+    """Row-major weights, and column-major ones (quant/layout.py's decode order): every ISA."""
     g = torch.Generator().manual_seed(rows * k + n)
-    w, x = torch.randn(rows, k + 3, generator=g)[:, :k], torch.randn(n, k, generator=g)  # w's rows k + 3 apart
+    x = torch.randn(n, k, generator=g)
+    if transposed:  # W (rows, k) held as its transpose's rows, rows + 5 apart
+        wt = torch.randn(k, rows + 5, generator=g)[:, :rows]
+        w, ptr, ld = wt.t(), wt.data_ptr(), rows + 5
+    else:  # W's rows k + 3 apart
+        w = torch.randn(rows, k + 3, generator=g)[:, :k]
+        ptr, ld = w.data_ptr(), k + 3
     y = torch.full((n, rows + 2), float("nan"))
-    native.lib.f32_gemm(
-        native.lib.ISA_NAMES.index(isa), w.data_ptr(), k + 3, rows, k, x.data_ptr(), k, n, y.data_ptr(), rows + 2
-    )
+    isa_id = native.lib.ISA_NAMES.index(isa)
+    native.lib.f32_gemm(isa_id, ptr, ld, rows, k, x.data_ptr(), k, n, y.data_ptr(), rows + 2, int(transposed))
     ref = (x.double() @ w.double().T).float()
     torch.testing.assert_close(y[:, :rows], ref, rtol=1e-5, atol=1e-5 * k**0.5)
     assert y[:, rows:].isnan().all()  # nothing written past the rows

@@ -51,9 +51,10 @@ PROFILE = os.environ.get("SHARDWISE_STEP_PROFILE", "0") == "1"
 """SHARDWISE_STEP_PROFILE=1 (read when a program is built): time each step's parts in C
 (StepProgram.times; benchmarks/bench_decode_step.py reads them). A few clock reads a layer."""
 _ST = 12  # the resume state's words (csrc/step.c)
-TIMES = ("linears", "attention", "other", "spin", "allreduce")
-"""StepProgram.times' keys: ns in the linears, attention, everything else between them, spinning
-for late peers, and the all-reduces in all (spinning included)."""
+TIMES = ("linears", "attention", "other", "allreduce", "spin", "wait")
+"""StepProgram.times' keys, ns: in the linears, attention, everything else between them, the
+all-reduces in C (copy in, spin, sum), of that the spinning for late peers, and the waits for
+them handed to Python (wall time, outside the rest)."""
 
 # the words of csrc/step.c (header, linear, layer), in its order
 _H = (
@@ -155,13 +156,15 @@ def _vector(t: torch.Tensor | None, n: int, what: str) -> None:
 def _lin_words(w, bias: torch.Tensor | None, k: int, what: str) -> tuple[list[int], int]:
     """A projection's words, and its output width: native blocks (BlockWeight) or an fp32 matrix."""
     if isinstance(w, torch.Tensor):
+        rows, cols = w.dim() == 2 and w.stride(1) == 1, w.dim() == 2 and w.stride(0) == 1  # row- or column-major
         need(
-            w.dtype is torch.float32 and w.device.type == "cpu" and w.dim() == 2 and w.stride(1) == 1,
-            f"{what}: a float weight that is not fp32 rows on CPU",
+            w.dtype is torch.float32 and w.device.type == "cpu" and (rows or cols),
+            f"{what}: a float weight that is not fp32 rows or columns on CPU",
         )
         need(w.shape[1] == k, f"{what}: {tuple(w.shape)} does not take rows of {k}")
         _vector(bias, w.shape[0], f"{what}: a bias")
-        words = [0, 1, w.shape[0], _ptr(bias), 0, w.data_ptr(), w.stride(0) * 4, w.shape[0], k]
+        kind, ld = (0, w.stride(0)) if rows else (-1, w.stride(1))  # -1: column-major (quant/layout.py's order)
+        words = [0, 1, w.shape[0], _ptr(bias), kind, w.data_ptr(), ld * 4, w.shape[0], k]
         return words + [0] * (LIN - len(words)), w.shape[0]
     block = act_block(w)
     need(
@@ -286,9 +289,7 @@ class StepProgram:
             st[4] = 0
             t0 = time.perf_counter_ns()
             ar.wait(st[3], self.nbytes)
-            waited = time.perf_counter_ns() - t0
-            times["allreduce"] += waited
-            times["spin"] += waited
+            times["wait"] += time.perf_counter_ns() - t0
             noted = st[2] + 1
             self.waits += 1
         if ar is not None:

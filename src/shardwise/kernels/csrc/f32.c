@@ -24,8 +24,74 @@ static void f32_portable(SW_F32_ARGS) {
     }
 }
 
+/* The same product with the weight stored column-major (its transpose contiguous: wt[j * ldw + r]
+ * is W[r, j]; quant/layout.py's decode order for MKL): each output row accumulated over j in
+ * chunks of the outputs, so wt streams once per activation row. */
+#define SW_F32T_ARGS                                                                                 \
+    const float *wt, int64_t ldw, int64_t rows, int64_t k, const float *x, int64_t ldx, int64_t n, float *y, \
+        int64_t ldy
+
+static void f32t_portable(SW_F32T_ARGS) {
+    for (int64_t i = 0; i < n; i++) {
+        float *yi = y + i * ldy;
+        for (int64_t r = 0; r < rows; r++) yi[r] = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            const float xj = x[i * ldx + j], *wj = wt + j * ldw;
+            for (int64_t r = 0; r < rows; r++) yi[r] += xj * wj[r];
+        }
+    }
+}
+
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+/* Column-major: 8 input positions j at a time over all the outputs, the output rows (2 at a
+ * time) accumulated in y itself (L1/L2-resident), so the weight streams row after row. */
+#define SW_F32T_BODY(VEC, W, LOADM, STOREM, FMA, SET1, MASK_T, MASK)                        \
+    for (int64_t i0 = 0; i0 < n; i0 += 2) {                                               \
+        const int two = i0 + 1 < n;                                                       \
+        float *y0 = y + i0 * ldy, *y1 = y + (i0 + two) * ldy;                             \
+        for (int64_t r = 0; r < rows; r++) y0[r] = y1[r] = 0.0f;                          \
+        for (int64_t j0 = 0; j0 < k; j0 += 8) {                                           \
+            const int jb = k - j0 < 8 ? (int)(k - j0) : 8;                                \
+            VEC x0[8], x1[8];                                                             \
+            for (int jj = 0; jj < jb; jj++) {                                             \
+                x0[jj] = SET1(x[i0 * ldx + j0 + jj]);                                     \
+                x1[jj] = SET1(two ? x[(i0 + 1) * ldx + j0 + jj] : 0.0f);                  \
+            }                                                                             \
+            for (int64_t c = 0; c < rows; c += W) {                                       \
+                const MASK_T m = MASK(rows - c);                                          \
+                VEC a0 = LOADM(m, y0 + c), a1 = LOADM(m, y1 + c);                         \
+                for (int jj = 0; jj < jb; jj++) {                                         \
+                    const VEC wv = LOADM(m, wt + (j0 + jj) * ldw + c);                    \
+                    a0 = FMA(wv, x0[jj], a0);                                             \
+                    a1 = FMA(wv, x1[jj], a1);                                             \
+                }                                                                         \
+                STOREM(y0 + c, m, a0);                                                    \
+                if (two) STOREM(y1 + c, m, a1);                                           \
+            }                                                                             \
+        }                                                                                 \
+    }
+
+__attribute__((target("avx2,fma"))) static inline __m256i mask8(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left >= 8 ? 8 : (int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#define SW_AVX2_LOADM(m, p) _mm256_maskload_ps((p), (m))
+#define SW_AVX2_STOREM(p, m, v) _mm256_maskstore_ps((p), (m), (v))
+
+__attribute__((target("avx2,fma"))) static void f32t_avx2(SW_F32T_ARGS) {
+    SW_F32T_BODY(__m256, 8, SW_AVX2_LOADM, SW_AVX2_STOREM, _mm256_fmadd_ps, _mm256_set1_ps, __m256i, mask8)
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static inline __mmask16 mask16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+#define SW_AVX512_LOADM(m, p) _mm512_maskz_loadu_ps((m), (p))
+#define SW_AVX512_STOREM(p, m, v) _mm512_mask_storeu_ps((p), (m), (v))
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static void f32t_avx512(SW_F32T_ARGS) {
+    SW_F32T_BODY(__m512, 16, SW_AVX512_LOADM, SW_AVX512_STOREM, _mm512_fmadd_ps, _mm512_set1_ps, __mmask16, mask16)
+}
 
 /* AVX2: NR weight rows x NI activation rows of 8-lane sums, k's tail masked */
 #define SW_F32_AVX2_TILE(NR, NI)                                                                  \
@@ -118,8 +184,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static void f32_av
 
 void sw_register_f32(void) {
     sw_f32_table[SW_ISA_PORTABLE] = f32_portable;
+    sw_f32t_table[SW_ISA_PORTABLE] = f32t_portable;
 #if defined(__x86_64__)
     sw_f32_table[SW_ISA_AVX2] = f32_avx2;
     sw_f32_table[SW_ISA_AVX512] = f32_avx512;
+    sw_f32t_table[SW_ISA_AVX2] = f32t_avx2;
+    sw_f32t_table[SW_ISA_AVX512] = f32t_avx512;
 #endif
 }

@@ -18,6 +18,7 @@ sw_add_rmsnorm_fn sw_add_rmsnorm_table[SW_NUM_ISA];
 sw_attend_fn sw_attend_table[SW_NUM_ISA];
 sw_glu_fn sw_glu_table[SW_NUM_ISA];
 sw_f32_fn sw_f32_table[SW_NUM_ISA];
+sw_f32_fn sw_f32t_table[SW_NUM_ISA];
 
 static const char *isa_names[SW_NUM_ISA] = {"portable", "avx2", "avx512"};
 
@@ -214,13 +215,15 @@ static PyObject *py_glu(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* f32_gemm(isa, w, ldw, rows, k, x, ldx, n, y, ldy): an fp32 linear (f32.c) */
+/* f32_gemm(isa, w, ldw, rows, k, x, ldx, n, y, ldy[, transposed]): an fp32 linear (f32.c);
+ * transposed: w column-major (w[j * ldw + r] is W[r, j]) */
 static PyObject *py_f32_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    long long a[10];
-    if (args_i64(args, nargs, 10, a, "f32_gemm") < 0) return NULL;
+    long long a[11] = {0};
+    if (nargs != 10 && nargs != 11) return PyErr_Format(PyExc_TypeError, "f32_gemm takes 10 or 11 arguments, got %zd", nargs);
+    if (args_i64(args, nargs, nargs, a, "f32_gemm") < 0) return NULL;
     if (check_isa(a[0]) < 0) return NULL;
     sw_f32_fn f = NULL;
-    for (long long i = a[0]; i >= 0 && !f; i--) f = sw_f32_table[i];
+    for (long long i = a[0]; i >= 0 && !f; i--) f = a[10] ? sw_f32t_table[i] : sw_f32_table[i];
     Py_BEGIN_ALLOW_THREADS f((const float *)(uintptr_t)a[1], a[2], a[3], a[4], (const float *)(uintptr_t)a[5], a[6], a[7],
                              (float *)(uintptr_t)a[8], a[9]);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
@@ -286,7 +289,7 @@ static PyMethodDef methods[] = {
     {"add_rmsnorm", (PyCFunction)(void (*)(void))py_add_rmsnorm, METH_FASTCALL, "add_rmsnorm(isa, x, a, n, k, w, eps, sum, out[, block, q])"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL, "attend(isa, qkv, ldq, B, nq, nkv, hd, groups, cos, sin, ldr, rot, k, v, pos_stride, head_stride, widx, wbase, ridx, rrow, K, mask, ldm, scale, out, ldo[, block, q])"},
     {"glu", (PyCFunction)(void (*)(void))py_glu, METH_FASTCALL, "glu(isa, h, ldh, n, inter, kind, out, ldo[, block, q])"},
-    {"f32_gemm", (PyCFunction)(void (*)(void))py_f32_gemm, METH_FASTCALL, "f32_gemm(isa, w, ldw, rows, k, x, ldx, n, y, ldy)"},
+    {"f32_gemm", (PyCFunction)(void (*)(void))py_f32_gemm, METH_FASTCALL, "f32_gemm(isa, w, ldw, rows, k, x, ldx, n, y, ldy[, transposed])"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL, "step(header, layers, cos, sin, ldr, rot, mask, ldm, K, wbase, widx, ridx, calls, st) -> 0 done, 1 waiting"},
     {"isas", py_isas, METH_NOARGS, "ISA levels this CPU runs, lowest first"},
     {"kernels", py_kernels, METH_NOARGS, "{type id: [ISA names with a gemm]}"},

@@ -29,7 +29,8 @@ enum {
 
 /* a linear's words: its activation block (0: an fp32 linear of the float rows), parts, output
  * width, bias; then per part (ggml type, weight pointer, row bytes, rows, kblocks; for fp32:
- * type 0 and kblocks = the row's length) */
+ * type 0, or -1 for a column-major weight (row bytes: its transpose's), and kblocks = the input
+ * length) */
 enum { L_BLOCK, L_NPARTS, L_OUT, L_BIAS, L_PARTS, SW_STEP_MAX_PARTS = 4, P_WORDS = 5 };
 #define SW_STEP_LIN (L_PARTS + SW_STEP_MAX_PARTS * P_WORDS)
 
@@ -86,9 +87,10 @@ static void add_bias(float *y, int64_t bias, int64_t n, int64_t out) {
         for (int64_t j = 0; j < out; j++) y[i * out + j] += b[j];
 }
 
-static sw_f32_fn f32_for(int64_t isa) {
+/* part type 0: fp32 rows (row bytes apart); -1: fp32 column-major (the transpose's rows, row bytes apart) */
+static sw_f32_fn f32_for(int64_t type, int64_t isa) {
     sw_f32_fn f = NULL;
-    for (int64_t i = isa; i >= 0 && !f; i--) f = sw_f32_table[i];
+    for (int64_t i = isa; i >= 0 && !f; i--) f = type ? sw_f32t_table[i] : sw_f32_table[i];
     return f;
 }
 
@@ -102,7 +104,7 @@ static void lin_run(const int64_t *L, int64_t isa, const void *qa, const float *
         if (L[L_BLOCK])
             gemm_for(P[0], isa)(PTR(const uint8_t *, P[1]), (size_t)P[2], P[3], P[4], qa, n, y + col, out);
         else
-            f32_for(isa)(PTR(const float *, P[1]), P[2] / 4, P[3], P[4], x, P[4], n, y + col, out);
+            f32_for(P[0], isa)(PTR(const float *, P[1]), P[2] / 4, P[3], P[4], x, P[4], n, y + col, out);
         col += P[3];
     }
     add_bias(y, L[L_BIAS], n, out);
@@ -264,7 +266,8 @@ const char *sw_step_check(const int64_t *H, const int64_t *layers) {
             int64_t rows = 0;
             for (int64_t p = 0; p < L[L_NPARTS]; p++) {
                 const int64_t *P = L + L_PARTS + p * P_WORDS;
-                if (!L[L_BLOCK] ? (P[0] != 0 || !f32_for(isa)) : (P[0] < 1 || P[0] >= SW_NUM_TYPES || !gemm_for(P[0], isa)))
+                if (!L[L_BLOCK] ? ((P[0] != 0 && P[0] != -1) || !f32_for(P[0], isa))
+                                : (P[0] < 1 || P[0] >= SW_NUM_TYPES || !gemm_for(P[0], isa)))
                     return "a weight type without a kernel";
                 rows += P[3];
             }

@@ -89,6 +89,8 @@ typedef void (*sw_f32_fn)(const float *w, int64_t ldw, int64_t rows, int64_t k, 
                           int64_t n, float *y, int64_t ldy);
 
 extern sw_f32_fn sw_f32_table[SW_NUM_ISA];
+/* The same with the weight column-major: w[j * ldw + r] is W[r, j] (f32.c). */
+extern sw_f32_fn sw_f32t_table[SW_NUM_ISA];
 extern sw_add_rmsnorm_fn sw_add_rmsnorm_table[SW_NUM_ISA];
 extern sw_attend_fn sw_attend_table[SW_NUM_ISA];
 extern sw_glu_fn sw_glu_table[SW_NUM_ISA];
