@@ -80,11 +80,18 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, nargs="+", required=True)
     ap.add_argument("--warm", type=int, default=3)
     ap.add_argument("--new", type=int, default=16)
+    ap.add_argument(
+        "--no-extra-bufts",
+        action="store_true",
+        help="no extra buffer types (AMX, repacked weights): where the AMX path crashes (a VM without the AMX state)",
+    )
     args = ap.parse_args()
     L.llama_log_set(_QUIET, None)
     L.llama_backend_init()
     mp = L.llama_model_default_params()
     mp.use_mmap = True
+    if args.no_extra_bufts and hasattr(mp, "use_extra_bufts"):
+        mp.use_extra_bufts = False  # no AMX or repacked buffers (llama-bench --no-extra-bufts)
     model = L.llama_model_load_from_file(args.file.encode(), mp)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {args.file}")

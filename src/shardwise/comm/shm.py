@@ -281,8 +281,12 @@ class NativeAllReduce:
         self.rank, self.size, self.period = comm.rank, comm.size, comm.period
 
     def calls(self) -> int:
-        """All-reduces this rank has made on the group so far (the next one is calls() + 1)."""
-        return self.comm._calls
+        """Operations this rank has made on the segment so far (the next one is calls() + 1).
+        Raises when the communicator failed or was closed: its mapping may be gone."""
+        c = self.comm
+        if c._broken is not None:
+            raise RuntimeError(f"shared-memory all_reduce is unusable after an earlier failure: {c._broken}")
+        return c._calls
 
     def done(self, calls: int, nbytes: int, seconds: float) -> None:
         if calls <= 0:
