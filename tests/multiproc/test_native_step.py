@@ -163,6 +163,7 @@ def test_native_step_equals_the_per_op_path_at_every_tp(rank_pool, tiny, tp, qua
         assert r["calls"][False] > 0 or tp == 1
 
 
+@pytest.mark.full  # a launched job (8 s): the gate's fail-fast cases cover the launcher, this the native step's wait
 def test_a_peer_that_never_comes_to_a_native_all_reduce_is_named(tiny):
     """Rank 0's native step finds rank 1 late, waits through the communicator, and times out
     naming it and the all-reduce (counted as the communicator's own: the board's numbers hold)."""
