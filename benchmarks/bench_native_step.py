@@ -21,8 +21,9 @@ Per rank, ms per step (medians of wall and thread time; the program's parts as m
     allreduce      inside the program's all-reduces (copy in, spin for the peer, sum), and of
     spin           that, spinning for the peer
     wait           waiting for a peer later than SPIN_NS, in Python (wall time, not in the rest)
-    python         the forward's thread time less the program: embedding, final norm, LM
-                   head, Python (with the program off: the whole forward)
+    head           the LM head (at tp > 1 with its all-gather of the logits), thread time
+    python         the forward's thread time less the program and the head: embedding, final
+                   norm, Python (with the program off: the whole forward but the head)
     sample+bcast   rank 0's argmax and the token broadcast
     ops/layer      top-level aten ops and native calls a step makes, over the layers
                    (torch.profiler, one extra pass of the same steps)
@@ -87,6 +88,17 @@ def _rank(world, opts: dict) -> dict:
         progs = [e.program for e in model.__dict__.get("_step_programs", {}).values() if e]
         return {k: sum(p.times[k] for p in progs) for k in PARTS}
 
+    head = [0.0]  # thread time in the LM head (final norm excluded; at tp > 1 with its gather)
+    lm_forward = model.lm_head.forward
+
+    def timed_head(x):
+        c = time.thread_time()
+        try:
+            return lm_forward(x)
+        finally:
+            head[0] += time.thread_time() - c
+
+    model.lm_head.forward = timed_head
     tokens = []
     with torch.no_grad():
         tok = tp.broadcast(prefill(model, ids, torch.ones_like(ids), caches).argmax(-1), src=0)
@@ -94,10 +106,10 @@ def _rank(world, opts: dict) -> dict:
         for s in range(opts["warm"] + opts["steps"]):
             if s == opts["warm"]:
                 rows.clear()
-                t0 = times()
+                t0, head[0] = times(), 0.0
             tok, pos = one(tok, pos), pos + 1
             tokens.append(int(tok))
-        t1 = times()
+        t1, head_s = times(), head[0]
         timed = list(rows)
         real_lib = native.lib
         native.lib = _Profiled(real_lib) if real_lib is not None else None
@@ -110,7 +122,7 @@ def _rank(world, opts: dict) -> dict:
     top = sum(1 for e in prof.events() if e.name.startswith(OPS) and not _nested(e))
     refused, layers = model.__dict__.get("_step_refused"), model.cfg.num_layers
     model = caches = None  # the weights' memory back before the bandwidth buffer
-    buf = torch.ones(report.param_bytes // 8, dtype=torch.int64)
+    buf = torch.ones(report.param_bytes // 4)  # fp32: torch's sum streams it faster than int64 here
     best = float("inf")
     for _ in range(10):
         world.barrier()
@@ -123,6 +135,7 @@ def _rank(world, opts: dict) -> dict:
         "cpu": 1e3 * statistics.median(r[1] for r in timed),
         "fwd_cpu": 1e3 * statistics.mean(r[2] for r in timed),
         "sample_bcast": 1e3 * statistics.median(r[3] for r in timed),
+        "head": 1e3 * head_s / opts["steps"],
         **{k: (t1[k] - t0[k]) / steps / 1e6 for k in PARTS},
         "ops_per_layer": top / 4 / layers,
         "bytes": report.param_bytes,
@@ -173,9 +186,9 @@ def table(res: dict) -> str:
     lines = [f"Machine: {m['model']}, {m['cores']} cores; flags {' '.join(m['flags'])}; torch {m['torch']}; "
              f"kernels: {m['kernels']}. Start {res['start']['date']} (load {' '.join(res['start']['load'])}), "
              f"end {res['end']['date']} (load {' '.join(res['end']['load'])}).", "",
-             "| model | weights | tp | step | wall | cpu | linears | attention | other | allreduce | spin | wait | python "
+             "| model | weights | tp | step | wall | cpu | linears | attention | other | allreduce | spin | wait | head | python "
              "| sample+bcast | ops/layer | ceiling | ceiling/wall |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for row in res["shardwise"]:
         r = row["ranks"][0]
         inside = sum(r[k] for k in ("linears", "attention", "other", "allreduce"))
@@ -184,8 +197,8 @@ def table(res: dict) -> str:
         lines.append(
             f"| {row['model']} | {row['quantize']} | {row['tp']} | {row['step']} | {wall:.2f} | {r['cpu']:.2f} "
             f"| {r['linears']:.2f} | {r['attention']:.2f} | {r['other']:.2f} | {r['allreduce']:.2f} | {r['spin']:.2f} "
-            f"| {r['wait']:.2f} "
-            f"| {r['fwd_cpu'] - inside:.2f} | {r['sample_bcast']:.2f} | {r['ops_per_layer']:.1f} | {ceiling:.2f} "
+            f"| {r['wait']:.2f} | {r.get('head', 0):.2f} "
+            f"| {r['fwd_cpu'] - inside - r.get('head', 0):.2f} | {r['sample_bcast']:.2f} | {r['ops_per_layer']:.1f} | {ceiling:.2f} "
             f"| {ceiling / wall:.2f} |"
         )
     if res["llama"]:
