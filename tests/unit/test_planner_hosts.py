@@ -38,11 +38,12 @@ def test_a_shaped_link_waits_for_the_bytes_beyond_its_bucket():
     assert line.all_gather_s(4096, 2) == pytest.approx(base.all_gather_s(4096, 2) + 4096 / 12.5e6)
 
 
-def test_inside_a_host_small_all_reduces_go_through_shared_memory_the_rest_through_gloo():
+def test_inside_a_host_small_collectives_go_through_shared_memory_the_rest_through_gloo():
     intra = CAL.cluster().intra
     assert intra.carrier("all_reduce", 4096).name == "shm over gloo (measured)"
-    assert intra.carrier("all_reduce", 2 << 20).name == "gloo (measured)"  # beyond the 1 MiB segment
-    assert intra.carrier("all_gather", 4096).name == "gloo (measured)"
+    assert intra.carrier("all_reduce", 8 << 20).name == "gloo (measured)"  # beyond the 4 MiB segment
+    assert intra.carrier("all_gather", 4096).name == "shm over gloo (measured)"  # gathers and broadcasts too
+    assert intra.carrier("all_to_all", 4096).name == "gloo (measured)"
     assert CAL.cluster(shm=False).intra.name == "gloo (measured)"
     no_shm = Calibration(**{**CAL.__dict__, "links": {"gloo": CAL.links["gloo"]}})
     assert no_shm.cluster().intra.name == "gloo (measured)"  # an older calibration: gloo alone

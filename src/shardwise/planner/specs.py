@@ -62,6 +62,10 @@ def _loglog(points: tuple[tuple[float, float], ...] | list[tuple[float, float]],
     return points[-1][1]
 
 
+_SHM_OPS = ("all_reduce", "all_gather", "broadcast")
+"""What a link with a `via` (the shared-memory segment over gloo) carries itself up to max_bytes."""
+
+
 @dataclass(frozen=True)
 class Link:
     """An interconnect, as the all-reduce sees it (alpha-beta model).
@@ -91,8 +95,8 @@ class Link:
     unshaped times above are the link's own (for a veth: its per-message cost). None: unshaped."""
     via: Link | None = None
     """The link under this one, for what this one does not carry: every operation but an
-    all-reduce of up to max_bytes (a shared-memory all-reduce over gloo: shardwise.comm.shm).
-    None: this link carries everything."""
+    all-reduce, all-gather or broadcast of up to max_bytes (the shared-memory segment over gloo:
+    shardwise.comm.shm). None: this link carries everything."""
     max_bytes: float = math.inf
 
     def __post_init__(self) -> None:
@@ -134,7 +138,7 @@ class Link:
 
     def carrier(self, op: str, nbytes: float) -> Link:
         """The link that carries one `op` of `nbytes` per rank: this one, or the one under it (via)."""
-        if self.via is not None and (op != "all_reduce" or nbytes > self.max_bytes):
+        if self.via is not None and (op not in _SHM_OPS or nbytes > self.max_bytes):
             return self.via.carrier(op, nbytes)
         return self
 
