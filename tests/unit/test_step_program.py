@@ -65,6 +65,15 @@ def test_the_native_step_equals_the_per_op_path(tmp_path, family, quantize, over
     assert torch.equal(plain, fast), (plain - fast).abs().max().item()
 
 
+@pytest.mark.parametrize("isa", native.ISAS)
+def test_every_kernel_path_the_cpu_runs_gives_the_per_op_paths_logits(tmp_path, isa):
+    """The program takes the kernels' variant in force when it is built (portable always runs)."""
+    model = _load(tmp_path, "llama3", "q4_k", WIDE)
+    with native.use_isa(isa):
+        plain, fast = _logits(model, False), _logits(model, True)
+    assert _ran(model) and torch.equal(plain, fast), isa
+
+
 @pytest.mark.parametrize(
     "family,quantize,why",
     [

@@ -21,7 +21,7 @@ import weakref
 import torch
 from torch import nn
 
-from shardwise.kernels import step
+from shardwise.kernels import native, step
 from shardwise.kernels.decode import fused_ok
 
 __all__ = ["step_layers"]
@@ -121,7 +121,7 @@ def step_layers(model, x: torch.Tensor, rope, mask, caches, start: int, ids: lis
     if lay is None or (mask is not None and mask.shape[-1] != lay.K):
         return None
     entries = model.__dict__.setdefault("_step_programs", {})
-    key = (tuple(ids), B)
+    key = (tuple(ids), B, native.isa())  # NOTE: the kernels' variant is chosen into the program
     entry = entries.get(key)
     if entry is None or (entry is not False and not entry.fits(caches, B)):
         if len(entries) >= _MAX_PROGRAMS:

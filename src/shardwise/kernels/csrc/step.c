@@ -252,6 +252,8 @@ const char *sw_step_check(const int64_t *H, const int64_t *layers) {
     const int64_t isa = H[H_ISA];
     if (isa < 0 || isa >= SW_NUM_ISA) return "unknown ISA";
     if (H[H_B] < 1 || H[H_HIDDEN] < 1 || H[H_NLAYERS] < 0) return "bad sizes";
+    if (!sw_rmsnorm_table[isa] || !sw_add_rmsnorm_table[isa] || !sw_attend_table[isa] || !sw_glu_table[isa])
+        return "no norm, attention or gated-activation kernel for this ISA";
     if (H[H_SIZE] > 1 && (H[H_NPEERS] != H[H_SIZE] - 1 || H[H_NPEERS] > 8 || H[H_PERIOD] < 4 || !H[H_WORDS] ||
                           !H[H_SLOTS] || H[H_SLOT_FLOATS] < H[H_B] * H[H_HIDDEN]))
         return "bad all-reduce segment";
