@@ -9,10 +9,11 @@ tp > 1 each of a layer's two all-reduces is a Python call into the shared-memory
 communicator: on a small, deep model that fixed cost does not shrink with tp. A StepProgram
 holds the layers as int64 words (every weight's blocks, the norms, the cache tensors, the
 scratch rows, the tp group's segment), and one call a step runs them all: RMSNorm,
-activation quantization, the block-format linears, rotary + KV write + attention, the gated
+activation quantization, the linears (block formats, or fp32), rotary + KV write + attention, the gated
 activation, the residual adds and, at tp > 1, both all-reduces by comm/shm.py's protocol.
-Same kernels, same order: a step computes what the per-op fused path computes, bit for bit
-(tests/multiproc/test_native_step.py).
+Same kernels, same order: on block formats a step computes what the per-op fused path
+computes, bit for bit; fp32 projections run csrc/f32.c (the per-op path: MKL), the same to
+summation order (tests/multiproc/test_native_step.py, tests/unit/test_step_program.py).
 
 A layer is described as data (`LayerSpec`); shardwise.models.step reads them off a model.
 A peer that has not arrived at an all-reduce within a short spin (SPIN_NS) hands control back
@@ -49,7 +50,7 @@ MAX_PARTS = 4
 """Parts (formats stacked along the output rows) a projection may have."""
 PROFILE = os.environ.get("SHARDWISE_STEP_PROFILE", "0") == "1"
 """SHARDWISE_STEP_PROFILE=1 (read when a program is built): time each step's parts in C
-(StepProgram.times; benchmarks/bench_decode_step.py reads them). A few clock reads a layer."""
+(StepProgram.times; benchmarks/bench_native_step.py reads them). A few clock reads a layer."""
 _ST = 12  # the resume state's words (csrc/step.c)
 TIMES = ("linears", "attention", "other", "allreduce", "spin", "wait")
 """StepProgram.times' keys, ns: in the linears, attention, everything else between them, the
