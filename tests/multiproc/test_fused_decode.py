@@ -12,83 +12,14 @@ import json
 import pytest
 import torch
 
+from decode_runs import generate_logits, paged_logits
 from helpers import tp_group
 from hf_models import save_tiny
-
-NEW = 6
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return str(save_tiny("llama3", tmp_path_factory.mktemp("fused")))
-
-
-def _generate_logits(model, tp, prompts: list[list[int]], fused: bool) -> torch.Tensor:
-    """Greedy decode of left-padded prompts on the generate cache -> every step's logits (steps, B, V)."""
-    from shardwise.engine.generate import decode_step, prefill
-    from shardwise.kernels import decode, step
-
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(B, L, dtype=torch.long)
-    mask = torch.zeros(B, L, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, L - len(p) :], mask[b, L - len(p) :] = torch.tensor(p), 1
-    caches = model.new_caches(B, L + NEW)
-    out = []
-    with torch.no_grad(), decode.unfused() if not fused else step.off():  # the per-op kernels: no program
-        logits = prefill(model, ids, mask, caches)
-        for t in range(NEW):
-            out.append(logits)  # (B, V): the LM head gathers the vocabulary
-            tok = logits.argmax(-1, keepdim=True)  # (B, 1), the same on every rank
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
-            logits = decode_step(model, tok, mask, caches, L + t)
-    return torch.stack(out)
-
-
-def _paged_logits(model, tp, fused: bool) -> list[torch.Tensor]:
-    """A scripted continuous batch on the paged cache: 3 prompts, decode steps of 3, then 2 rows
-    (one left), then a fourth sequence's prompt and 3 rows again -> each step's logits."""
-    from shardwise.engine.paged import PagedCaches
-    from shardwise.engine.slots import StepBatch
-    from shardwise.kernels import decode, step
-
-    g = torch.Generator().manual_seed(3)
-    V = model.cfg.vocab_size
-
-    def tok(n):
-        return torch.randint(1, V, (n,), generator=g).tolist()
-
-    bs, tables, nxt = 16, {}, [0]
-
-    def batch(rows):
-        for s, p, new in rows:
-            t = tables.setdefault(s, [])
-            while len(t) * bs < p + len(new):
-                t.append(nxt[0])
-                nxt[0] += 1
-        width = max(len(tables[s]) for s, _, _ in rows)
-        tab = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, (s, _, _) in enumerate(rows):
-            tab[i, : len(tables[s])] = torch.tensor(tables[s])
-        return StepBatch.build(rows, tables=tab)
-
-    past = {0: 20, 1: 5, 2: 33}
-    script = [batch([(s, 0, tok(n)) for s, n in past.items()])]
-    for t in range(6):
-        script.append(batch([(s, past[s], tok(1)) for s in sorted(past)]))
-        for s in past:
-            past[s] += 1
-        if t == 1:
-            del past[1]
-        if t == 3:
-            script.append(batch([(3, 0, tok(17))]))
-            past[3] = 17
-    caches = PagedCaches(model, 64, bs)
-    out = []
-    with torch.no_grad(), decode.unfused() if not fused else step.off():
-        for b in script:
-            out.append(caches.forward(model, b))  # (B, V)
-    return out
 
 
 def _case(world, path):
@@ -100,10 +31,12 @@ def _case(world, path):
     g = torch.Generator().manual_seed(1)
     one = [torch.randint(1, V, (9,), generator=g).tolist()]
     sixteen = [torch.randint(1, V, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (16,), generator=g)]
-    res = {}
+    from shardwise.kernels import decode, step
+
+    res = {}  # (plain, fused): the fused runs with the per-op kernels, no native program
     for name, prompts in (("batch1", one), ("batch16", sixteen)):
-        res[name] = (_generate_logits(model, tp, prompts, False), _generate_logits(model, tp, prompts, True))
-    res["paged"] = (_paged_logits(model, tp, False), _paged_logits(model, tp, True))
+        res[name] = (generate_logits(model, prompts, decode.unfused), generate_logits(model, prompts, step.off))
+    res["paged"] = (paged_logits(model, decode.unfused), paged_logits(model, step.off))
     return res
 
 

@@ -8,13 +8,14 @@ to the communicator and resumes: the same logits again."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
+from decode_runs import generate_logits, paged_logits
 from helpers import tp_group
 from hf_models import save_tiny
-
-NEW = 5
 
 
 @pytest.fixture(scope="module")
@@ -22,74 +23,6 @@ def tiny(tmp_path_factory):
     # widths every tp here cuts on whole blocks of 32 (head_dim 32; 4 query heads over 3 ranks: 2, 1, 1)
     shape = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
     return str(save_tiny("llama3", tmp_path_factory.mktemp("step"), overrides={**shape, "num_hidden_layers": 3}))
-
-
-def _generate_logits(model, prompts: list[list[int]], native: bool) -> torch.Tensor:
-    """Greedy decode of left-padded prompts on the generate cache -> every step's logits (steps, B, V)."""
-    from shardwise.engine.generate import decode_step, prefill
-    from shardwise.kernels import step
-
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(B, L, dtype=torch.long)
-    mask = torch.zeros(B, L, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, L - len(p) :], mask[b, L - len(p) :] = torch.tensor(p), 1
-    caches = model.new_caches(B, L + NEW)
-    out = []
-    with torch.no_grad(), step.off() if not native else torch.no_grad():
-        logits = prefill(model, ids, mask, caches)
-        for t in range(NEW):
-            out.append(logits)
-            tok = logits.argmax(-1, keepdim=True)  # (B, 1), the same on every rank
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
-            logits = decode_step(model, tok, mask, caches, L + t)
-    return torch.stack(out)
-
-
-def _paged_logits(model, native: bool) -> list[torch.Tensor]:
-    """A scripted continuous batch on the paged cache: 3 prompts, decode steps of 3 rows, then 2
-    (one left), then a fourth sequence's prompt and 3 rows again -> each step's logits."""
-    from shardwise.engine.paged import PagedCaches
-    from shardwise.engine.slots import StepBatch
-    from shardwise.kernels import step
-
-    g = torch.Generator().manual_seed(3)
-    V = model.cfg.vocab_size
-
-    def tok(n):
-        return torch.randint(1, V, (n,), generator=g).tolist()
-
-    bs, tables, nxt = 16, {}, [0]
-
-    def batch(rows):
-        for s, p, new in rows:
-            t = tables.setdefault(s, [])
-            while len(t) * bs < p + len(new):
-                t.append(nxt[0])
-                nxt[0] += 1
-        width = max(len(tables[s]) for s, _, _ in rows)
-        tab = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, (s, _, _) in enumerate(rows):
-            tab[i, : len(tables[s])] = torch.tensor(tables[s])
-        return StepBatch.build(rows, tables=tab)
-
-    past = {0: 20, 1: 5, 2: 33}
-    script = [batch([(s, 0, tok(n)) for s, n in past.items()])]
-    for t in range(5):
-        script.append(batch([(s, past[s], tok(1)) for s in sorted(past)]))
-        for s in past:
-            past[s] += 1
-        if t == 1:
-            del past[1]
-        if t == 2:
-            script.append(batch([(3, 0, tok(17))]))
-            past[3] = 17
-    caches = PagedCaches(model, 64, bs)
-    out = []
-    with torch.no_grad(), step.off() if not native else torch.no_grad():
-        for b in script:
-            out.append(caches.forward(model, b))  # (B, V)
-    return out
 
 
 def _case(world, path, quantize):
@@ -109,9 +42,8 @@ def _case(world, path, quantize):
         step.SPIN_NS = -1 if native == "nospin" else spin
         model.__dict__.pop("_step_programs", None)
         try:
-            got = [_generate_logits(model, p, bool(native)) for p in (one, sixteen)] + [
-                _paged_logits(model, bool(native))
-            ]
+            ctx = contextlib.nullcontext if native else step.off
+            got = [generate_logits(model, p, ctx) for p in (one, sixteen)] + [paged_logits(model, ctx)]
         finally:
             step.SPIN_NS = spin
         res[native] = got

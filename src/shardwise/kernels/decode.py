@@ -39,7 +39,7 @@ from shardwise.kernels import native
 from shardwise.kernels.block import _ACT_BYTES as ACT_BYTES
 from shardwise.kernels.block import offer_blocks
 
-__all__ = ["DecodeLayout", "fused_ok", "unfused", "attend", "glu", "add_rms_norm", "GLU_KINDS"]
+__all__ = ["DecodeLayout", "fused_ok", "unfused", "attend", "rope_mask_args", "glu", "add_rms_norm", "GLU_KINDS"]
 
 FUSED = os.environ.get("SHARDWISE_FUSED_DECODE", "1") != "0"
 """SHARDWISE_FUSED_DECODE=0 runs every decode step on the plain PyTorch path (`unfused()` in code)."""
@@ -86,6 +86,19 @@ def unfused() -> Iterator[None]:
         FUSED = before
 
 
+def rope_mask_args(rope, mask: torch.Tensor | None, B: int, K: int) -> tuple[int, int, int, int, int, int]:
+    """(cos, sin, ldr, rot, mask, ldm) as the native attention takes them: pointers as integers
+    (0: none), ldr / ldm 0 when one row of the table serves every row of the batch."""
+    cos_p = sin_p = ldr = rot = mask_p = ldm = 0
+    if rope is not None:
+        cos, sin = rope[0], rope[1]
+        rot = cos.shape[-1]
+        cos_p, sin_p, ldr = cos.data_ptr(), sin.data_ptr(), rot if cos.shape[0] == B else 0
+    if mask is not None:
+        mask_p, ldm = mask.data_ptr(), K if mask.shape[0] == B else 0
+    return cos_p, sin_p, ldr, rot, mask_p, ldm
+
+
 def attend(
     qkv: torch.Tensor,
     rope: tuple | None,
@@ -107,14 +120,7 @@ def attend(
     the output to activation blocks in the same call, for the block-format o projection."""
     B = qkv.shape[0]
     out = torch.empty(B, 1, nq * head_dim)  # (B, 1, nq * hd)
-    cos_p = sin_p = ldr = rot = 0
-    if rope is not None:
-        cos, sin = rope[0], rope[1]
-        rot = cos.shape[-1]
-        cos_p, sin_p, ldr = cos.data_ptr(), sin.data_ptr(), rot if cos.shape[0] == B else 0
-    mask_p = ldm = 0
-    if mask is not None:
-        mask_p, ldm = mask.data_ptr(), layout.K if mask.shape[0] == B else 0
+    cos_p, sin_p, ldr, rot, mask_p, ldm = rope_mask_args(rope, mask, B, layout.K)
     args = [
         native.isa(), qkv.data_ptr(), qkv.stride(0), B, nq, nkv, head_dim,
         0 if groups is None else groups.data_ptr(), cos_p, sin_p, ldr, rot,

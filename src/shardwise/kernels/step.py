@@ -37,7 +37,7 @@ import torch
 from shardwise.kernels import native
 from shardwise.kernels.block import _ACT_BYTES, GGML_IDS, BlockWeight, act_block
 from shardwise.kernels.blocks import FORMATS
-from shardwise.kernels.decode import GLU_KINDS, DecodeLayout
+from shardwise.kernels.decode import GLU_KINDS, DecodeLayout, rope_mask_args
 
 __all__ = ["LayerSpec", "StepProgram", "Unsupported", "enabled", "off", "SPIN_NS", "MAX_PARTS"]
 
@@ -268,14 +268,7 @@ class StepProgram:
         B, hid = self.batch, self.hidden
         self.set_layout(lay)
         self.x.copy_(x.view(B, hid))
-        cos_p = sin_p = ldr = rot = 0
-        if rope is not None:
-            cos, sin = rope[0], rope[1]
-            rot = cos.shape[-1]
-            cos_p, sin_p, ldr = cos.data_ptr(), sin.data_ptr(), rot if cos.shape[0] == B else 0
-        mask_p = ldm = 0
-        if mask is not None:
-            mask_p, ldm = mask.data_ptr(), lay.K if mask.shape[0] == B else 0
+        cos_p, sin_p, ldr, rot, mask_p, ldm = rope_mask_args(rope, mask, B, lay.K)
         st = self.st
         for j in range(_ST):
             st[j] = 0
