@@ -33,6 +33,10 @@ def test_plan_a_preset_as_json_and_bad_input():
     assert bad.returncode == 2 and "unknown model preset 'llama-3-9b' (did you mean 'llama-3-8b'?)" in bad.stderr
     none = _plan("--model", "gpt3-175b", "--cluster", "pcie-8x-rtx4090")
     assert none.returncode == 2 and "Nothing fits on" in none.stdout and "GiB short" in none.stdout
+    # a workload the model's context cannot take is refused before this host is calibrated (minutes)
+    long = _plan("--model", "src/shardwise/assets/default", "--cluster", "this-host", "--recalibrate",
+                 "--prompt-len", "512", "--output-len", "128")  # fmt: skip
+    assert long.returncode == 2 and "= 640 exceeds the model's context of 512 tokens" in long.stderr, long.stderr
 
 
 @pytest.mark.gate

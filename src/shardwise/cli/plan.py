@@ -177,6 +177,9 @@ def _build(args):
             target_latency_ms=args.target_latency_ms, dtype=dtype, flash_attention=flash,
             quantize=args.quantize,
         )  # fmt: skip
+    from shardwise.planner.search import check_context
+
+    check_context(cfg, wl)  # NOTE: before _cluster, which may calibrate this host for minutes
     cluster = _cluster(args)
     cluster = customize(
         cluster, devices=args.devices, devices_per_node=args.devices_per_node, memory_gib=args.memory_gib,

@@ -119,6 +119,19 @@ def quantize_options(cluster: Cluster) -> list[str]:
     return [q for q in QUANTIZE if q in cluster.device.quantized_rows_tflops]
 
 
+def check_context(cfg: ModelConfig, wl: Workload) -> None:
+    """The workload's tokens fit the model's context (a check that needs no cluster: `plan` makes
+    it before it calibrates this host)."""
+    if isinstance(wl, InferenceWorkload):
+        if wl.prompt_len + wl.output_len > cfg.max_positions:
+            raise PlannerError(
+                f"prompt_len={wl.prompt_len} + output_len={wl.output_len} = {wl.prompt_len + wl.output_len} "
+                f"exceeds the model's context of {cfg.max_positions} tokens"
+            )
+    elif wl.seq_len > cfg.max_positions:
+        raise PlannerError(f"seq_len={wl.seq_len} exceeds the model's context of {cfg.max_positions} tokens")
+
+
 def check_inputs(cfg: ModelConfig, wl: Workload, headroom: float, cluster: Cluster) -> None:
     if not 0 <= headroom < 1:
         raise PlannerError(f"headroom must be a fraction in [0, 1), got {headroom}")
@@ -128,15 +141,8 @@ def check_inputs(cfg: ModelConfig, wl: Workload, headroom: float, cluster: Clust
             "predict its speed with; the planner plans quantized weights where the calibration measured the kernels "
             "(--cluster this-host: fbgemm's)"
         )
-    if isinstance(wl, InferenceWorkload):
-        if wl.prompt_len + wl.output_len > cfg.max_positions:
-            raise PlannerError(
-                f"prompt_len={wl.prompt_len} + output_len={wl.output_len} = {wl.prompt_len + wl.output_len} "
-                f"exceeds the model's context of {cfg.max_positions} tokens"
-            )
-    elif wl.seq_len > cfg.max_positions:
-        raise PlannerError(f"seq_len={wl.seq_len} exceeds the model's context of {cfg.max_positions} tokens")
-    elif wl.sequence_parallel and cfg.num_experts:
+    check_context(cfg, wl)
+    if not isinstance(wl, InferenceWorkload) and wl.sequence_parallel and cfg.num_experts:
         raise PlannerError("sequence parallelism is not supported for mixture-of-experts models")
 
 
