@@ -143,6 +143,20 @@ def test_a_replaced_weight_rebuilds_the_program(tmp_path):
     assert all(e is not entry for e in model.__dict__["_step_programs"].values())
 
 
+def test_re_striding_the_weights_after_a_step_builds_the_program_again(tmp_path):
+    """decode_layout replaces fp32 weights' storage in place (same Parameters): the programs
+    built before go, and the next steps equal the per-op path in the new order."""
+    from shardwise.quant.layout import decode_layout
+
+    model = _load(tmp_path, "llama3", None, WIDE)
+    _logits(model, True)
+    assert _ran(model)
+    assert decode_layout(model, rows=1) > 0 and "_step_programs" not in model.__dict__
+    plain, fast = _logits(model, False), _logits(model, True)
+    assert _ran(model)
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+
+
 def test_the_native_module_refuses_a_program_it_has_no_kernel_for(tmp_path):
     model = _load(tmp_path, "llama3", "q8_0")
     _logits(model, True)

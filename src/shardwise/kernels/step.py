@@ -248,6 +248,7 @@ class StepProgram:
         self.st = array.array("q", [0] * _ST)
         self.times = dict.fromkeys(TIMES, 0)  # ns over every step run, with PROFILE (all-reduces: always)
         self._layout_key: tuple | None = None
+        self._addrs = (self.head.buffer_info()[0], self.layers.buffer_info()[0], self.st.buffer_info()[0])
         self.waits = 0  # all-reduces whose late peers were waited for in Python
         self.nbytes = B * hid * 4  # one all-reduce's payload
 
@@ -273,9 +274,9 @@ class StepProgram:
         for j in range(_ST):
             st[j] = 0
         ar = self.allreduce
-        args = (self.head.buffer_info()[0], self.layers.buffer_info()[0], cos_p, sin_p, ldr, rot, mask_p, ldm,
-                lay.K, lay.wbase, _ptr(lay.widx), _ptr(lay.ridx), 0 if ar is None else ar.calls(),
-                st.buffer_info()[0])  # fmt: skip
+        head, layers, st_p = self._addrs  # NOTE: the arrays never resize: their addresses hold
+        args = (head, layers, cos_p, sin_p, ldr, rot, mask_p, ldm, lay.K, lay.wbase, _ptr(lay.widx), _ptr(lay.ridx),
+                0 if ar is None else ar.calls(), st_p)  # fmt: skip
         noted, times = 0, self.times  # all-reduces already counted
         while native.lib.step(*args):  # a peer is late: wait through the communicator, then resume
             ar.done(st[2] - noted, self.nbytes, st[4] * 1e-9)

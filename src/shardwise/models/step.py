@@ -16,7 +16,9 @@ answers None and the layers run op by op; `model.__dict__["_step_refused"]` says
 from __future__ import annotations
 
 import math
+import operator
 import weakref
+from itertools import repeat
 
 import torch
 from torch import nn
@@ -24,10 +26,11 @@ from torch import nn
 from shardwise.kernels import native, step
 from shardwise.kernels.decode import fused_ok
 
-__all__ = ["step_layers"]
+__all__ = ["step_layers", "forget_programs"]
 
 _COLUMN = {"QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear"}
 _ROW = {"RowParallelLinear"}
+_CALL = operator.methodcaller("__call__")  # a weak reference's referent
 _MAX_PROGRAMS = 40
 """Programs kept per model: one per (layer range, batch); a server steps at every batch of 1-16."""
 
@@ -59,12 +62,14 @@ def _spec(layer, cache, hid: int) -> tuple[step.LayerSpec, object, list]:
     hd = attn.head_dim
     nq = wo.shape[1] // hd
     groups = getattr(attn.qkv, "kv_groups", None)
+    # NOTE: the spec holds detached tensors: should a Parameter's .data be replaced (decode_layout
+    # re-strides fp32 weights so), the storage the program points into stays alive
     spec = step.LayerSpec(
-        norm1=layer.attn_norm.weight, eps1=layer.attn_norm.eps, qkv=wq, qkv_bias=bq, nq=nq,
+        norm1=layer.attn_norm.weight.detach(), eps1=layer.attn_norm.eps, qkv=wq, qkv_bias=bq, nq=nq,
         nkv=(wq.shape[0] // hd - nq) // 2, head_dim=hd,
         groups=None if groups is None else torch.tensor(groups, dtype=torch.long), k=cache.k, v=cache.v,
         scale=attn.scale if attn.scale is not None else 1.0 / math.sqrt(hd), o=wo, obias=bo,
-        norm2=layer.mlp_norm.weight, eps2=layer.mlp_norm.eps, up=wu, up_bias=bu, glu=mlp.act_name,
+        norm2=layer.mlp_norm.weight.detach(), eps2=layer.mlp_norm.eps, up=wu, up_bias=bu, glu=mlp.act_name,
         inter=wd.shape[1], down=wd, dbias=bd,
     )  # fmt: skip
     mods = (attn.qkv, attn.o, mlp.up, mlp.down, layer.attn_norm, layer.mlp_norm)
@@ -91,19 +96,30 @@ class _Entry:
             group = g
             specs.append(spec)
             weights += w
-            kv.append((weakref.ref(cache.k), weakref.ref(cache.v)))
+            kv += (weakref.ref(cache.k), weakref.ref(cache.v))
         ar = None
         if group.size > 1:
             ar = group.native_all_reduce()
             step.need(ar is not None, f"a tp group ({group.backend}) without the shared-memory all-reduce")
         self.program = step.StepProgram(specs, hidden=model.cfg.hidden_size, batch=batch, allreduce=ar)
-        self.ids, self.batch, self.weights, self.kv = ids, batch, weights, kv
+        self.ids, self.batch = ids, batch
+        # where each module keeps its weight (a Parameter's dict, or the instance's for a BlockWeight):
+        # read there, not through nn.Module.__getattr__ (~0.2 us each, every step)
+        self._homes = tuple(m._parameters if "weight" in m._parameters else m.__dict__ for m, _ in weights)
+        self._weights = tuple(w for _, w in weights)
+        self._kv = tuple(kv)  # (k, v) of each layer, in turn
 
     def fits(self, caches, batch: int) -> bool:
-        """Whether the model still holds the same weights and `caches` the same tensors."""
-        if batch != self.batch or not all(m.weight is w for m, w in self.weights):
+        """Whether the model still holds the same weights and `caches` the same tensors.
+        NOTE: every step, so identities compared by map in C (about 15 us for 30 layers)."""
+        homes = self._homes
+        if batch != self.batch or not all(
+            map(operator.is_, map(dict.get, homes, repeat("weight", len(homes))), self._weights)
+        ):
             return False
-        return all(caches[i].k is k() and caches[i].v is v() for i, (k, v) in zip(self.ids, self.kv, strict=True))
+        layers = [caches[i] for i in self.ids]
+        now = [t for c in layers for t in (c.k, c.v)]
+        return all(map(operator.is_, now, map(_CALL, self._kv)))
 
 
 def step_layers(model, x: torch.Tensor, rope, mask, caches, start: int, ids: list[int]) -> torch.Tensor | None:
@@ -138,3 +154,9 @@ def step_layers(model, x: torch.Tensor, rope, mask, caches, start: int, ids: lis
     if ar is not None and ar.fault_injected():
         return None  # an injected fault is checked per call, by the communicator
     return entry.program.run(x, rope, mask, lay)
+
+
+def forget_programs(model) -> None:
+    """Drop `model`'s programs (the next step builds them again): after its weights changed
+    storage in place (quant.layout.decode_layout), which identity checks cannot see."""
+    model.__dict__.pop("_step_programs", None)

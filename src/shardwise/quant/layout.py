@@ -79,4 +79,8 @@ def decode_layout(model: nn.Module, rows: int) -> int:
         # (out, in) -> the same values in the other order; the old storage is freed on return
         w.data = w.data.t().contiguous().t() if want else w.data.contiguous()
         changed += 1
+    if changed:
+        from shardwise.models.step import forget_programs
+
+        forget_programs(model)  # a native step built before points into the old storage
     return changed

@@ -93,39 +93,35 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static void f32t_a
     SW_F32T_BODY(__m512, 16, SW_AVX512_LOADM, SW_AVX512_STOREM, _mm512_fmadd_ps, _mm512_set1_ps, __mmask16, mask16)
 }
 
-/* AVX2: NR weight rows x NI activation rows of 8-lane sums, k's tail masked */
-#define SW_F32_AVX2_TILE(NR, NI)                                                                  \
+/* Row-major: NR weight rows x NI activation rows of W-lane sums (VEC), k's tail masked;
+ * LOADM / MASK as for the column-major body, HSUM a vector's lanes added up. */
+#define SW_F32_TILE(NR, NI, VEC, W, ZERO, LOADU, LOADM, FMA, HSUM, MASK_T, MASK)                  \
     {                                                                                             \
-        __m256 acc[NI][NR];                                                                       \
+        VEC acc[NI][NR];                                                                          \
         for (int a = 0; a < NI; a++)                                                              \
-            for (int c = 0; c < NR; c++) acc[a][c] = _mm256_setzero_ps();                         \
-        int64_t j = 0;                                                                            \
-        for (; j + 8 <= k; j += 8) {                                                              \
-            __m256 wv[NR];                                                                        \
-            for (int c = 0; c < NR; c++) wv[c] = _mm256_loadu_ps(w + (r + c) * ldw + j);          \
+            for (int c = 0; c < NR; c++) acc[a][c] = ZERO();                                      \
+        for (int64_t j = 0; j < k; j += W) {                                                      \
+            const MASK_T m = MASK(k - j);                                                         \
+            VEC wv[NR];                                                                           \
+            for (int c = 0; c < NR; c++)                                                          \
+                wv[c] = j + W <= k ? LOADU(w + (r + c) * ldw + j) : LOADM(m, w + (r + c) * ldw + j); \
             for (int a = 0; a < NI; a++) {                                                        \
-                const __m256 xv = _mm256_loadu_ps(x + (i + a) * ldx + j);                         \
-                for (int c = 0; c < NR; c++) acc[a][c] = _mm256_fmadd_ps(wv[c], xv, acc[a][c]);   \
-            }                                                                                     \
-        }                                                                                         \
-        if (j < k) {                                                                              \
-            const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(k - j)),                 \
-                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));      \
-            __m256 wv[NR];                                                                        \
-            for (int c = 0; c < NR; c++) wv[c] = _mm256_maskload_ps(w + (r + c) * ldw + j, m);    \
-            for (int a = 0; a < NI; a++) {                                                        \
-                const __m256 xv = _mm256_maskload_ps(x + (i + a) * ldx + j, m);                   \
-                for (int c = 0; c < NR; c++) acc[a][c] = _mm256_fmadd_ps(wv[c], xv, acc[a][c]);   \
+                const VEC xv = j + W <= k ? LOADU(x + (i + a) * ldx + j) : LOADM(m, x + (i + a) * ldx + j); \
+                for (int c = 0; c < NR; c++) acc[a][c] = FMA(wv[c], xv, acc[a][c]);              \
             }                                                                                     \
         }                                                                                         \
         for (int a = 0; a < NI; a++)                                                              \
-            for (int c = 0; c < NR; c++) {                                                        \
-                __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[a][c]), _mm256_extractf128_ps(acc[a][c], 1)); \
-                s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                           \
-                s = _mm_add_ss(s, _mm_movehdup_ps(s));                                            \
-                y[(i + a) * ldy + r + c] = _mm_cvtss_f32(s);                                      \
-            }                                                                                     \
+            for (int c = 0; c < NR; c++) y[(i + a) * ldy + r + c] = HSUM(acc[a][c]);              \
     }
+
+__attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#define SW_F32_AVX2_TILE(NR, NI)                                                                   \
+    SW_F32_TILE(NR, NI, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, SW_AVX2_LOADM, _mm256_fmadd_ps, hsum8, \
+                __m256i, mask8)
 
 __attribute__((target("avx2,fma"))) static void f32_avx2(SW_F32_ARGS) {
     int64_t r = 0;
@@ -140,33 +136,9 @@ __attribute__((target("avx2,fma"))) static void f32_avx2(SW_F32_ARGS) {
     }
 }
 
-/* AVX-512: NR weight rows x NI activation rows of 16-lane sums, k's tail masked */
-#define SW_F32_AVX512_TILE(NR, NI)                                                                \
-    {                                                                                             \
-        __m512 acc[NI][NR];                                                                       \
-        for (int a = 0; a < NI; a++)                                                              \
-            for (int c = 0; c < NR; c++) acc[a][c] = _mm512_setzero_ps();                         \
-        int64_t j = 0;                                                                            \
-        for (; j + 16 <= k; j += 16) {                                                            \
-            __m512 wv[NR];                                                                        \
-            for (int c = 0; c < NR; c++) wv[c] = _mm512_loadu_ps(w + (r + c) * ldw + j);          \
-            for (int a = 0; a < NI; a++) {                                                        \
-                const __m512 xv = _mm512_loadu_ps(x + (i + a) * ldx + j);                         \
-                for (int c = 0; c < NR; c++) acc[a][c] = _mm512_fmadd_ps(wv[c], xv, acc[a][c]);   \
-            }                                                                                     \
-        }                                                                                         \
-        if (j < k) {                                                                              \
-            const __mmask16 m = (__mmask16)((1u << (k - j)) - 1);                                 \
-            __m512 wv[NR];                                                                        \
-            for (int c = 0; c < NR; c++) wv[c] = _mm512_maskz_loadu_ps(m, w + (r + c) * ldw + j); \
-            for (int a = 0; a < NI; a++) {                                                        \
-                const __m512 xv = _mm512_maskz_loadu_ps(m, x + (i + a) * ldx + j);                \
-                for (int c = 0; c < NR; c++) acc[a][c] = _mm512_fmadd_ps(wv[c], xv, acc[a][c]);   \
-            }                                                                                     \
-        }                                                                                         \
-        for (int a = 0; a < NI; a++)                                                              \
-            for (int c = 0; c < NR; c++) y[(i + a) * ldy + r + c] = _mm512_reduce_add_ps(acc[a][c]); \
-    }
+#define SW_F32_AVX512_TILE(NR, NI)                                                                 \
+    SW_F32_TILE(NR, NI, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, SW_AVX512_LOADM, _mm512_fmadd_ps,  \
+                _mm512_reduce_add_ps, __mmask16, mask16)
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static void f32_avx512(SW_F32_ARGS) {
     int64_t r = 0;

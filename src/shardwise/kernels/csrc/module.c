@@ -63,8 +63,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (args_i64(args, nargs, 10, a, "gemm") < 0) return NULL;
     if (a[0] < 0 || a[0] >= SW_NUM_TYPES) return PyErr_Format(PyExc_ValueError, "unknown weight type %lld", a[0]);
     if (check_isa(a[1]) < 0) return NULL;
-    sw_gemm_fn f = NULL;
-    for (long long i = a[1]; i >= 0 && !f; i--) f = sw_gemm_table[a[0]][i]; /* the next ISA down */
+    sw_gemm_fn f = sw_gemm_for(a[0], a[1]); /* or the next ISA down */
     if (!f) return PyErr_Format(PyExc_ValueError, "no %s kernel for weight type %lld", isa_names[a[1]], a[0]);
     Py_BEGIN_ALLOW_THREADS f((const uint8_t *)(uintptr_t)a[2], (size_t)a[3], a[4], a[5], (const void *)(uintptr_t)a[6],
                              a[7], (float *)(uintptr_t)a[8], a[9]);
@@ -76,7 +75,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
     long long a[7];
     if (args_i64(args, nargs, 7, a, "quantize") < 0) return NULL;
     if (check_isa(a[1]) < 0) return NULL;
-    sw_quant_fn f = a[0] == 32 ? sw_quant32_table[a[1]] : a[0] == 256 ? sw_quant256_table[a[1]] : NULL;
+    sw_quant_fn f = sw_quant_for(a[0], a[1]);
     if (!f) return PyErr_Format(PyExc_ValueError, "no %s activation quantizer for blocks of %lld", isa_names[a[1]], a[0]);
     if (a[5] % a[0]) return PyErr_Format(PyExc_ValueError, "row length %lld is not a multiple of %lld", a[5], a[0]);
     Py_BEGIN_ALLOW_THREADS f((const float *)(uintptr_t)a[2], a[3], a[4], a[5], (void *)(uintptr_t)a[6]);
@@ -107,7 +106,7 @@ static int tail_quantizer(Py_ssize_t nargs, Py_ssize_t base, const long long *a,
     *qf = NULL;
     if (nargs == base) return 0;
     const long long block = a[base], isa = a[0];
-    *qf = block == 32 ? sw_quant32_table[isa] : block == 256 ? sw_quant256_table[isa] : NULL;
+    *qf = sw_quant_for(block, isa);
     if (!*qf || row % block) {
         PyErr_Format(PyExc_ValueError, "%s: no quantizer for rows of %lld in blocks of %lld", name, row, block);
         return -1;
@@ -222,8 +221,7 @@ static PyObject *py_f32_gemm(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (nargs != 10 && nargs != 11) return PyErr_Format(PyExc_TypeError, "f32_gemm takes 10 or 11 arguments, got %zd", nargs);
     if (args_i64(args, nargs, nargs, a, "f32_gemm") < 0) return NULL;
     if (check_isa(a[0]) < 0) return NULL;
-    sw_f32_fn f = NULL;
-    for (long long i = a[0]; i >= 0 && !f; i--) f = a[10] ? sw_f32t_table[i] : sw_f32_table[i];
+    sw_f32_fn f = sw_f32_for(a[10] != 0, a[0]);
     Py_BEGIN_ALLOW_THREADS f((const float *)(uintptr_t)a[1], a[2], a[3], a[4], (const float *)(uintptr_t)a[5], a[6], a[7],
                              (float *)(uintptr_t)a[8], a[9]);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;

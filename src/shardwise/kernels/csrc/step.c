@@ -70,16 +70,6 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static sw_gemm_fn gemm_for(int64_t type, int64_t isa) {
-    sw_gemm_fn f = NULL;
-    for (int64_t i = isa; i >= 0 && !f; i--) f = sw_gemm_table[type][i];
-    return f;
-}
-
-static sw_quant_fn quant_for(int64_t block, int64_t isa) {
-    return block == 32 ? sw_quant32_table[isa] : sw_quant256_table[isa];
-}
-
 static void add_bias(float *y, int64_t bias, int64_t n, int64_t out) {
     if (!bias) return;
     const float *b = PTR(const float *, bias);
@@ -88,12 +78,6 @@ static void add_bias(float *y, int64_t bias, int64_t n, int64_t out) {
 }
 
 /* part type 0: fp32 rows (row bytes apart); -1: fp32 column-major (the transpose's rows, row bytes apart) */
-static sw_f32_fn f32_for(int64_t type, int64_t isa) {
-    sw_f32_fn f = NULL;
-    for (int64_t i = isa; i >= 0 && !f; i--) f = type ? sw_f32t_table[i] : sw_f32_table[i];
-    return f;
-}
-
 /* y (n rows of L_OUT) = the input times every part (+ bias): the activation blocks qa of a
  * block-format linear, or the float rows x (n rows of k) of an fp32 one */
 static void lin_run(const int64_t *L, int64_t isa, const void *qa, const float *x, int64_t n, float *y) {
@@ -102,9 +86,9 @@ static void lin_run(const int64_t *L, int64_t isa, const void *qa, const float *
     for (int64_t p = 0; p < L[L_NPARTS]; p++) {
         const int64_t *P = L + L_PARTS + p * P_WORDS;
         if (L[L_BLOCK])
-            gemm_for(P[0], isa)(PTR(const uint8_t *, P[1]), (size_t)P[2], P[3], P[4], qa, n, y + col, out);
+            sw_gemm_for(P[0], isa)(PTR(const uint8_t *, P[1]), (size_t)P[2], P[3], P[4], qa, n, y + col, out);
         else
-            f32_for(P[0], isa)(PTR(const float *, P[1]), P[2] / 4, P[3], P[4], x, P[4], n, y + col, out);
+            sw_f32_for(P[0] != 0, isa)(PTR(const float *, P[1]), P[2] / 4, P[3], P[4], x, P[4], n, y + col, out);
         col += P[3];
     }
     add_bias(y, L[L_BIAS], n, out);
@@ -112,7 +96,7 @@ static void lin_run(const int64_t *L, int64_t isa, const void *qa, const float *
 
 /* the activation blocks of n rows of k for L, when it reads blocks */
 static void quant_in(const int64_t *L, int64_t isa, const float *x, int64_t n, int64_t k, void *qa) {
-    if (L[L_BLOCK]) quant_for(L[L_BLOCK], isa)(x, k, n, k, qa);
+    if (L[L_BLOCK]) sw_quant_for(L[L_BLOCK], isa)(x, k, n, k, qa);
 }
 
 
@@ -263,13 +247,13 @@ const char *sw_step_check(const int64_t *H, const int64_t *layers) {
         for (int i = 0; i < 4; i++) {
             const int64_t *L = Y + lins[i];
             if (L[L_BLOCK] != 0 && L[L_BLOCK] != 32 && L[L_BLOCK] != 256) return "an activation block that is not 32 or 256";
-            if (L[L_BLOCK] && !quant_for(L[L_BLOCK], isa)) return "no activation quantizer";
+            if (L[L_BLOCK] && !sw_quant_for(L[L_BLOCK], isa)) return "no activation quantizer";
             if (L[L_NPARTS] < 1 || L[L_NPARTS] > SW_STEP_MAX_PARTS) return "bad parts";
             int64_t rows = 0;
             for (int64_t p = 0; p < L[L_NPARTS]; p++) {
                 const int64_t *P = L + L_PARTS + p * P_WORDS;
-                if (!L[L_BLOCK] ? ((P[0] != 0 && P[0] != -1) || !f32_for(P[0], isa))
-                                : (P[0] < 1 || P[0] >= SW_NUM_TYPES || !gemm_for(P[0], isa)))
+                if (!L[L_BLOCK] ? ((P[0] != 0 && P[0] != -1) || !sw_f32_for(P[0] != 0, isa))
+                                : (P[0] < 1 || P[0] >= SW_NUM_TYPES || !sw_gemm_for(P[0], isa)))
                     return "a weight type without a kernel";
                 rows += P[3];
             }

@@ -117,6 +117,25 @@ int sw_step_header_words(void);
 int sw_step_layer_words(void);
 int sw_step_lin_words(void);
 
+/* The kernel of each table for an ISA, or the next ISA down that has one (NULL: none). */
+static inline sw_gemm_fn sw_gemm_for(int64_t type, int64_t isa) {
+    sw_gemm_fn f = NULL;
+    for (int64_t i = isa; i >= 0 && !f; i--) f = sw_gemm_table[type][i];
+    return f;
+}
+
+/* fp32 linears: transposed 0 for row-major weights, nonzero for column-major ones. */
+static inline sw_f32_fn sw_f32_for(int transposed, int64_t isa) {
+    sw_f32_fn f = NULL;
+    for (int64_t i = isa; i >= 0 && !f; i--) f = transposed ? sw_f32t_table[i] : sw_f32_table[i];
+    return f;
+}
+
+/* The activation quantizer for blocks of 32 or 256 (NULL for another length). */
+static inline sw_quant_fn sw_quant_for(int64_t block, int64_t isa) {
+    return block == 32 ? sw_quant32_table[isa] : block == 256 ? sw_quant256_table[isa] : NULL;
+}
+
 /* Each source file fills its entries of the tables (called once at import). */
 void sw_register_act(void);
 void sw_register_q32(void);
