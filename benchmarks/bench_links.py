@@ -281,8 +281,9 @@ def _predict(a: argparse.Namespace, cfg) -> None:
             row["predicted_ms"] = predictor.step_ms(name, n, per_host, rate, TRAIN)
         else:
             row["predicted_ms"] = predictor.decode_ms(name, n, per_host, rate, prompt=16)
+        row["predicted_ms"] = float(row["predicted_ms"])  # a fresh calibration's fits are numpy floats
         row["predicted_over_measured"] = row["predicted_ms"] / row["ms"]
-        row["within_25pct"] = 0.75 <= row["predicted_over_measured"] <= 1.25
+        row["within_25pct"] = bool(0.75 <= row["predicted_over_measured"] <= 1.25)
         print(f"{name:24s} {rate:9s} {row['ms']:8.2f} ms, planner {row['predicted_ms']:8.2f} ms "
               f"({row['predicted_over_measured']:.2f}x)", flush=True)  # fmt: skip
     data["meta"]["calibration"] = predictor.cal.created

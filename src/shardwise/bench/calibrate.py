@@ -19,6 +19,8 @@ starts ranks). Measured (shardwise.bench.measure):
 - `--quantize`'s linear kernels (fbgemm's fp16 and int8 linears, as benchmarks/bench_kernels.py
   calls them) at 1 to 128 rows through the same layer-shaped weights, alone and on every core
   at once (quantized_probe_rank), for the planner's quantized projections;
+- the native decode step's fixed time per layer and per step (shardwise.kernels.step: a step's
+  layers in one C call), a tiny model's decode step at 1 and 5 layers (measure.decode_step_rank);
 - `shardwise serve`'s own costs per step, per sequence in a step and per request, on the
   built-in tiny model (shardwise.bench.serve_probe), for the planner's serving throughput;
 - all-reduce latency and bus bandwidth over 2 ranks for every available backend
@@ -68,9 +70,10 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 7
+VERSION = 8
 """Bumped when the measurements change meaning: a cache of another version is measured again
-(6: the quantized linear kernels; 7: the shared-memory and veth paths, point-to-point times)."""
+(6: the quantized linear kernels; 7: the shared-memory and veth paths, point-to-point times;
+8: the native decode step's fixed costs, and each path's collectives inside a decode step)."""
 QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Rows of the quantized kernel probe: one sequence decoding up to a short prompt."""
 
@@ -127,6 +130,11 @@ class Calibration:
     """Probes that started while other processes were running (after waiting up to 30 s)."""
     version: int = VERSION
     """The measurements' meaning (a file without the field: 0, measured again)."""
+    native_layer_overhead_us: float | None = None
+    native_step_overhead_us: float | None = None
+    """A decode step's fixed time per layer and per step where its layers run as one native
+    call (shardwise.kernels.step; measure.decode_step_rank, 1 vs 5 layers, one core); None:
+    the native step does not run here."""
 
     def link(self, name: str) -> Link:
         """The calibrated link of a backend (gloo, mpi) or path (shm, veth)."""
@@ -139,7 +147,12 @@ class Calibration:
         v = self.links[name]
         pts = tuple((pt["size_bytes"], pt["latency_us"] * 1e-6) for pt in v["points"])
         after = tuple((pt["burst_us"] * 1e-6, pt["extra_us"] * 1e-6) for pt in v.get("after_compute", ()))
-        return Link(f"{name} (measured)", v["busbw_gbps"], v["latency_us"], pts, after, send_us=v.get("send_us"))
+        decode = tuple(
+            (d["op"], d["bytes"], d["us"] * 1e-6, d.get("burst_us", 0.0) * 1e-6) for d in v.get("decode", ())
+        )
+        native = v.get("native_all_reduce")
+        return Link(f"{name} (measured)", v["busbw_gbps"], v["latency_us"], pts, after, send_us=v.get("send_us"),
+                    decode=decode, native_all_reduce=None if native is None else (native["bytes"], native["us"] * 1e-6))  # fmt: skip
 
     def intra_link(self, link: str = "gloo", *, shm: bool = True) -> Link:
         """The link between two ranks of this host: backend `link`'s, under the shared-memory
@@ -182,6 +195,8 @@ class Calibration:
             serve_request_us=self.serve_overheads.get("request_us", 0.0),
             quantized_rows_tflops=_by_rows(self.quantized_rows_tflops),
             busy_quantized_rows_tflops=_by_rows(self.busy_quantized_rows_tflops),
+            native_layer_overhead_us=self.native_layer_overhead_us,
+            native_step_overhead_us=self.native_step_overhead_us,
         )
         return Cluster(
             name="this-host",
@@ -419,6 +434,7 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None, 
     from shardwise.bench.serve_probe import serving_overheads
 
     serve = serving_overheads(log=log) or {}
+    native = _native_step_overheads(log, quiet)
     links, unavailable = _measure_links(devices, backends or ["gloo", "mpi"], 10 * repeats, 3, log, quiet, flops)
     if devices > 1:
         from shardwise.bench.hostlinks import measure_paths
@@ -453,7 +469,29 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None, 
         seconds=time.time() - t0,
         busy_launches=busy_launches,
         version=VERSION,
+        **native,
     )
+
+
+def _native_step_overheads(log, quiet) -> dict:
+    """The native decode step's fixed times per layer and per step on one core: the decode
+    probe (measure.decode_step_rank) at 1 and 5 layers, the faster of two launches each; {}
+    where the native step does not run."""
+    from shardwise.bench.measure import decode_step_rank
+    from shardwise.launch import launch
+
+    log("calibrating: the native decode step's fixed costs on one core")
+    best = {}
+    for layers in (1, 5):
+        runs = []
+        for _ in range(2):
+            quiet()
+            runs.append(launch(decode_step_rank, 1, args=({"layers": layers},))[0])
+        if not all(r["native"] for r in runs):
+            return {}
+        best[layers] = min(r["step_us"] for r in runs)
+    layer = max(best[5] - best[1], 0.0) / 4
+    return {"native_layer_overhead_us": layer, "native_step_overhead_us": max(best[1] - layer, 0.0)}
 
 
 def load_calibration(*, recalibrate: bool = False, path: Path | None = None, log=None) -> Calibration:

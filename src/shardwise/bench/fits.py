@@ -24,4 +24,4 @@ def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
     if b <= 0:  # latency-bound everywhere: take the bandwidth of the largest message alone
         b = t[-1] / n[-1]
     a = max(a, float(t.min()) * 0.5) if a <= 0 else a
-    return a * 1e6, 1 / b / 1e9
+    return float(a * 1e6), float(1 / b / 1e9)

@@ -5,7 +5,9 @@ the shared-memory all-reduce of a group inside one host, and gloo across a link 
 
 Each path gets what shardwise.bench.calibrate records for a backend: all-reduce times of idle
 ranks by size (bench.comm's probe), what a small one costs more inside a step, after a burst
-of compute (measure.after_compute_rank), and one point-to-point message's time (send_probe):
+of compute (measure.after_compute_rank), one point-to-point message's time (send_probe), and
+each collective's time per call inside a real decode step (measure.decode_step_rank: op by op,
+and for the shared memory inside the native step too, where its all-reduces are C calls):
 
 - "shm": 2 local ranks, their world wrapped by shardwise.comm.shm (what a tp group inside one
   host uses by default); every other operation is the gloo link's.
@@ -62,9 +64,15 @@ def path_rank(world: Communicator, opts: dict) -> dict:
         from shardwise.comm.shm import intra_host
 
         comm = intra_host(world, mode="on")
+    from shardwise.bench.measure import decode_step_rank
+
     idle = idle_all_reduces(comm, SIZES, opts.get("repeats", 50))
     after = after_compute_rank(comm, {"flops": opts["flops"]})["points"]
-    return {"idle": idle, "after": after, "send_us": send_probe(world)}
+    # a decode step's collectives where they run: op by op, and (shared memory) inside the native step
+    decode = {"per_op": decode_step_rank(comm, {"native": False})}
+    if opts.get("shm"):
+        decode["native"] = decode_step_rank(comm, {})
+    return {"idle": idle, "after": after, "send_us": send_probe(world), "decode": decode}
 
 
 def _record(out: dict) -> dict:
@@ -87,14 +95,34 @@ def _record(out: dict) -> dict:
             }
             for p in out["after"]
         ],  # fmt: skip
+        **_decode_record(out.get("decode", {})),
     }
+
+
+def _decode_record(decode: dict) -> dict:
+    """The decode probes' collectives (measure.decode_step_rank) in the calibration's format:
+    "decode": [{"op", "bytes", "us", "burst_us"}, ...] of the per-op path (burst: the step's
+    compute between two of its collectives); "native_all_reduce": {"bytes",
+    "us"} of the all-reduces inside the native step, where it ran."""
+    out = {}
+    if "per_op" in decode:
+        ops = decode["per_op"]["ops"]
+        calls = sum(v["calls"] for v in ops.values())
+        # the compute between two collectives of that step: its time less theirs, over them
+        burst = max(0.0, decode["per_op"]["step_us"] - sum(v["calls"] * v["us"] for v in ops.values())) / max(calls, 1)
+        out["decode"] = [{"op": op, "bytes": v["bytes"], "us": v["us"], "burst_us": burst} for op, v in ops.items()]
+    native = decode.get("native")
+    if native and native["native"] and "all_reduce" in native["ops"]:
+        out["native_all_reduce"] = {k: native["ops"]["all_reduce"][k] for k in ("bytes", "us")}
+    return out
 
 
 def _better(a: dict, b: dict) -> dict:
     """The faster of two launches' probes, figure by figure (load elsewhere only adds time)."""
     idle = [(n, min(x, y)) for (n, x), (_, y) in zip(a["idle"], b["idle"], strict=True)]
     after = [min(p, q, key=lambda pt: pt["per_call_us"]) for p, q in zip(a["after"], b["after"], strict=True)]
-    return {"idle": idle, "after": after, "send_us": min(a["send_us"], b["send_us"])}
+    decode = {k: min(a["decode"][k], b["decode"][k], key=lambda r: r["step_us"]) for k in a.get("decode", {})}
+    return {"idle": idle, "after": after, "send_us": min(a["send_us"], b["send_us"]), "decode": decode}
 
 
 def _veth(flops: float, tries: int) -> dict:

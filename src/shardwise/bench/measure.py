@@ -29,6 +29,8 @@ __all__ = [
     "generation_rank",
     "training_rank",
     "best_time",
+    "decode_step_rank",
+    "DECODE_CONFIG",
 ]
 
 
@@ -290,3 +292,68 @@ def training_rank(world: Communicator, opts: dict) -> dict:
         steps.append(train_step(tr).seconds * 1e3)
         comm.append((world.stats.seconds() - before) * 1e3)
     return {"step_ms": steps, "comm_ms": comm, "sync": type(tr.sync).__name__}
+
+
+DECODE_CONFIG = ("llama", 256, 64, 128, 4, 4, 2, 16)
+"""The decode probe's model (ModelConfig's leading fields: a tiny llama of 4 layers, hidden 64):
+its step is fixed costs and collectives, as a small model's decode step is."""
+
+
+def decode_step_rank(world: Communicator, opts: dict) -> dict:
+    """A decode step as `shardwise generate` runs it, tp over `world` (DECODE_CONFIG, random
+    weights, batch 1): the layers (one native call where shardwise.kernels.step runs, op by op
+    elsewhere, or with opts["native"] False), the LM head with its logits' all-gather, rank 0's
+    argmax and the token broadcast. Per step, the median wall time, and per collective op the
+    median wall time of one call inside it (shardwise's accounting: a native step's all-reduces
+    are counted too, their spin for the peer included), with its calls a step:
+
+        {"native": bool, "step_us": float, "ops": {op: {"calls": n, "bytes": per call, "us": per call}}}
+
+    opts["layers"]: the model's layers (default DECODE_CONFIG's).
+
+    The slower rank's medians (it sets the pace)."""
+    import contextlib
+    import statistics
+
+    from shardwise.engine.generate import decode_step
+    from shardwise.hf.families import FAMILIES
+    from shardwise.kernels import step as native_step
+    from shardwise.models.config import ModelConfig
+    from shardwise.models.decoder import DecoderLM
+    from shardwise.quant.layout import decode_layout
+    from shardwise.sharding import parallelize
+
+    torch.manual_seed(0)  # every rank the same weights, then its shard of them
+    fields = list(DECODE_CONFIG)
+    fields[4] = opts.get("layers", fields[4])
+    cfg = ModelConfig(*fields)
+    model = parallelize(DecoderLM(cfg), FAMILIES["llama"].plan(cfg), comm=world).eval()
+    decode_layout(model, rows=1)
+    steps, warmup = opts.get("steps", 60), 10
+    caches = model.new_caches(1, 8 + warmup + steps)
+    ctx = contextlib.nullcontext if opts.get("native", True) else native_step.off
+    walls, per_op = [], {}
+    tok = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad(), ctx():
+        for i in range(warmup + steps):
+            before = {k: (c.calls, c.bytes, c.seconds) for k, c in world.stats.counts.items()}
+            t0 = time.perf_counter()
+            logits = decode_step(model, tok.view(1, 1), None, caches, i)  # (1, V)
+            nxt = logits.argmax(-1) if world.rank == 0 else torch.empty(1, dtype=torch.long)
+            tok = world.broadcast(nxt, src=0)
+            wall = time.perf_counter() - t0
+            if i < warmup:
+                continue
+            walls.append(wall)
+            for (op, _), c in world.stats.counts.items():
+                calls0, bytes0, s0 = before.get((op, _), (0, 0, 0.0))
+                if c.calls > calls0:
+                    n = c.calls - calls0
+                    per_op.setdefault(op, []).append((n, (c.bytes - bytes0) / n, (c.seconds - s0) / n))
+    ran = any(e for e in model.__dict__.get("_step_programs", {}).values())
+    mine = [statistics.median(walls)] + [statistics.median(s for _, _, s in v) for v in per_op.values()]
+    every = world.all_gather(torch.tensor([mine], dtype=torch.float64), dim=0).amax(dim=0).tolist()
+    ops = {
+        op: {"calls": v[0][0], "bytes": v[0][1], "us": every[1 + j] * 1e6} for j, (op, v) in enumerate(per_op.items())
+    }
+    return {"native": ran, "step_us": every[0] * 1e6, "ops": ops}

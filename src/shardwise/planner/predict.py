@@ -54,6 +54,7 @@ __all__ = [
     "predict_inference",
     "predict_training",
     "tp_wire",
+    "native_step_runs",
 ]
 
 
@@ -158,13 +159,36 @@ def mean_burst_s(compute_s: float, calls: int) -> float:
     return compute_s / max(calls, 1)
 
 
+def native_step_runs(cfg: ModelConfig, cluster: Cluster, tp: int, *, tokens: int, batch: int, width: int,
+                     quantize: str | None) -> bool:  # fmt: skip
+    """Whether a forward's layers run as one native call (shardwise.models.step's conditions,
+    as far as the planner sees them): a decode step (one token) of a plain pre-norm decoder
+    (RMSNorm without offset, no q/k norm, no sandwich or post norms, a gated silu or gelu_tanh
+    MLP, no experts, no parallel residual) on fp32 or a file's own block formats (no
+    `--quantize`), with the device's native fixed costs measured, and at tp > 1 the group's
+    all-reduces on a link whose native all-reduce was measured (the shared memory inside a
+    host; across hosts the step is refused and runs op by op)."""
+    plain = (cfg.norm == "rms" and not cfg.norm_offset and not cfg.qk_norm and not cfg.sandwich_norm
+             and not cfg.post_norm and cfg.gated_mlp and cfg.act in ("silu", "gelu_tanh") and not cfg.num_experts
+             and not cfg.parallel_residual)  # fmt: skip
+    dev = cluster.device
+    if tokens != 1 or not plain or quantize is not None or dev.native_layer_overhead_us is None:
+        return False
+    if tp == 1:
+        return True
+    act = batch * cfg.hidden_size * width
+    return cluster.link_for(tp).carrier("all_reduce", act).native_all_reduce is not None
+
+
 def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s: float = 0.0, *,
-           wire: str = "fp32", width: int = 4) -> Collective:  # fmt: skip
+           wire: str = "fp32", width: int = 4, decode: str = "") -> Collective:  # fmt: skip
     """`c` with its link and seconds: each call's alpha-beta time, plus what the link adds
     after `burst_s` of compute. The link is the one the group's span crosses, or the one under
     it for what it does not carry (specs.Link.carrier: a shared-memory all-reduce's gloo).
     `wire`: a tp all-reduce's format on the wire (planner.wire; fp32: one all-reduce of its
-    values of `width` bytes)."""
+    values of `width` bytes). decode: in a decode step, "per_op" or "native" (the layers as one
+    native call: its all-reduces in C): the link's decode figures where measured
+    (specs.Link.decode_s), in place of the idle time and the after-compute extra."""
     each = c.bytes / c.calls
     if c.op == "all_reduce" and wire != "fp32":  # an all_to_all and an all_gather of the encoded chunks
         from shardwise.planner.wire import all_reduce_s
@@ -173,6 +197,9 @@ def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s:
         s = all_reduce_s(link, each / width, group_size, wire) + 2 * link.extra_after_s(burst_s)
         return Collective(c.op, c.group, c.calls, c.bytes, f"{link.name}, {wire} wire", s * c.calls, wire)
     link = cluster.link_for(span).carrier(c.op, each)
+    measured = link.decode_s(c.op, each, group_size, native=decode == "native", burst_s=burst_s) if decode else None
+    if measured is not None:
+        return Collective(c.op, c.group, c.calls, c.bytes, link.name, measured * c.calls)
     if c.op == "all_gather":
         s = link.all_gather_s(each, group_size)
     elif c.op == "reduce_scatter":  # each rank's input; ring: it moves what an all-gather of its share does
@@ -254,11 +281,12 @@ def _matrix_params(
 
 def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: int, *, layers: int, batch: int,
                    tokens: int, context: float, width: int, dtype: str, busy: bool, expert_parallel: bool = False,
-                   quantize: str | None = None) -> tuple[float, list]:  # fmt: skip
+                   quantize: str | None = None, native: bool = False) -> tuple[float, list]:  # fmt: skip
     """One stage's forward of `tokens` new tokens for `batch` sequences: (compute seconds,
     [(collective, group size, span of ranks)]), its sends to the next stage included. With
     `quantize`, the projections and the head take the quantized kernel's measured time, added
-    to the roofline of the rest (attention, norms, router, KV cache)."""
+    to the roofline of the rest (attention, norms, router, KV cache). native: the layers in one
+    native call (native_step_runs), at the device's native fixed cost per layer."""
     dev = cluster.device
     first, last = stage == 0, stage == pp - 1
     ep = dict(expert_parallel=expert_parallel)
@@ -275,7 +303,8 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
         flops, nbytes = flops - done, nbytes - streamed * width
     rate = dev.flops_at(batch * tokens, dtype, busy)  # rows through every matmul
     fixed = layers + EXPERT_LAUNCHES * experts_computed(cfg, tp, layers, batch * tokens, **ep)
-    t = max(flops / rate, nbytes / dev.bytes_per_s(busy)) + quantized_s + fixed * dev.layer_overhead_us * 1e-6
+    per_layer = dev.native_layer_overhead_us if native else dev.layer_overhead_us
+    t = max(flops / rate, nbytes / dev.bytes_per_s(busy)) + quantized_s + fixed * per_layer * 1e-6
     raw = []
     kw = dict(batch=batch, tokens=tokens, width=width, layers=layers, first=first, last=last)
     for c in tp_forward_collectives(cfg, tp, **kw):
@@ -296,11 +325,14 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
     all-reduces' wire format (tp_wire)."""
     busy = tp > 1 if busy is None else busy
     split = inference_layout(cfg, pp).layers
-    compute, raw, per_stage = cluster.device.step_overhead_us * 1e-6, [], []
+    native = native_step_runs(cfg, cluster, tp, tokens=tokens, batch=batch, width=width, quantize=quantize)
+    dev = cluster.device
+    step_s = (dev.native_step_overhead_us if native else dev.step_overhead_us) * 1e-6
+    compute, raw, per_stage = step_s, [], []
     for stage, layers in enumerate(split):
         t, r = _stage_forward(cfg, cluster, tp, pp, stage, layers=layers, batch=batch, tokens=tokens,
                               context=context, width=width, dtype=dtype, busy=busy,
-                              expert_parallel=expert_parallel, quantize=quantize)  # fmt: skip
+                              expert_parallel=expert_parallel, quantize=quantize, native=native)  # fmt: skip
         compute += t
         raw += r
         per_stage.append((t, r))
@@ -308,13 +340,14 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
         raw.append((Collective("broadcast", "tp" if pp == 1 else "world", 1, 8 * batch), tp * pp, tp * pp))
     burst = mean_burst_s(compute, sum(c.calls for c, _, _ in raw))
     wire = tp_wire(comm_dtype, cluster, tp, batch * tokens * cfg.hidden_size, burst, width=width)
-    timed = [_timed(c, cluster, size, span, burst, wire=wire if c.group == "tp" else "fp32", width=width)
-             for c, size, span in raw]  # fmt: skip
+    decode = ("native" if native else "per_op") if tokens == 1 else ""
+    timed = [_timed(c, cluster, size, span, burst, wire=wire if c.group == "tp" else "fp32", width=width,
+                    decode=decode) for c, size, span in raw]  # fmt: skip
     stage_s, i = [], 0
     for t, r in per_stage:
         stage_s.append(t + sum(c.seconds for c in timed[i : i + len(r)]))
         i += len(r)
-    stage_s[0] += cluster.device.step_overhead_us * 1e-6
+    stage_s[0] += step_s
     colls = merge(timed)
     return Timing(compute, sum(c.seconds for c in colls)), colls, stage_s
 

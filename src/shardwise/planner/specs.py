@@ -98,9 +98,26 @@ class Link:
     all-reduce, all-gather or broadcast of up to max_bytes (the shared-memory segment over gloo:
     shardwise.comm.shm). None: this link carries everything."""
     max_bytes: float = math.inf
+    decode: tuple[tuple[str, float, float, float], ...] = ()
+    """Measured (op, bytes, seconds, burst seconds) of one collective inside a decode step on the
+    per-op path (its layers op by op, each collective a Python call; shardwise.bench.measure.
+    decode_step_rank), after the mean compute between that step's collectives (the burst): the
+    short-burst end of the after-compute curve, which the synthetic probe (bursts of 0.1 ms
+    and more) does not reach. Empty: not measured (the figures above price it)."""
+    native_all_reduce: tuple[float, float] | None = None
+    """Measured (bytes, seconds) of one all-reduce inside the native decode step
+    (shardwise.kernels.step: the shared-memory protocol in C, no Python call); None: the
+    native step's all-reduces do not run over this link."""
 
     def __post_init__(self) -> None:
         _check(self, positive=("busbw_gbps",), nonneg=("latency_us", "bucket_bytes"))
+        if any(n < 0 or sec <= 0 or b < 0 for _, n, sec, b in self.decode) or (
+            self.native_all_reduce is not None and (self.native_all_reduce[0] < 0 or self.native_all_reduce[1] <= 0)
+        ):
+            raise PlannerError(
+                f"Link {self.name}: decode figures need bytes >= 0 and seconds > 0, got {self.decode}, "
+                f"{self.native_all_reduce}"
+            )
         if self.send_us is not None:
             _check(self, nonneg=("send_us",))
         if self.rate_gbps is not None:
@@ -169,6 +186,30 @@ class Link:
         sent = (p - 1) * nbytes_in
         return self._alpha(p) + sent / (self.busbw_gbps * 1e9) + self._wait_s(sent)
 
+    def decode_s(self, op: str, nbytes: float, p: int, *, native: bool = False, burst_s: float = 0.0) -> float | None:
+        """Seconds of one `op` of `nbytes` per rank over p devices inside a decode step, after
+        `burst_s` of compute: native, the native step's all-reduce as measured; else the decode
+        figure, and where the burst is longer than the decode probe's, log-linear in the burst
+        from it up to the after-compute points (idle 4 KiB time + extra) beyond; plus the bytes
+        beyond the measured message's at the bus bandwidth and beyond the bucket at the rate.
+        None where not measured (or p > 2: measured over 2 ranks)."""
+        if p != 2:
+            return None
+        if native and op == "all_reduce":
+            found = None if self.native_all_reduce is None else (*self.native_all_reduce, 0.0)
+        else:
+            found = next(((n, sec, b) for o, n, sec, b in self.decode if o == op), None)
+        if found is None:
+            return None
+        measured_bytes, sec, b0 = found
+        idle = self._measured(4096)  # NOTE: the after-compute probe's all-reduces are 4 KiB
+        if not native and idle is not None and b0 > 0 and burst_s > b0:
+            pts = [(b0, sec)] + [(b, max(sec, idle + e)) for b, e in sorted(self.after_compute) if b > b0]
+            sec = _loglog(pts, burst_s) if len(pts) > 1 else sec
+        moved = {"all_reduce": 2 * (p - 1) / p, "all_gather": p - 1}.get(op, 1.0)  # of each rank's bytes
+        extra = max(0.0, nbytes - measured_bytes) * moved
+        return sec + extra / (self.busbw_gbps * 1e9) + self._wait_s(nbytes * moved)
+
     def send_s(self, nbytes: float) -> float:
         """Seconds for one point-to-point transfer (pipeline stage boundary)."""
         alpha = self.latency_us if self.send_us is None else self.send_us
@@ -231,6 +272,11 @@ class Device:
     whose CUDA kernels are not measured: the planner does not plan quantized weights there."""
     busy_quantized_rows_tflops: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     """The same while every device works (missing: quantized_rows_tflops x busy_compute)."""
+    native_layer_overhead_us: float | None = None
+    native_step_overhead_us: float | None = None
+    """A decode step's fixed time per layer and per step where its layers run as one native call
+    (shardwise.kernels.step), in place of layer_overhead_us and step_overhead_us; None: no
+    native step (the presets; a host without it)."""
 
     def __post_init__(self) -> None:
         _check(self, positive=("memory_gib", "mem_bw_gbps", "matmul_efficiency", "mem_efficiency"))
@@ -242,6 +288,9 @@ class Device:
             if getattr(self, name) is not None:
                 _check(self, nonneg=(name,))
         _check(self, nonneg=("layer_overhead_us", "step_overhead_us", "reserved_gib"))
+        for name in ("native_layer_overhead_us", "native_step_overhead_us"):
+            if getattr(self, name) is not None:
+                _check(self, nonneg=(name,))
         for dtype, v in self.peak_tflops.items():
             if dtype not in DTYPE_BYTES:
                 raise PlannerError(f"Device {self.name}: peak_tflops has unknown dtype {dtype!r}")

@@ -1,0 +1,136 @@
+"""The planner prices a decode step by the path it takes: its layers as one native call
+(shardwise.kernels.step) where that runs, with the tp all-reduces in C over the shared memory,
+and op by op elsewhere (across hosts, a model the native step does not run, --quantize), with
+each collective at what it was measured to cost inside a decode step on that link. Fake
+calibration data: nothing here depends on how fast this machine is."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardwise.bench.calibrate import Calibration
+from shardwise.bench.hostlinks import _decode_record
+from shardwise.planner import model_preset
+from shardwise.planner.predict import Layout, native_step_runs, predict_inference
+from shardwise.planner.specs import Link, PlannerError
+
+
+def _link(latency_us: float, big_us: float, send_us: float | None = None, **extra) -> dict:
+    pts = [{"size_bytes": 4096, "latency_us": latency_us}, {"size_bytes": 1 << 20, "latency_us": big_us}]
+    return {"latency_us": latency_us, "busbw_gbps": 1.0, "points": pts, "send_us": send_us, **extra}
+
+
+def _decode(us: dict[str, float]) -> list[dict]:
+    return [{"op": op, "bytes": 256.0, "us": v, "burst_us": 20.0} for op, v in us.items()]
+
+
+SHM = _link(20.0, 400.0, decode=_decode({"all_reduce": 9.0, "all_gather": 12.0, "broadcast": 10.0}),
+            native_all_reduce={"bytes": 256.0, "us": 2.0})  # fmt: skip
+VETH = _link(300.0, 2500.0, 80.0, decode=_decode({"all_reduce": 1000.0, "all_gather": 900.0, "broadcast": 800.0}))
+CAL = Calibration(
+    host="fake", torch="0", devices=2, memory_gib=16.0, gemm_tflops={"float32": 0.1}, mem_gbps=10.0,
+    layer_overhead_us=80.0, step_overhead_us=100.0, native_layer_overhead_us=10.0, native_step_overhead_us=60.0,
+    links={"gloo": _link(300.0, 1300.0, 70.0), "shm": SHM, "veth": VETH}, created="fake",
+)  # fmt: skip
+KW = dict(batch=1, prompt_len=16, output_len=40, width=4, dtype="float32")
+
+
+def _cfg():
+    return dataclasses.replace(model_preset("bench-156m"), num_layers=4)
+
+
+def test_the_calibration_carries_the_decode_figures_to_the_links():
+    shm = CAL.link("shm")
+    assert shm.native_all_reduce == pytest.approx((256.0, 2e-6))
+    assert shm.decode_s("all_reduce", 256, 2) == pytest.approx(9e-6)
+    assert shm.decode_s("all_reduce", 256, 2, native=True) == pytest.approx(2e-6)
+    assert shm.decode_s("all_gather", 256, 2, native=True) == pytest.approx(12e-6)  # gathers stay Python calls
+    assert CAL.link("gloo").decode_s("all_reduce", 256, 2) is None  # not measured: the old figures price it
+    assert shm.decode_s("all_reduce", 256, 4) is None  # measured over 2 ranks only
+    dev = CAL.cluster().device
+    assert (dev.native_layer_overhead_us, dev.native_step_overhead_us) == (10.0, 60.0)
+
+
+def test_a_bigger_message_than_the_probes_pays_its_extra_bytes_and_the_shaping():
+    veth = CAL.link("veth")
+    n = 256 + 1_000_000
+    assert veth.decode_s("all_reduce", n, 2) == pytest.approx(1000e-6 + 1_000_000 / 1e9)  # ring: 2 (p-1)/p
+    assert veth.decode_s("all_gather", n, 2) == pytest.approx(900e-6 + 1_000_000 / 1e9)
+    shaped = veth.shaped(0.0125, 12500)
+    assert shaped.decode_s("all_reduce", 256, 2) == veth.decode_s("all_reduce", 256, 2)  # inside the bucket
+    assert shaped.decode_s("all_reduce", n, 2) == pytest.approx(
+        veth.decode_s("all_reduce", n, 2) + (n - 12500) / 12.5e6
+    )
+
+
+def test_the_decode_probes_records():
+    op = {"calls": 9, "bytes": 256.0, "us": 8.0}
+    rec = _decode_record({"per_op": {"native": False, "step_us": 1.0, "ops": {"all_reduce": op}},
+                          "native": {"native": True, "step_us": 1.0, "ops": {"all_reduce": {**op, "us": 2.0}}}})  # fmt: skip
+    # the burst: the step's time less its collectives', over them: (1 us - 9 x 8 us) floored at 0
+    assert rec == {"decode": [{"op": "all_reduce", "bytes": 256.0, "us": 8.0, "burst_us": 0.0}],
+                   "native_all_reduce": {"bytes": 256.0, "us": 2.0}}  # fmt: skip
+    refused = {"native": False, "step_us": 1.0, "ops": {"all_reduce": op}}  # the native step did not run
+    assert "native_all_reduce" not in _decode_record({"native": refused})
+    with pytest.raises(PlannerError, match="decode figures"):
+        Link("x", 1.0, 1.0, decode=(("all_reduce", 256.0, 0.0, 0.0),))
+    probe = {"native": False, "step_us": 200.0, "ops": {"all_reduce": {"calls": 10, "bytes": 256.0, "us": 10.0}}}
+    assert _decode_record({"per_op": probe})["decode"][0]["burst_us"] == pytest.approx(10.0)  # (200 - 100) / 10
+
+
+def test_a_longer_burst_than_the_decode_probes_climbs_toward_the_after_compute_points():
+    # decode probe: 1000 us a call after 20 us of compute; the synthetic probe: 300 us idle + 1200 after 200 us
+    link = Link("veth", 1.0, 300.0, ((4096, 300e-6), (1 << 20, 2500e-6)), ((200e-6, 1200e-6),),
+                decode=(("all_reduce", 256.0, 1000e-6, 20e-6),))  # fmt: skip
+    assert link.decode_s("all_reduce", 256, 2, burst_s=10e-6) == pytest.approx(1000e-6)  # shorter: the probe's
+    mid = (20e-6 * 200e-6) ** 0.5  # log-linear in the burst between the two
+    assert link.decode_s("all_reduce", 256, 2, burst_s=mid) == pytest.approx((1000e-6 * 1500e-6) ** 0.5)
+    assert link.decode_s("all_reduce", 256, 2, burst_s=1e-3) == pytest.approx(1500e-6)  # beyond: the last point
+
+
+def test_inside_a_host_decode_runs_the_native_step_and_its_all_reduces_in_c():
+    cfg, one = _cfg(), CAL.hosts(1, 2)
+    assert native_step_runs(cfg, one, 2, tokens=1, batch=1, width=4, quantize=None)
+    assert not native_step_runs(cfg, one, 2, tokens=16, batch=1, width=4, quantize=None)  # prefill: op by op
+    assert not native_step_runs(cfg, one, 2, tokens=1, batch=1, width=4, quantize="int8")
+    assert not native_step_runs(dataclasses.replace(cfg, qk_norm=True), one, 2, tokens=1, batch=1, width=4,
+                                quantize=None)  # fmt: skip
+    p = predict_inference(cfg, one, Layout(2, 1, 1), **KW)
+    ar = next(c for c in p.collectives if c.op == "all_reduce")
+    extra = (cfg.hidden_size * 4 - 256) / 1e9  # the bytes beyond the probe's message, at the bus bandwidth
+    assert ar.seconds == pytest.approx(ar.calls * (2e-6 + extra), rel=1e-3)  # the native all-reduce's, no more
+    off = dataclasses.replace(cfg, qk_norm=True)  # the native step refuses it: op by op
+    q = predict_inference(off, one, Layout(2, 1, 1), **KW)
+    ar_q = next(c for c in q.collectives if c.op == "all_reduce")
+    assert ar_q.seconds == pytest.approx(ar_q.calls * (9e-6 + extra), rel=1e-3)
+    # the layers' fixed costs: the native step's against the per-op path's
+    fixed = (80.0 - 10.0) * cfg.num_layers + (100.0 - 60.0)
+    assert q.decode.compute_s - p.decode.compute_s == pytest.approx(fixed * 1e-6, rel=0.05)
+
+
+def test_across_hosts_decode_runs_op_by_op_at_the_collectives_measured_in_a_decode_step():
+    cfg = _cfg()
+    across = CAL.hosts(2, 1, rate_gbps=1.25, bucket_bytes=125_000)
+    assert not native_step_runs(cfg, across, 2, tokens=1, batch=1, width=4, quantize=None)
+    p = predict_inference(cfg, across, Layout(2, 1, 1), **KW)
+    byop = {c.op: c for c in p.collectives}
+    act = cfg.hidden_size * 4 - 256  # beyond the probe's message, at the veth's bus bandwidth
+    assert byop["all_reduce"].seconds == pytest.approx(byop["all_reduce"].calls * (1000e-6 + act / 1e9), rel=1e-3)
+    assert byop["broadcast"].seconds == pytest.approx(800e-6, rel=1e-3)
+    # pp=2 across: each stage's layers in one native call (tp=1), the token broadcast at the veth's decode figure
+    pp = predict_inference(cfg, across, Layout(1, 2, 1), **KW)
+    assert native_step_runs(cfg, across, 1, tokens=1, batch=1, width=4, quantize=None)
+    assert next(c for c in pp.collectives if c.op == "broadcast").seconds == pytest.approx(800e-6, rel=1e-3)
+
+
+def test_an_older_calibration_prices_decode_as_before():
+    old = Calibration(**{**CAL.__dict__, "native_layer_overhead_us": None, "native_step_overhead_us": None,
+                         "links": {k: {x: y for x, y in v.items() if x not in ("decode", "native_all_reduce")}
+                                   for k, v in CAL.links.items()}})  # fmt: skip
+    cfg = _cfg()
+    assert not native_step_runs(cfg, old.hosts(1, 2), 2, tokens=1, batch=1, width=4, quantize=None)
+    p = predict_inference(cfg, old.hosts(1, 2), Layout(2, 1, 1), **KW)
+    ar = next(c for c in p.collectives if c.op == "all_reduce")
+    assert ar.seconds > ar.calls * 15e-6  # the shared memory's idle 4 KiB figure (20 us), not a decode one
