@@ -70,7 +70,7 @@ def test_the_decode_probes_records():
     rec = _decode_record({"per_op": {"native": False, "step_us": 1.0, "ops": {"all_reduce": op}},
                           "native": {"native": True, "step_us": 1.0, "ops": {"all_reduce": {**op, "us": 2.0}}}})  # fmt: skip
     # the burst: the step's time less its collectives', over them: (1 us - 9 x 8 us) floored at 0
-    assert rec == {"decode": [{"op": "all_reduce", "bytes": 256.0, "us": 8.0, "burst_us": 0.0}],
+    assert rec == {"decode": [{"op": "all_reduce", "bytes": 256.0, "us": 8.0, "burst_us": 0.0, "spill_us": 0.0}],
                    "native_all_reduce": {"bytes": 256.0, "us": 2.0}}  # fmt: skip
     refused = {"native": False, "step_us": 1.0, "ops": {"all_reduce": op}}  # the native step did not run
     assert "native_all_reduce" not in _decode_record({"native": refused})
@@ -80,14 +80,25 @@ def test_the_decode_probes_records():
     assert _decode_record({"per_op": probe})["decode"][0]["burst_us"] == pytest.approx(10.0)  # (200 - 100) / 10
 
 
-def test_a_longer_burst_than_the_decode_probes_climbs_toward_the_after_compute_points():
-    # decode probe: 1000 us a call after 20 us of compute; the synthetic probe: 300 us idle + 1200 after 200 us
-    link = Link("veth", 1.0, 300.0, ((4096, 300e-6), (1 << 20, 2500e-6)), ((200e-6, 1200e-6),),
+def test_a_longer_burst_than_the_decode_probes_adds_only_the_after_compute_probes_growth():
+    # decode probe: 1000 us a call after 20 us of compute; the synthetic probe: +0 after 200 us, +400 after 2 ms
+    # (its idle 4 KiB level, 3000 us here, is never used: it swings between launches)
+    link = Link("veth", 1.0, 300.0, ((4096, 3000e-6), (1 << 20, 4000e-6)), ((200e-6, 0.0), (2e-3, 400e-6)),
                 decode=(("all_reduce", 256.0, 1000e-6, 20e-6),))  # fmt: skip
     assert link.decode_s("all_reduce", 256, 2, burst_s=10e-6) == pytest.approx(1000e-6)  # shorter: the probe's
-    mid = (20e-6 * 200e-6) ** 0.5  # log-linear in the burst between the two
-    assert link.decode_s("all_reduce", 256, 2, burst_s=mid) == pytest.approx((1000e-6 * 1500e-6) ** 0.5)
-    assert link.decode_s("all_reduce", 256, 2, burst_s=1e-3) == pytest.approx(1500e-6)  # beyond: the last point
+    assert link.decode_s("all_reduce", 256, 2, burst_s=100e-6) == pytest.approx(1000e-6)  # before its first point
+    mid = (200e-6 * 2e-3) ** 0.5  # log-linear in the burst between its points
+    assert link.decode_s("all_reduce", 256, 2, burst_s=mid) == pytest.approx(1200e-6)
+    assert link.decode_s("all_reduce", 256, 2, burst_s=1.0) == pytest.approx(1400e-6)  # beyond: the last point
+
+
+def test_the_token_broadcast_is_on_a_pipelines_path_every_token():
+    cfg = _cfg()
+    across = CAL.hosts(2, 1, rate_gbps=1.25, bucket_bytes=125_000)
+    p = predict_inference(cfg, across, Layout(1, 2, 1), **KW)
+    bc = next(c for c in p.collectives if c.op == "broadcast")
+    assert p.stage_s[-1] > bc.seconds  # the last stage samples, then broadcasts (800 us here)
+    assert p.decode.total_s == pytest.approx(sum(p.stage_s), rel=1e-6)  # batch 1: one stage at a time
 
 
 def test_inside_a_host_decode_runs_the_native_step_and_its_all_reduces_in_c():

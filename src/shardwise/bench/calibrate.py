@@ -70,10 +70,12 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 8
+VERSION = 9
 """Bumped when the measurements change meaning: a cache of another version is measured again
 (6: the quantized linear kernels; 7: the shared-memory and veth paths, point-to-point times;
-8: the native decode step's fixed costs, and each path's collectives inside a decode step)."""
+8: the native decode step's fixed costs, and each path's collectives inside a decode step;
+9: a decode step's collectives as the mean call with the step's spill, the q8 wire's across
+hosts, and the cache-resident streaming rate)."""
 QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Rows of the quantized kernel probe: one sequence decoding up to a short prompt."""
 
@@ -135,6 +137,13 @@ class Calibration:
     """A decode step's fixed time per layer and per step where its layers run as one native
     call (shardwise.kernels.step; measure.decode_step_rank, 1 vs 5 layers, one core); None:
     the native step does not run here."""
+    cache_gbps: float | None = None
+    """One row through weights that stay in the last-level cache (measure.probe_rank), one core
+    alone; None: not measured (version < 9)."""
+    busy_cache: float = 1.0
+    """The same while every core streams its own, as a fraction of the rate alone."""
+    cache_bytes: float = 0.0
+    """This host's last-level cache (sysfs), shared by its cores; 0: unknown."""
 
     def link(self, name: str) -> Link:
         """The calibrated link of a backend (gloo, mpi) or path (shm, veth)."""
@@ -197,6 +206,9 @@ class Calibration:
             busy_quantized_rows_tflops=_by_rows(self.busy_quantized_rows_tflops),
             native_layer_overhead_us=self.native_layer_overhead_us,
             native_step_overhead_us=self.native_step_overhead_us,
+            cache_gbps=self.cache_gbps,
+            busy_cache=self.busy_cache,
+            cache_bytes=self.cache_bytes,
         )
         return Cluster(
             name="this-host",
@@ -320,6 +332,23 @@ def _memory_gib() -> float:
     return 8.0
 
 
+def _llc_bytes() -> float:
+    """The last-level cache of cpu0 in bytes (sysfs: the highest cache index's size), 0 if unknown."""
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        sizes = [(int(d.name[5:]), (d / "size").read_text().strip()) for d in root.glob("index*")]
+    except (OSError, ValueError):
+        return 0.0
+    if not sizes:
+        return 0.0
+    text = max(sizes)[1]
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+    try:
+        return float(text.rstrip("KMGkmg")) * scale
+    except ValueError:
+        return 0.0
+
+
 def wait_idle(max_s: float = 30.0) -> bool:
     """Wait until no other process has been runnable for 1 s (sampled from /proc/loadavg), at
     most max_s; True if the machine went idle (or cannot tell)."""
@@ -415,7 +444,7 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None, 
         log(f"calibrating: the same on {devices} cores at once")
         quiet()
         per_rank = launch(probe_rank, devices, args=({"repeats": repeats, "training": True},))
-        busy = {k: statistics.median(r[k] for r in per_rank) for k in ("mem_gbps", "train_s")}
+        busy = {k: statistics.median(r[k] for r in per_rank) for k in ("mem_gbps", "train_s", "cache_gbps")}
         busy["gemm_tflops"] = {"float32": statistics.median(r["gemm_tflops"]["float32"] for r in per_rank)}
         busy["rows_tflops"] = {
             m: statistics.median(r["rows_tflops"][m] for r in per_rank) for m in alone["rows_tflops"]
@@ -455,6 +484,9 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None, 
         busy_rows_tflops=busy.get("rows_tflops", alone["rows_tflops"]),
         busy_compute=min(1.0, busy["gemm_tflops"]["float32"] / alone["gemm_tflops"]["float32"]),
         busy_memory=min(1.0, busy["mem_gbps"] / alone["mem_gbps"]),
+        cache_gbps=alone["cache_gbps"],
+        busy_cache=min(1.0, busy["cache_gbps"] / alone["cache_gbps"]),
+        cache_bytes=_llc_bytes(),
         train_efficiency=alone["train_efficiency"],
         train_layer_overhead_us=alone["train_layer_overhead_us"],
         train_step_overhead_us=alone["train_step_overhead_us"],

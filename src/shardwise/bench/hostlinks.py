@@ -7,7 +7,8 @@ Each path gets what shardwise.bench.calibrate records for a backend: all-reduce 
 ranks by size (bench.comm's probe), what a small one costs more inside a step, after a burst
 of compute (measure.after_compute_rank), one point-to-point message's time (send_probe), and
 each collective's time per call inside a real decode step (measure.decode_step_rank: op by op,
-and for the shared memory inside the native step too, where its all-reduces are C calls):
+and for the shared memory inside the native step too, where its all-reduces are C calls; across
+hosts with the q8 wire too, its all-reduces an all_to_all and an all_gather of 8-bit blocks):
 
 - "shm": 2 local ranks, their world wrapped by shardwise.comm.shm (what a tp group inside one
   host uses by default); every other operation is the gloo link's.
@@ -69,9 +70,13 @@ def path_rank(world: Communicator, opts: dict) -> dict:
     idle = idle_all_reduces(comm, SIZES, opts.get("repeats", 50))
     after = after_compute_rank(comm, {"flops": opts["flops"]})["points"]
     # a decode step's collectives where they run: op by op, and (shared memory) inside the native step
-    decode = {"per_op": decode_step_rank(comm, {"native": False})}
+    # the same step with no collectives (each rank its own size-1 group, both at once): its compute
+    decode = {"alone": decode_step_rank(world.split([[0], [1]], "alone"), {"native": False})}
+    decode["per_op"] = decode_step_rank(comm, {"native": False})
     if opts.get("shm"):
         decode["native"] = decode_step_rank(comm, {})
+    else:  # across hosts: with the tp all-reduces as 8-bit blocks too (--comm-dtype q8)
+        decode["q8"] = decode_step_rank(comm, {"native": False, "wire": "q8"})
     return {"idle": idle, "after": after, "send_us": send_probe(world), "decode": decode}
 
 
@@ -102,15 +107,34 @@ def _record(out: dict) -> dict:
 def _decode_record(decode: dict) -> dict:
     """The decode probes' collectives (measure.decode_step_rank) in the calibration's format:
     "decode": [{"op", "bytes", "us", "burst_us"}, ...] of the per-op path (burst: the step's
-    compute between two of its collectives); "native_all_reduce": {"bytes",
+    compute between two of its collectives: the same step alone, with no collectives, over
+    its calls; each call's time includes its share of what the step's compute took beyond
+    that, "spill_us"), with the q8 wire's ops as "q8 all_to_all", "q8
+    all_gather", "q8 broadcast" where measured; "native_all_reduce": {"bytes",
     "us"} of the all-reduces inside the native step, where it ran."""
-    out = {}
-    if "per_op" in decode:
-        ops = decode["per_op"]["ops"]
+    from shardwise.planner.wire import CODEC_US
+
+    out = {"decode": []}
+    for path, prefix in (("per_op", ""), ("q8", "q8 ")):
+        if path not in decode:
+            continue
+        ops = decode[path]["ops"]
         calls = sum(v["calls"] for v in ops.values())
-        # the compute between two collectives of that step: its time less theirs, over them
-        burst = max(0.0, decode["per_op"]["step_us"] - sum(v["calls"] * v["us"] for v in ops.values())) / max(calls, 1)
-        out["decode"] = [{"op": op, "bytes": v["bytes"], "us": v["us"], "burst_us": burst} for op, v in ops.items()]
+        inside = sum(v["calls"] * v["us"] for v in ops.values())
+        alone = decode.get("alone", {}).get("step_us")
+        if alone is None:  # older probes: the compute between two collectives, the step less theirs
+            burst, spill = max(0.0, decode[path]["step_us"] - inside) / max(calls, 1), 0.0
+        else:
+            # NOTE: the step outside its collectives is slower than the same step alone (after
+            # each wait the rank resumes cold); that spill is the collectives' too, shared per
+            # call (less the q8 wire's encoding and decoding, which the planner adds itself)
+            codec = CODEC_US["q8"] * ops.get("all_to_all", {}).get("calls", 0) if prefix else 0.0
+            spill = max(0.0, decode[path]["step_us"] - inside - alone - codec) / max(calls, 1)
+            burst = alone / max(calls, 1)
+        out["decode"] += [{"op": prefix + op, "bytes": v["bytes"], "us": v["us"] + spill, "burst_us": burst,
+                           "spill_us": spill} for op, v in ops.items()]  # fmt: skip
+    if not out["decode"]:
+        del out["decode"]
     native = decode.get("native")
     if native and native["native"] and "all_reduce" in native["ops"]:
         out["native_all_reduce"] = {k: native["ops"]["all_reduce"][k] for k in ("bytes", "us")}

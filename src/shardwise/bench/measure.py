@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from shardwise.comm import Communicator, tp_only
 
+CACHE_HIDDEN = 384
+"""The cache-resident streaming probe's layer (probe_rank's cache_gbps): 16 x 384^2 fp32 weights, 9 MiB."""
 ROWS = (2, 4, 8, 16, 32, 64)
 """Rows of the batched-decode matmul probe (1 row is the bandwidth probe, 128 the FLOP/s one)."""
 
@@ -89,7 +91,8 @@ def probe_rank(world: Communicator, opts: dict) -> dict:
     """Rates of one rank, every rank of `world` running each probe at the same time.
 
     - matmul FLOP/s per dtype: 128 rows (a short prompt) through layer-shaped weights;
-    - weight streaming bytes/s: one row (a decode step) through the same weights;
+    - weight streaming bytes/s: one row (a decode step) through the same weights; and through
+      one layer small enough to stay in the last-level cache (cache_gbps);
     - fp32 matmul FLOP/s at each of ROWS rows (a batched decode step): a CPU's small
       matrix products can run far below both its peak FLOP/s and its bandwidth;
     - fixed time per layer and per forward: a tiny model's decode step, 1 vs 5 layers;
@@ -118,6 +121,17 @@ def probe_rank(world: Communicator, opts: dict) -> dict:
                 t = best_time(lambda xm=xm, ws=ws: _through(xm, ws), opts["repeats"], sync=world)
                 out["rows_tflops"][str(m)] = 2 * m * sum(w.numel() for w in ws) / t / 1e12
         del ws
+    # one row through weights that stay in the last-level cache between calls (a small model's
+    # decode step streams its weights from there, not from memory): one layer of hidden 384,
+    # 9 MiB in fp32 per rank, 18 MiB for 2 ranks at once
+    ws = _layers(torch.float32, h=CACHE_HIDDEN, n=1)
+    one = torch.randn(1, CACHE_HIDDEN)
+    nbytes = sum(w.numel() for w in ws) * 4
+    out["cache_gbps"] = (
+        nbytes / best_time(lambda one=one, ws=ws: _through(one, ws), 20 * opts["repeats"], sync=world) / 1e9
+    )
+    out["cache_probe_bytes"] = nbytes
+    del ws
     if world.size > 1:
         world.barrier()
     t1, t5 = _tiny_step_s(1, 5 * opts["repeats"]), _tiny_step_s(5, 5 * opts["repeats"])
@@ -304,14 +318,20 @@ def decode_step_rank(world: Communicator, opts: dict) -> dict:
     weights, batch 1): the layers (one native call where shardwise.kernels.step runs, op by op
     elsewhere, or with opts["native"] False), the LM head with its logits' all-gather, rank 0's
     argmax and the token broadcast. Per step, the median wall time, and per collective op the
-    median wall time of one call inside it (shardwise's accounting: a native step's all-reduces
-    are counted too, their spin for the peer included), with its calls a step:
+    mean wall time of one call inside it over every step (shardwise's accounting: a native
+    step's all-reduces are counted too, their spin for the peer included), with its calls a step:
 
         {"native": bool, "step_us": float, "ops": {op: {"calls": n, "bytes": per call, "us": per call}}}
 
-    opts["layers"]: the model's layers (default DECODE_CONFIG's).
+    NOTE: the mean, not the median: a step's collectives are its sum, and on gloo their times
+    are heavy-tailed (most calls ~0.5-1 ms, some 3-5 ms): the median of a step with ~10 calls
+    follows the sum of their means, and the median call would leave the tail out.
 
-    The slower rank's medians (it sets the pace)."""
+    opts["layers"]: the model's layers (default DECODE_CONFIG's). opts["wire"]: the tp group's
+    all-reduce format (planner.wire; q8: each all-reduce is an all_to_all and an all_gather of
+    encoded chunks, shardwise.comm.compress), fp32 by default.
+
+    The slower rank's figures (it sets the pace)."""
     import contextlib
     import statistics
 
@@ -329,6 +349,7 @@ def decode_step_rank(world: Communicator, opts: dict) -> dict:
     cfg = ModelConfig(*fields)
     model = parallelize(DecoderLM(cfg), FAMILIES["llama"].plan(cfg), comm=world).eval()
     decode_layout(model, rows=1)
+    wire, world.wire = world.wire, opts.get("wire", "fp32")
     steps, warmup = opts.get("steps", 60), 10
     caches = model.new_caches(1, 8 + warmup + steps)
     ctx = contextlib.nullcontext if opts.get("native", True) else native_step.off
@@ -350,8 +371,10 @@ def decode_step_rank(world: Communicator, opts: dict) -> dict:
                 if c.calls > calls0:
                     n = c.calls - calls0
                     per_op.setdefault(op, []).append((n, (c.bytes - bytes0) / n, (c.seconds - s0) / n))
+    world.wire = wire
     ran = any(e for e in model.__dict__.get("_step_programs", {}).values())
-    mine = [statistics.median(walls)] + [statistics.median(s for _, _, s in v) for v in per_op.values()]
+    mean_call = [sum(n * s for n, _, s in v) / sum(n for n, _, _ in v) for v in per_op.values()]
+    mine = [statistics.median(walls)] + mean_call
     every = world.all_gather(torch.tensor([mine], dtype=torch.float64), dim=0).amax(dim=0).tolist()
     ops = {
         op: {"calls": v[0][0], "bytes": v[0][1], "us": every[1 + j] * 1e6} for j, (op, v) in enumerate(per_op.items())

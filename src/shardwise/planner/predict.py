@@ -191,10 +191,12 @@ def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s:
     (specs.Link.decode_s), in place of the idle time and the after-compute extra."""
     each = c.bytes / c.calls
     if c.op == "all_reduce" and wire != "fp32":  # an all_to_all and an all_gather of the encoded chunks
-        from shardwise.planner.wire import all_reduce_s
+        from shardwise.planner.wire import all_reduce_s, encoded_decode_s
 
         link = cluster.link_for(span).carrier("all_gather", each)
-        s = all_reduce_s(link, each / width, group_size, wire) + 2 * link.extra_after_s(burst_s)
+        s = encoded_decode_s(link, each / width, group_size, wire, burst_s) if decode == "per_op" else None
+        if s is None:
+            s = all_reduce_s(link, each / width, group_size, wire) + 2 * link.extra_after_s(burst_s)
         return Collective(c.op, c.group, c.calls, c.bytes, f"{link.name}, {wire} wire", s * c.calls, wire)
     link = cluster.link_for(span).carrier(c.op, each)
     measured = link.decode_s(c.op, each, group_size, native=decode == "native", burst_s=burst_s) if decode else None
@@ -304,7 +306,10 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
     rate = dev.flops_at(batch * tokens, dtype, busy)  # rows through every matmul
     fixed = layers + EXPERT_LAUNCHES * experts_computed(cfg, tp, layers, batch * tokens, **ep)
     per_layer = dev.native_layer_overhead_us if native else dev.layer_overhead_us
-    t = max(flops / rate, nbytes / dev.bytes_per_s(busy)) + quantized_s + fixed * per_layer * 1e-6
+    # NOTE: the weights of every rank of the replica on this node (at most devices_per_node) stay
+    # in its last-level cache between steps when they fit (stream_bytes_per_s)
+    node_bytes = nbytes * min(cluster.devices_per_node, tp * pp)
+    t = max(flops / rate, nbytes / dev.stream_bytes_per_s(node_bytes, busy)) + quantized_s + fixed * per_layer * 1e-6
     raw = []
     kw = dict(batch=batch, tokens=tokens, width=width, layers=layers, first=first, last=last)
     for c in tp_forward_collectives(cfg, tp, **kw):
@@ -348,6 +353,7 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
         stage_s.append(t + sum(c.seconds for c in timed[i : i + len(r)]))
         i += len(r)
     stage_s[0] += step_s
+    stage_s[-1] += sum(c.seconds for c in timed[i:])  # the sampled tokens' broadcast, after the last stage
     colls = merge(timed)
     return Timing(compute, sum(c.seconds for c in colls)), colls, stage_s
 

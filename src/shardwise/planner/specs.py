@@ -103,7 +103,9 @@ class Link:
     per-op path (its layers op by op, each collective a Python call; shardwise.bench.measure.
     decode_step_rank), after the mean compute between that step's collectives (the burst): the
     short-burst end of the after-compute curve, which the synthetic probe (bursts of 0.1 ms
-    and more) does not reach. Empty: not measured (the figures above price it)."""
+    and more) does not reach. An encoded wire's ops carry its name ("q8 all_to_all", "q8
+    all_gather": the tp all-reduces of a step with --comm-dtype q8). Empty: not measured (the
+    figures above price it)."""
     native_all_reduce: tuple[float, float] | None = None
     """Measured (bytes, seconds) of one all-reduce inside the native decode step
     (shardwise.kernels.step: the shared-memory protocol in C, no Python call); None: the
@@ -189,10 +191,16 @@ class Link:
     def decode_s(self, op: str, nbytes: float, p: int, *, native: bool = False, burst_s: float = 0.0) -> float | None:
         """Seconds of one `op` of `nbytes` per rank over p devices inside a decode step, after
         `burst_s` of compute: native, the native step's all-reduce as measured; else the decode
-        figure, and where the burst is longer than the decode probe's, log-linear in the burst
-        from it up to the after-compute points (idle 4 KiB time + extra) beyond; plus the bytes
-        beyond the measured message's at the bus bandwidth and beyond the bucket at the rate.
-        None where not measured (or p > 2: measured over 2 ranks)."""
+        figure, plus what the after-compute probe's collectives grow between its shortest burst
+        and `burst_s` (extra_after_s: 0 up to that burst; a decode step's bursts are shorter);
+        plus the bytes beyond the measured message's at the bus bandwidth and beyond the bucket
+        at the rate. None where not measured (or p > 2: measured over 2 ranks).
+
+        NOTE: only the after-compute probe's growth, never its level: that level is the idle
+        4 KiB all-reduce plus an extra, and gloo's idle figure across the veth swings between
+        launches (0.5 and 2.2 ms on one machine, 2026-12-05), while the decode probe's call is
+        the step's own (the built-in model's calls, hidden 256, within 10% of the probe's, hidden
+        64, in the same runs: docs/benchmarks/links.md)."""
         if p != 2:
             return None
         if native and op == "all_reduce":
@@ -202,11 +210,10 @@ class Link:
         if found is None:
             return None
         measured_bytes, sec, b0 = found
-        idle = self._measured(4096)  # NOTE: the after-compute probe's all-reduces are 4 KiB
-        if not native and idle is not None and b0 > 0 and burst_s > b0:
-            pts = [(b0, sec)] + [(b, max(sec, idle + e)) for b, e in sorted(self.after_compute) if b > b0]
-            sec = _loglog(pts, burst_s) if len(pts) > 1 else sec
-        moved = {"all_reduce": 2 * (p - 1) / p, "all_gather": p - 1}.get(op, 1.0)  # of each rank's bytes
+        if not native and self.after_compute and burst_s > b0:
+            sec += max(0.0, self.extra_after_s(burst_s) - self.extra_after_s(max(b0, 1e-12)))
+        # of each rank's bytes; an encoded wire's ops ("q8 all_to_all") move as their op does
+        moved = {"all_reduce": 2 * (p - 1) / p, "all_gather": p - 1, "all_to_all": (p - 1) / p}.get(op.split()[-1], 1.0)
         extra = max(0.0, nbytes - measured_bytes) * moved
         return sec + extra / (self.busbw_gbps * 1e9) + self._wait_s(nbytes * moved)
 
@@ -277,6 +284,13 @@ class Device:
     """A decode step's fixed time per layer and per step where its layers run as one native call
     (shardwise.kernels.step), in place of layer_overhead_us and step_overhead_us; None: no
     native step (the presets; a host without it)."""
+    cache_gbps: float | None = None
+    """Bytes/s of one row through weights held in the last-level cache (measured on this host);
+    None: every weight streams from memory (the presets)."""
+    busy_cache: float = 1.0
+    """cache_gbps while the node's other devices stream too, as a fraction of it alone."""
+    cache_bytes: float = 0.0
+    """The node's last-level cache, shared by its devices (0: none counted)."""
 
     def __post_init__(self) -> None:
         _check(self, positive=("memory_gib", "mem_bw_gbps", "matmul_efficiency", "mem_efficiency"))
@@ -288,6 +302,8 @@ class Device:
             if getattr(self, name) is not None:
                 _check(self, nonneg=(name,))
         _check(self, nonneg=("layer_overhead_us", "step_overhead_us", "reserved_gib"))
+        if self.cache_gbps is not None:
+            _check(self, positive=("cache_gbps", "busy_cache"), nonneg=("cache_bytes",))
         for name in ("native_layer_overhead_us", "native_step_overhead_us"):
             if getattr(self, name) is not None:
                 _check(self, nonneg=(name,))
@@ -359,6 +375,14 @@ class Device:
 
     def bytes_per_s(self, busy: bool = False) -> float:
         return self.mem_bw_gbps * 1e9 * self.mem_efficiency * (self.busy_memory if busy else 1.0)
+
+    def stream_bytes_per_s(self, node_bytes: float, busy: bool = False) -> float:
+        """Bytes/s of a forward that streams weights a step, when the node's devices hold
+        `node_bytes` of them in all: from the last-level cache where they fit in it (they stay
+        there between steps: cache_gbps), else from memory (bytes_per_s)."""
+        if self.cache_gbps is not None and 0 < node_bytes <= self.cache_bytes:
+            return self.cache_gbps * 1e9 * (self.busy_cache if busy else 1.0)
+        return self.bytes_per_s(busy)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,16 @@ from shardwise.comm.compress import WIRES
 from shardwise.log import get_logger
 from shardwise.planner.specs import Link
 
-__all__ = ["WIRE_BYTES", "CODEC_US", "CODEC_NS", "all_reduce_s", "best_wire", "probe_link", "choose_wire"]
+__all__ = [
+    "WIRE_BYTES",
+    "CODEC_US",
+    "CODEC_NS",
+    "all_reduce_s",
+    "encoded_decode_s",
+    "best_wire",
+    "probe_link",
+    "choose_wire",
+]
 
 log = get_logger("wire")
 
@@ -49,6 +58,20 @@ def all_reduce_s(link: Link, values: float, p: int, wire: str) -> float:
         return link.all_reduce_s(values * 4, p)
     share = values * WIRE_BYTES[wire] / p  # one rank's chunk
     return 2 * link.all_gather_s(share, p) + (CODEC_US[wire] + values * CODEC_NS[wire] * 1e-3) * 1e-6
+
+
+def encoded_decode_s(link: Link, values: float, p: int, wire: str, burst_s: float) -> float | None:
+    """Seconds of one encoded all-reduce of `values` inside a per-op decode step, from the
+    link's decode figures for that wire (specs.Link.decode_s of "q8 all_to_all" and "q8
+    all_gather": measure.decode_step_rank with the wire set), plus the encoding and decoding;
+    None where the wire's decode step was not measured on this link."""
+    if p <= 1:
+        return 0.0
+    a2a = link.decode_s(f"{wire} all_to_all", values * WIRE_BYTES[wire], p, burst_s=burst_s)
+    gather = link.decode_s(f"{wire} all_gather", values * WIRE_BYTES[wire] / p, p, burst_s=burst_s)
+    if a2a is None or gather is None:
+        return None
+    return a2a + gather + (CODEC_US[wire] + values * CODEC_NS[wire] * 1e-3) * 1e-6
 
 
 def best_wire(link: Link, values: float, p: int) -> tuple[str, dict[str, float]]:
