@@ -55,13 +55,13 @@ def test_a_q8_all_reduce_in_a_decode_step_is_its_two_measured_messages_and_the_c
     assert encoded_decode_s(dataclasses.replace(link, decode=VETH_DECODE[:3]), values, 2, "q8", 0.0) is None
 
 
-def _cal(**extra) -> Calibration:
+def _cal(links: dict | None = None, **extra) -> Calibration:
     pts = [{"size_bytes": 4096, "latency_us": 300.0}, {"size_bytes": 1 << 20, "latency_us": 2500.0}]
     veth = {"latency_us": 300.0, "busbw_gbps": 1.0, "points": pts, "send_us": 80.0,
             "decode": [{"op": o, "bytes": n, "us": s * 1e6, "burst_us": b * 1e6} for o, n, s, b in VETH_DECODE]}  # fmt: skip
     return Calibration(host="fake", torch="0", devices=2, memory_gib=16.0, gemm_tflops={"float32": 0.1},
                        mem_gbps=10.0, layer_overhead_us=80.0, step_overhead_us=100.0,
-                       links={"gloo": {**veth, "decode": []}, "veth": veth}, created="fake", **extra)  # fmt: skip
+                       links=links or {"gloo": {**veth, "decode": []}, "veth": veth}, created="fake", **extra)  # fmt: skip
 
 
 def test_the_planner_prices_a_q8_decode_step_across_hosts_from_the_q8_probe():
@@ -93,3 +93,17 @@ def test_weights_that_fit_in_the_last_level_cache_stream_at_its_rate():
     assert fast.decode.compute_s < slow.decode.compute_s
     big = predict_inference(small, _cal(cache_gbps=100.0, cache_bytes=1024).hosts(1, 2), Layout(2, 1, 1), **kw)
     assert big.decode.compute_s == pytest.approx(slow.decode.compute_s)  # does not fit: from memory
+
+
+def test_a_slow_small_idle_figure_does_not_set_the_links_small_messages_or_its_extras():
+    from shardwise.bench.fits import monotone_times
+
+    assert monotone_times([(4096, 2.2e-3), (16384, 0.5e-3), (65536, 0.48e-3), (262144, 0.7e-3)]) == [
+        (4096, 0.48e-3), (16384, 0.48e-3), (65536, 0.48e-3), (262144, 0.7e-3)]  # fmt: skip
+    pts = [{"size_bytes": 4096, "latency_us": 2200.0}, {"size_bytes": 16384, "latency_us": 500.0}]
+    after = [{"burst_us": 200.0, "per_call_us": 900.0, "extra_us": 0.0}, {"burst_us": 2000.0, "extra_us": 50.0}]
+    cal = _cal(links={"gloo": {"latency_us": 300.0, "busbw_gbps": 1.0, "points": pts, "after_compute": after}})
+    link = cal.link("gloo")
+    assert link.all_reduce_s(4096, 2) == pytest.approx(500e-6)
+    # the extra against the monotone idle 4 KiB time (900 - 500), the written one where no per-call time is kept
+    assert link.after_compute == (pytest.approx((200e-6, 400e-6)), pytest.approx((2000e-6, 50e-6)))

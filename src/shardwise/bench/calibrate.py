@@ -53,7 +53,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from shardwise.bench.fits import after_compute_extra_us, fit_link
+from shardwise.bench.fits import after_compute_extra_us, fit_link, monotone_times
 from shardwise.planner.specs import Cluster, Device, Link, PlannerError
 
 __all__ = [
@@ -154,8 +154,15 @@ class Calibration:
                 + ("; --recalibrate measures it" if self.version < VERSION else "")
             )
         v = self.links[name]
-        pts = tuple((pt["size_bytes"], pt["latency_us"] * 1e-6) for pt in v["points"])
-        after = tuple((pt["burst_us"] * 1e-6, pt["extra_us"] * 1e-6) for pt in v.get("after_compute", ()))
+        pts = tuple(monotone_times([(pt["size_bytes"], pt["latency_us"] * 1e-6) for pt in v["points"]]))
+        # NOTE: each after-compute extra against the monotone idle 4 KiB figure (the probe's size),
+        # from the probe's own per-call time where recorded (extra_us as written used the raw one)
+        idle_us = pts[0][1] * 1e6 if pts and pts[0][0] == 4096 else None
+        after = tuple(
+            (pt["burst_us"] * 1e-6, (after_compute_extra_us(pt["per_call_us"], idle_us)
+                                     if "per_call_us" in pt and idle_us is not None else pt["extra_us"]) * 1e-6)
+            for pt in v.get("after_compute", ())
+        )  # fmt: skip
         decode = tuple(
             (d["op"], d["bytes"], d["us"] * 1e-6, d.get("burst_us", 0.0) * 1e-6) for d in v.get("decode", ())
         )

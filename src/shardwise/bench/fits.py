@@ -4,13 +4,24 @@ bandwidth fitted to timed sizes, and a collective's extra cost after a burst of 
 
 from __future__ import annotations
 
-__all__ = ["fit_link", "after_compute_extra_us"]
+__all__ = ["fit_link", "after_compute_extra_us", "monotone_times"]
 
 
 def after_compute_extra_us(per_call_us: float, idle_us: float) -> float:
     """What a collective inside a step costs beyond the same collective between idle ranks:
     per_call - idle, at least 0 (a backend that spins may come out a little faster)."""
     return max(0.0, per_call_us - idle_us)
+
+
+def monotone_times(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(bytes, seconds) points by size, each time at most any larger message's: a smaller
+    all-reduce cannot cost more than a larger one on the same link, so a figure above a larger
+    size's is a slow launch (across the veth on 2026-12-05: 4 KiB 2234 us, 16 KiB 514 us)."""
+    out, best = [], float("inf")
+    for n, t in sorted(points, reverse=True):
+        best = min(best, t)
+        out.append((n, best))
+    return out[::-1]
 
 
 def fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
