@@ -25,6 +25,11 @@ def test_shared_memory_and_veth_paths_are_measured_and_make_hosts_for_the_planne
         assert [p["size_bytes"] for p in rec["points"]] == SIZES, name
         assert rec["send_us"] > 0 and rec["latency_us"] > 0 and rec["busbw_gbps"] > 0, (name, rec)
         assert rec["after_compute"] and all(p["burst_us"] > 0 and p["extra_us"] >= 0 for p in rec["after_compute"])
+    # each path's decode step: its collectives with the step's spill; across hosts the q8 wire's too
+    ops = {name: {d["op"]: d for d in rec["decode"]} for name, rec in links.items()}
+    assert {"all_reduce", "all_gather", "broadcast"} <= set(ops["shm"])
+    assert {"q8 all_to_all", "q8 all_gather"} <= set(ops["veth"]), ops["veth"]
+    assert all(d["us"] > 0 and d["burst_us"] > 0 and d["spill_us"] >= 0 for o in ops.values() for d in o.values())
     # a 4 KiB all-reduce through shared memory is faster than gloo's across the link
     assert links["shm"]["points"][0]["latency_us"] < links["veth"]["points"][0]["latency_us"], links
     gloo = {**links["veth"], "send_us": None}  # any gloo link will do for the cluster's other operations
