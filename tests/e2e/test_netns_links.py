@@ -24,6 +24,7 @@ def test_shared_memory_and_veth_paths_are_measured_and_make_hosts_for_the_planne
     for name, rec in links.items():
         assert [p["size_bytes"] for p in rec["points"]] == SIZES, name
         assert rec["send_us"] > 0 and rec["latency_us"] > 0 and rec["busbw_gbps"] > 0, (name, rec)
+        assert [p["size_bytes"] for p in rec["after_compute_big"]] == [262144] * 3, name
         assert rec["after_compute"] and all(p["burst_us"] > 0 and p["extra_us"] >= 0 for p in rec["after_compute"])
     # each path's decode step: its collectives with the step's spill; across hosts the q8 wire's too
     ops = {name: {d["op"]: d for d in rec["decode"]} for name, rec in links.items()}

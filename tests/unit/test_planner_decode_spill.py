@@ -107,3 +107,19 @@ def test_a_slow_small_idle_figure_does_not_set_the_links_small_messages_or_its_e
     assert link.all_reduce_s(4096, 2) == pytest.approx(500e-6)
     # the extra against the monotone idle 4 KiB time (900 - 500), the written one where no per-call time is kept
     assert link.after_compute == (pytest.approx((200e-6, 400e-6)), pytest.approx((2000e-6, 50e-6)))
+
+
+def test_a_big_all_reduces_extra_after_compute_is_its_own_measured_one():
+    link = Link("veth", 1.0, 300.0, ((4096, 500e-6), (262144, 700e-6)), ((1e-3, 600e-6),),
+                after_compute_big=((1e-3, 2000e-6),), after_big_bytes=262144)  # fmt: skip
+    assert link.extra_after_s(1e-3) == pytest.approx(600e-6)  # 4 KiB
+    assert link.extra_after_s(1e-3, 262144) == pytest.approx(2000e-6)
+    assert link.extra_after_s(1e-3, 4 << 20) == pytest.approx(2000e-6)  # beyond: the big one's
+    assert link.extra_after_s(1e-3, 32768) == pytest.approx(600e-6 + 0.5 * 1400e-6)  # log-linear in the size
+    assert Link("x", 1.0, 1.0, after_compute=((1e-3, 600e-6),)).extra_after_s(1e-3, 262144) == pytest.approx(600e-6)
+    # the calibration: the big probe's extra against the (monotone) idle 256 KiB time
+    pts = [{"size_bytes": 4096, "latency_us": 500.0}, {"size_bytes": 262144, "latency_us": 700.0}]
+    big = [{"burst_us": 1000.0, "per_call_us": 2700.0, "size_bytes": 262144}]
+    cal = _cal(links={"gloo": {"latency_us": 300.0, "busbw_gbps": 1.0, "points": pts, "after_compute_big": big}})
+    assert cal.link("gloo").after_compute_big == (pytest.approx((1e-3, 2000e-6)),)
+    assert cal.link("gloo").after_big_bytes == 262144

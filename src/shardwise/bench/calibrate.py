@@ -70,12 +70,12 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 9
+VERSION = 10
 """Bumped when the measurements change meaning: a cache of another version is measured again
 (6: the quantized linear kernels; 7: the shared-memory and veth paths, point-to-point times;
 8: the native decode step's fixed costs, and each path's collectives inside a decode step;
 9: a decode step's collectives as the mean call with the step's spill, the q8 wire's across
-hosts, and the cache-resident streaming rate)."""
+hosts, and the cache-resident streaming rate; 10: the after-compute probe at 256 KiB too)."""
 QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Rows of the quantized kernel probe: one sequence decoding up to a short prompt."""
 
@@ -166,9 +166,16 @@ class Calibration:
         decode = tuple(
             (d["op"], d["bytes"], d["us"] * 1e-6, d.get("burst_us", 0.0) * 1e-6) for d in v.get("decode", ())
         )
+        big = v.get("after_compute_big", ())
+        big_bytes = big[0]["size_bytes"] if big else 0
+        idle_big = dict(pts).get(big_bytes)
+        after_big = tuple(
+            (pt["burst_us"] * 1e-6, max(0.0, pt["per_call_us"] * 1e-6 - idle_big)) for pt in big
+        ) if idle_big is not None else ()  # fmt: skip
         native = v.get("native_all_reduce")
         return Link(f"{name} (measured)", v["busbw_gbps"], v["latency_us"], pts, after, send_us=v.get("send_us"),
-                    decode=decode, native_all_reduce=None if native is None else (native["bytes"], native["us"] * 1e-6))  # fmt: skip
+                    decode=decode, native_all_reduce=None if native is None else (native["bytes"], native["us"] * 1e-6),
+                    after_compute_big=after_big, after_big_bytes=big_bytes if after_big else 0)  # fmt: skip
 
     def intra_link(self, link: str = "gloo", *, shm: bool = True) -> Link:
         """The link between two ranks of this host: backend `link`'s, under the shared-memory
@@ -377,7 +384,7 @@ def _measure_links(
 ) -> tuple[dict, dict]:
     from shardwise.bench.comm import available_backends, measure_all_reduce
     from shardwise.bench.hostlinks import send_probe
-    from shardwise.bench.measure import after_compute_rank
+    from shardwise.bench.measure import AFTER_COMPUTE_BIG, after_compute_rank
     from shardwise.launch import launch
 
     links, unavailable = {}, {}
@@ -402,6 +409,10 @@ def _measure_links(
                 tries.append(launch(after_compute_rank, 2, args=({"flops": flops},), backend=b)[0]["points"])
             after = [min(pts, key=lambda pt: pt["per_call_us"]) for pts in zip(*tries, strict=True)]
             quiet()
+            values, bursts = AFTER_COMPUTE_BIG
+            big = launch(after_compute_rank, 2, args=({"flops": flops, "values": values, "bursts_ms": bursts},),
+                         backend=b)[0]["points"]  # fmt: skip
+            quiet()
             send_us = launch(send_probe, 2, backend=b)[0]
         except Exception as e:  # noqa: BLE001 - a backend that fails is reported, not fatal
             unavailable[b] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
@@ -422,6 +433,7 @@ def _measure_links(
                 }
                 for pt in after
             ],
+            "after_compute_big": [{**pt, "size_bytes": AFTER_COMPUTE_BIG[0] * 4} for pt in big],
         }
     return links, unavailable
 

@@ -58,7 +58,7 @@ def send_probe(world: Communicator, repeats: int = 200) -> float:
 def path_rank(world: Communicator, opts: dict) -> dict:
     """One rank's probes on `world` (2 ranks), wrapped in shared memory when opts["shm"]."""
     from shardwise.bench.comm import _rank as idle_all_reduces
-    from shardwise.bench.measure import after_compute_rank
+    from shardwise.bench.measure import AFTER_COMPUTE_BIG, after_compute_rank
 
     comm = world
     if opts.get("shm"):
@@ -69,6 +69,8 @@ def path_rank(world: Communicator, opts: dict) -> dict:
 
     idle = idle_all_reduces(comm, SIZES, opts.get("repeats", 50))
     after = after_compute_rank(comm, {"flops": opts["flops"]})["points"]
+    values, bursts = AFTER_COMPUTE_BIG
+    after_big = after_compute_rank(comm, {"flops": opts["flops"], "values": values, "bursts_ms": bursts})["points"]
     # a decode step's collectives where they run: op by op, and (shared memory) inside the native step
     # the same step with no collectives (each rank its own size-1 group, both at once): its compute
     decode = {"alone": decode_step_rank(world.split([[0], [1]], "alone"), {"native": False})}
@@ -77,12 +79,13 @@ def path_rank(world: Communicator, opts: dict) -> dict:
         decode["native"] = decode_step_rank(comm, {})
     else:  # across hosts: with the tp all-reduces as 8-bit blocks too (--comm-dtype q8)
         decode["q8"] = decode_step_rank(comm, {"native": False, "wire": "q8"})
-    return {"idle": idle, "after": after, "send_us": send_probe(world), "decode": decode}
+    return {"idle": idle, "after": after, "after_big": after_big, "send_us": send_probe(world), "decode": decode}
 
 
 def _record(out: dict) -> dict:
     """A rank's probes in the calibration's format (calibrate.Calibration.links)."""
     from shardwise.bench.fits import after_compute_extra_us, fit_link
+    from shardwise.bench.measure import AFTER_COMPUTE_BIG
 
     pts = sorted((n, s) for n, s in out["idle"])
     lat, bw = fit_link(pts)
@@ -100,6 +103,10 @@ def _record(out: dict) -> dict:
             }
             for p in out["after"]
         ],  # fmt: skip
+        "after_compute_big": [
+            {"burst_us": p["burst_us"], "per_call_us": p["per_call_us"], "size_bytes": AFTER_COMPUTE_BIG[0] * 4}
+            for p in out.get("after_big", ())
+        ],
         **_decode_record(out.get("decode", {})),
     }
 
@@ -146,7 +153,14 @@ def _better(a: dict, b: dict) -> dict:
     idle = [(n, min(x, y)) for (n, x), (_, y) in zip(a["idle"], b["idle"], strict=True)]
     after = [min(p, q, key=lambda pt: pt["per_call_us"]) for p, q in zip(a["after"], b["after"], strict=True)]
     decode = {k: min(a["decode"][k], b["decode"][k], key=lambda r: r["step_us"]) for k in a.get("decode", {})}
-    return {"idle": idle, "after": after, "send_us": min(a["send_us"], b["send_us"]), "decode": decode}
+    big = [min(p, q, key=lambda pt: pt["per_call_us"]) for p, q in zip(a["after_big"], b["after_big"], strict=True)]
+    return {
+        "idle": idle,
+        "after": after,
+        "after_big": big,
+        "send_us": min(a["send_us"], b["send_us"]),
+        "decode": decode,
+    }
 
 
 def _veth(flops: float, tries: int) -> dict:

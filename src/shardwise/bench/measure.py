@@ -28,6 +28,7 @@ __all__ = [
     "probe_rank",
     "after_compute_rank",
     "AFTER_COMPUTE_MS",
+    "AFTER_COMPUTE_BIG",
     "generation_rank",
     "training_rank",
     "best_time",
@@ -191,6 +192,9 @@ def _training_probe(repeats: int, gemm_flops: float) -> dict:
     }
 
 
+AFTER_COMPUTE_BIG = (65536, (0.3, 1.0, 3.0))
+"""The same probe with all-reduces of 65536 fp32 values (256 KiB: a training step's activations),
+after bursts of these ms (opts "values", "bursts_ms"): what a big message costs more after compute."""
 AFTER_COMPUTE_MS = (0.1, 0.3, 1.0, 3.0, 10.0)
 """Lengths of the bursts of compute before each collective in after_compute_rank: from a
 decode step's attention block (a tenth of a millisecond) to a training layer's backward."""
@@ -200,7 +204,7 @@ def after_compute_rank(world: Communicator, opts: dict) -> dict:
     """What a small all-reduce costs inside a step, after a burst of compute, for bursts of
     several lengths: a synthetic step of n bursts (a matmul on cache-resident weights, about
     `ms` long), each followed by an all-reduce of 1024 fp32 values (4 KiB: a decode step's
-    activations), against the same bursts with a single all-reduce at the end:
+    activations; opts["values"] others), against the same bursts with a single all-reduce at the end:
 
         per_call = (p10 of step time with - p10 without) / (n - 1)
 
@@ -212,7 +216,8 @@ def after_compute_rank(world: Communicator, opts: dict) -> dict:
 
     NOTE: every step starts after a barrier, so both ranks start it together."""
     n, steps, warmup = opts.get("calls", 19), opts.get("steps", 20), 3
-    w, t = torch.randn(256, 1024), torch.ones(1024)  # 1 MiB: stays in cache, so the burst is compute
+    w = torch.randn(256, 1024)  # 1 MiB: stays in cache, so the burst is compute
+    t = torch.ones(opts.get("values", 1024))
     points = []
     for ms in opts.get("bursts_ms", AFTER_COMPUTE_MS):
         x = torch.randn(max(1, round(ms * 1e-3 * opts.get("flops", 86e9) / (2 * w.numel()))), 1024)

@@ -212,7 +212,7 @@ def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s:
         s = all_to_all_s(link, each, group_size)
     else:  # all_reduce, broadcast (a tiny payload: its latency)
         s = link.all_reduce_s(each, group_size)
-    s += link.extra_after_s(burst_s) if group_size > 1 else 0.0
+    s += link.extra_after_s(burst_s, each if c.op == "all_reduce" else 4096) if group_size > 1 else 0.0
     return Collective(c.op, c.group, c.calls, c.bytes, link.name, s * c.calls)
 
 
