@@ -385,10 +385,43 @@ ALWAYS_INLINE void rows8(int f, int nr, int ni, const uint8_t *w, size_t row_byt
     }
 }
 
+/* Q8_0, ni (<= 2) activation rows against every weight row, one block at a time in ymm, as
+ * rows_avx2 with one vpdpbusd of |q| by sign(q) qa for its vpmaddubsw and vpmaddwd: exact in
+ * int32 (no int16 pair saturates), then acc += dot * (dw dx) in the row's 8 fp32 lanes. A row
+ * streams through once, in order. On Zen 4, whose 512-bit operations take two passes, rows8's
+ * 8-block transposes cost more than a block read from memory: this streams Q8_0 beyond the
+ * cache at twice rows8's speed for one row, 1.4x for two (the nibble formats gain nothing:
+ * docs/benchmarks/native-kernels.md, "Q8_0 one row at a time"). */
+ALWAYS_INLINE void rows_q8_vnni256(int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                                   const sw_a32 *xa, float *y, int64_t ldy) {
+    const int bs = fmt_bytes(F_Q8_0);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t b = 0; b < kblocks; b++) {
+            const uint8_t *blk = wr + bs * b;
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), u = _mm256_abs_epi8(q); /* u8 |q| */
+            const float dw = _cvtsh_ss(load_u16(blk));
+            for (int i = 0; i < ni; i++) {
+                const sw_a32 *xb = xa + i * kblocks + b;
+                const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb->q), q);
+                const __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(dw * xb->d), acc[i]);
+            }
+        }
+        for (int i = 0; i < ni; i++) y[i * ldy + r] = hsum8_avx2(acc[i]);
+    }
+}
+
 ALWAYS_INLINE void gemm8_avx512(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                 const void *x, int64_t n, float *y, int64_t ldy) {
     const sw_a32 *xa = (const sw_a32 *)x;
     if (n <= 0 || rows <= 0) return;
+    if (f == F_Q8_0 && n <= 2) { /* one or two rows: a block at a time (rows_q8_vnni256) */
+        if (n == 2) rows_q8_vnni256(2, w, row_bytes, rows, kblocks, xa, y, ldy);
+        else rows_q8_vnni256(1, w, row_bytes, rows, kblocks, xa, y, ldy);
+        return;
+    }
     const int64_t ng = (kblocks + 7) / 8;
     const xg8 *xg = ng ? repack8(f, xa, n, kblocks) : NULL;
     if (ng && !xg) { /* out of memory for the repacked activations: the AVX2 path needs none */
