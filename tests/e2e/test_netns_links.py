@@ -31,6 +31,9 @@ def test_shared_memory_and_veth_paths_are_measured_and_make_hosts_for_the_planne
     assert {"all_reduce", "all_gather", "broadcast"} <= set(ops["shm"])
     assert {"q8 all_to_all", "q8 all_gather"} <= set(ops["veth"]), ops["veth"]
     assert all(d["us"] > 0 and d["burst_us"] > 0 and d["spill_us"] >= 0 for o in ops.values() for d in o.values())
+    # across hosts, pp=2's decode step: one message between the stages (measure.pipeline_step_rank)
+    hop = links["veth"]["decode_hop"]
+    assert hop["hop_us"] > 0 and hop["step_us"] > hop["alone_us"] > 0 and "decode_hop" not in links["shm"], hop
     # a 4 KiB all-reduce through shared memory is faster than gloo's across the link
     assert links["shm"]["points"][0]["latency_us"] < links["veth"]["points"][0]["latency_us"], links
     gloo = {**links["veth"], "send_us": None}  # any gloo link will do for the cluster's other operations
@@ -38,5 +41,6 @@ def test_shared_memory_and_veth_paths_are_measured_and_make_hosts_for_the_planne
                       layer_overhead_us=100.0, step_overhead_us=100.0, links={"gloo": gloo, **links})  # fmt: skip
     cl = cal.hosts(2, 1, rate_gbps=0.0125, bucket_bytes=netns.bucket_bytes("100mbit"))
     assert cl.inter.send_us == links["veth"]["send_us"] and cl.intra.via is not None
+    assert cl.inter.decode_hop == (hop["bytes"], hop["hop_us"] * 1e-6)
     ours = f"{netns.PREFIX}{os.getpid()}c"  # this process's namespaces: all deleted
     assert ours not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -145,3 +145,33 @@ def test_an_older_calibration_prices_decode_as_before():
     p = predict_inference(cfg, old.hosts(1, 2), Layout(2, 1, 1), **KW)
     ar = next(c for c in p.collectives if c.op == "all_reduce")
     assert ar.seconds > ar.calls * 15e-6  # the shared memory's idle 4 KiB figure (20 us), not a decode one
+
+
+def test_a_pipelines_decode_messages_are_priced_as_its_measured_hop():
+    # pp=2: the stages take turns, so the hidden state's send and the token's broadcast are a
+    # ping-pong; the calibration's pipeline step (measure.pipeline_step_rank) prices each message
+    probe = {"bytes": 256, "hop_us": 250.0, "step_us": 700.0, "alone_us": 200.0}
+    assert _decode_record({"pp": probe})["decode_hop"] == probe
+    veth = {**VETH, "decode_hop": probe}
+    cal = dataclasses.replace(CAL, links={**CAL.links, "veth": veth})
+    cfg = _cfg()
+    across = cal.hosts(2, 1, rate_gbps=1.25, bucket_bytes=125_000)
+    assert across.inter.decode_hop == pytest.approx((256, 250e-6))
+    p = predict_inference(cfg, across, Layout(1, 2, 1), **KW)
+    byop = {c.op: c for c in p.collectives}
+    beyond = (cfg.hidden_size * 4 - 256) / 1e9  # the hidden state's bytes beyond the probe's, at the bus bandwidth
+    assert byop["send"].seconds == pytest.approx(250e-6 + beyond, rel=1e-6)
+    assert byop["broadcast"].seconds == pytest.approx(250e-6, rel=1e-6)  # not the tp step's broadcast (800 us)
+    # without the figure (an older calibration): the idle send plus the after-compute extra, the tp broadcast
+    old = predict_inference(cfg, CAL.hosts(2, 1, rate_gbps=1.25, bucket_bytes=125_000), Layout(1, 2, 1), **KW)
+    old_byop = {c.op: c for c in old.collectives}
+    assert old_byop["broadcast"].seconds == pytest.approx(800e-6, rel=1e-3)
+    assert p.decode.total_s < old.decode.total_s
+    # a tp group's broadcast keeps the tp step's figure; shaping still adds the bytes beyond the bucket
+    tp = {c.op: c for c in predict_inference(cfg, across, Layout(2, 1, 1), **KW).collectives}
+    assert tp["broadcast"].seconds == pytest.approx(800e-6, rel=1e-3)
+    shaped = cal.link("veth").shaped(1e-3, 0.0)  # 1 MB/s, no bucket
+    assert shaped.hop_s(1024) == pytest.approx(250e-6 + 768 / 1e9 + 1024 / 1e6)
+    assert CAL.link("veth").hop_s(1024) is None
+    with pytest.raises(PlannerError, match="decode_hop"):
+        Link("x", 1.0, 1.0, decode_hop=(256.0, 0.0))

@@ -70,12 +70,13 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 10
+VERSION = 11
 """Bumped when the measurements change meaning: a cache of another version is measured again
 (6: the quantized linear kernels; 7: the shared-memory and veth paths, point-to-point times;
 8: the native decode step's fixed costs, and each path's collectives inside a decode step;
 9: a decode step's collectives as the mean call with the step's spill, the q8 wire's across
-hosts, and the cache-resident streaming rate; 10: the after-compute probe at 256 KiB too)."""
+hosts, and the cache-resident streaming rate; 10: the after-compute probe at 256 KiB too;
+11: across hosts, pp=2's decode step and its message between the stages)."""
 QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Rows of the quantized kernel probe: one sequence decoding up to a short prompt."""
 
@@ -173,9 +174,11 @@ class Calibration:
             (pt["burst_us"] * 1e-6, max(0.0, pt["per_call_us"] * 1e-6 - idle_big)) for pt in big
         ) if idle_big is not None else ()  # fmt: skip
         native = v.get("native_all_reduce")
+        hop = v.get("decode_hop")
         return Link(f"{name} (measured)", v["busbw_gbps"], v["latency_us"], pts, after, send_us=v.get("send_us"),
                     decode=decode, native_all_reduce=None if native is None else (native["bytes"], native["us"] * 1e-6),
-                    after_compute_big=after_big, after_big_bytes=big_bytes if after_big else 0)  # fmt: skip
+                    after_compute_big=after_big, after_big_bytes=big_bytes if after_big else 0,
+                    decode_hop=None if hop is None else (hop["bytes"], hop["hop_us"] * 1e-6))  # fmt: skip
 
     def intra_link(self, link: str = "gloo", *, shm: bool = True) -> Link:
         """The link between two ranks of this host: backend `link`'s, under the shared-memory

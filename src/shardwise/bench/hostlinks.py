@@ -8,7 +8,10 @@ ranks by size (bench.comm's probe), what a small one costs more inside a step, a
 of compute (measure.after_compute_rank), one point-to-point message's time (send_probe), and
 each collective's time per call inside a real decode step (measure.decode_step_rank: op by op,
 and for the shared memory inside the native step too, where its all-reduces are C calls; across
-hosts with the q8 wire too, its all-reduces an all_to_all and an all_gather of 8-bit blocks):
+hosts with the q8 wire too, its all-reduces an all_to_all and an all_gather of 8-bit blocks),
+and across hosts the message of pp=2's decode step (measure.pipeline_step_rank: the two stages
+take turns, so the hidden state's send and the token's broadcast are a ping-pong with compute
+between, priced from none of the above):
 
 - "shm": 2 local ranks, their world wrapped by shardwise.comm.shm (what a tp group inside one
   host uses by default); every other operation is the gloo link's.
@@ -65,7 +68,7 @@ def path_rank(world: Communicator, opts: dict) -> dict:
         from shardwise.comm.shm import intra_host
 
         comm = intra_host(world, mode="on")
-    from shardwise.bench.measure import decode_step_rank
+    from shardwise.bench.measure import decode_step_rank, pipeline_step_rank
 
     idle = idle_all_reduces(comm, SIZES, opts.get("repeats", 50))
     after = after_compute_rank(comm, {"flops": opts["flops"]})["points"]
@@ -77,8 +80,9 @@ def path_rank(world: Communicator, opts: dict) -> dict:
     decode["per_op"] = decode_step_rank(comm, {"native": False})
     if opts.get("shm"):
         decode["native"] = decode_step_rank(comm, {})
-    else:  # across hosts: with the tp all-reduces as 8-bit blocks too (--comm-dtype q8)
+    else:  # across hosts: with the tp all-reduces as 8-bit blocks too (--comm-dtype q8), and pp=2's step
         decode["q8"] = decode_step_rank(comm, {"native": False, "wire": "q8"})
+        decode["pp"] = pipeline_step_rank(world, {})
     return {"idle": idle, "after": after, "after_big": after_big, "send_us": send_probe(world), "decode": decode}
 
 
@@ -118,7 +122,9 @@ def _decode_record(decode: dict) -> dict:
     its calls; each call's time includes its share of what the step's compute took beyond
     that, "spill_us"), with the q8 wire's ops as "q8 all_to_all", "q8
     all_gather", "q8 broadcast" where measured; "native_all_reduce": {"bytes",
-    "us"} of the all-reduces inside the native step, where it ran."""
+    "us"} of the all-reduces inside the native step, where it ran; "decode_hop": {"bytes",
+    "hop_us", "step_us", "alone_us"} of pp=2's decode step (measure.pipeline_step_rank: one
+    message between two stages that take turns), where measured."""
     from shardwise.planner.wire import CODEC_US
 
     out = {"decode": []}
@@ -142,6 +148,9 @@ def _decode_record(decode: dict) -> dict:
                            "spill_us": spill} for op, v in ops.items()]  # fmt: skip
     if not out["decode"]:
         del out["decode"]
+    pp = decode.get("pp")
+    if pp is not None:
+        out["decode_hop"] = {k: pp[k] for k in ("bytes", "hop_us", "step_us", "alone_us")}
     native = decode.get("native")
     if native and native["native"] and "all_reduce" in native["ops"]:
         out["native_all_reduce"] = {k: native["ops"]["all_reduce"][k] for k in ("bytes", "us")}

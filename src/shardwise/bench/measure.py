@@ -34,6 +34,7 @@ __all__ = [
     "best_time",
     "decode_step_rank",
     "DECODE_CONFIG",
+    "pipeline_step_rank",
 ]
 
 
@@ -385,3 +386,82 @@ def decode_step_rank(world: Communicator, opts: dict) -> dict:
         op: {"calls": v[0][0], "bytes": v[0][1], "us": every[1 + j] * 1e6} for j, (op, v) in enumerate(per_op.items())
     }
     return {"native": ran, "step_us": every[0] * 1e6, "ops": ops}
+
+
+def pipeline_step_rank(world: Communicator, opts: dict) -> dict:
+    """A decode step as `shardwise generate --tp 1 --pp 2` runs it over `world` (2 ranks, one
+    stage each; DECODE_CONFIG, random weights, batch 1): stage 0's layers, its hidden state
+    sent to stage 1, stage 1's layers, head and argmax, and the token broadcast over the world
+    (shardwise.engine.pipeline). Then each stage's same step alone, one rank at a time (the
+    other waits at a barrier), as the two run in the pipeline: one after the other.
+
+        {"step_us": median step, "alone_us": the stages' median steps alone, summed,
+         "messages": 2, "bytes": the hidden state's bytes, "hop_us": (step - alone) / messages,
+         "native": bool, "ops": {op: {"calls", "bytes", "us"}}}
+
+    hop_us is one message of the pipeline's decode step, each stage's resuming after its wait
+    included: the stage-to-stage send and the token broadcast are one message each way between
+    two ranks that take turns, a ping-pong with compute between (not the all-reduce probes' case,
+    where both ranks compute, then meet). The slower rank's figures."""
+    import statistics
+
+    from shardwise.comm import ParallelDims
+    from shardwise.engine.pipeline import StageForward, stage_layout
+    from shardwise.engine.sampling import SamplingParams
+    from shardwise.hf.families import FAMILIES
+    from shardwise.models.config import ModelConfig
+    from shardwise.models.decoder import DecoderLM
+    from shardwise.pipeline.stage import keep_stage
+    from shardwise.quant.layout import decode_layout
+    from shardwise.sharding import parallelize
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(*DECODE_CONFIG)
+    mesh = ParallelDims(world_size=world.size, tp=1, pp=world.size).build(world)
+    # as load_pretrained builds a stage: the whole model parallelized (tp=1), then cut
+    model = parallelize(DecoderLM(cfg), FAMILIES["llama"].plan(cfg), comm=mesh.tp)
+    model = keep_stage(model, stage_layout(cfg, world.size), mesh.pp_rank).eval()
+    decode_layout(model, rows=1)
+    stages, greedy = StageForward(model, mesh), SamplingParams()
+    steps, warmup = opts.get("steps", 60), 10
+    tok = torch.zeros(1, dtype=torch.long)
+    walls, per_op = [], {}
+    with torch.no_grad():
+        caches = stages.new_caches(1, 8 + warmup + steps)
+        for i in range(warmup + steps):
+            before = {k: (c.calls, c.seconds) for k, c in world.stats.counts.items()}
+            t0 = time.perf_counter()
+            logits = stages.forward(tok.view(1, 1), None, caches, i)  # (1, 1, V) on the last stage
+            tok = stages.choose(None if logits is None else logits[:, -1], 1, greedy, None)
+            if i >= warmup:
+                walls.append(time.perf_counter() - t0)
+                for (op, _), c in world.stats.counts.items():
+                    calls0, s0 = before.get((op, _), (0, 0.0))
+                    if c.calls > calls0:
+                        per_op.setdefault(op, []).append((c.calls - calls0, c.seconds - s0))
+        # each stage alone: its layers (and head, argmax) with no message, one rank at a time
+        hidden = torch.randn(1, 1, cfg.hidden_size)
+        alone = 0.0
+        for turn in range(world.size):
+            world.barrier()
+            if turn != world.rank:
+                continue
+            caches, times = stages.new_caches(1, 8 + warmup + steps), []
+            for i in range(warmup + steps):
+                t0 = time.perf_counter()
+                x, rope, attn = model.prelude(tok.view(1, 1), None, None, True, i,
+                                              hidden=None if mesh.is_first_stage else hidden)  # fmt: skip
+                x = model.run_layers(x, rope, attn, caches, i)
+                if mesh.is_last_stage:
+                    model.head(x, True)[:, -1].argmax(-1)
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            alone = statistics.median(times)
+        world.barrier()
+    ran = any(e for e in model.__dict__.get("_step_programs", {}).values())
+    mine = torch.tensor([[statistics.median(walls), alone]], dtype=torch.float64)
+    every = world.all_gather(mine, dim=0)  # (ranks, 2)
+    step, alone_sum = every[:, 0].max().item(), every[:, 1].sum().item()
+    ops = {op: {"calls": v[0][0], "us": sum(s for _, s in v) / sum(n for n, _ in v) * 1e6} for op, v in per_op.items()}
+    return {"step_us": step * 1e6, "alone_us": alone_sum * 1e6, "messages": 2, "bytes": cfg.hidden_size * 4,
+            "hop_us": max(0.0, step - alone_sum) / 2 * 1e6, "native": ran, "ops": ops}  # fmt: skip

@@ -199,6 +199,13 @@ def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s:
             s = all_reduce_s(link, each / width, group_size, wire) + 2 * link.extra_after_s(burst_s)
         return Collective(c.op, c.group, c.calls, c.bytes, f"{link.name}, {wire} wire", s * c.calls, wire)
     link = cluster.link_for(span).carrier(c.op, each)
+    # NOTE: a pipeline's decode messages (a stage's send, the token's broadcast from the last
+    # stage back to the first at pp=2) are a ping-pong between stages that take turns: the
+    # link's pipeline figure where measured, not an all-reduce's extra after compute
+    pipelined = c.op == "send" or (c.op == "broadcast" and c.group == "world" and group_size == 2)
+    hop = link.hop_s(each) if decode and pipelined else None
+    if hop is not None:
+        return Collective(c.op, c.group, c.calls, c.bytes, link.name, hop * c.calls)
     measured = link.decode_s(c.op, each, group_size, native=decode == "native", burst_s=burst_s) if decode else None
     if measured is not None:
         return Collective(c.op, c.group, c.calls, c.bytes, link.name, measured * c.calls)

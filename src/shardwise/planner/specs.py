@@ -129,6 +129,12 @@ class Link:
     """Measured (bytes, seconds) of one all-reduce inside the native decode step
     (shardwise.kernels.step: the shared-memory protocol in C, no Python call); None: the
     native step's all-reduces do not run over this link."""
+    decode_hop: tuple[float, float] | None = None
+    """Measured (bytes, seconds) of one message of a pipeline's decode step over this link
+    (shardwise.bench.measure.pipeline_step_rank: pp=2, the stages taking turns, so the hidden
+    state's send and the sampled token's broadcast are a ping-pong with a stage's compute
+    between; each message's time includes the receiving stage's resuming after its wait). None:
+    not measured (send_us and the after-compute extra price it)."""
 
     def __post_init__(self) -> None:
         _check(self, positive=("busbw_gbps",), nonneg=("latency_us", "bucket_bytes"))
@@ -141,6 +147,8 @@ class Link:
             )
         if self.send_us is not None:
             _check(self, nonneg=("send_us",))
+        if self.decode_hop is not None and (self.decode_hop[0] < 0 or self.decode_hop[1] <= 0):
+            raise PlannerError(f"Link {self.name}: decode_hop needs bytes >= 0 and seconds > 0, got {self.decode_hop}")
         if self.rate_gbps is not None:
             _check(self, positive=("rate_gbps",))
         if any(n <= 0 or s <= 0 for n, s in self.points):
@@ -233,6 +241,15 @@ class Link:
         moved = {"all_reduce": 2 * (p - 1) / p, "all_gather": p - 1, "all_to_all": (p - 1) / p}.get(op.split()[-1], 1.0)
         extra = max(0.0, nbytes - measured_bytes) * moved
         return sec + extra / (self.busbw_gbps * 1e9) + self._wait_s(nbytes * moved)
+
+    def hop_s(self, nbytes: float) -> float | None:
+        """Seconds of one message of `nbytes` between two pipeline stages in a decode step
+        (decode_hop), plus the bytes beyond the measured message's at the bus bandwidth and
+        beyond the bucket at the rate; None where not measured."""
+        if self.decode_hop is None:
+            return None
+        measured_bytes, sec = self.decode_hop
+        return sec + max(0.0, nbytes - measured_bytes) / (self.busbw_gbps * 1e9) + self._wait_s(nbytes)
 
     def send_s(self, nbytes: float) -> float:
         """Seconds for one point-to-point transfer (pipeline stage boundary)."""
