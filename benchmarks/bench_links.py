@@ -6,7 +6,9 @@
 Needs root (hosts are network namespaces: shardwise.bench.netns). Each layout runs under
 torchrun with one rank per host (both ranks on host 0 for the one-host layout, over its
 loopback and its shared-memory all-reduce), gloo, one thread per rank, twice, so that the
-rendezvous, loading and the first steps cancel:
+rendezvous, loading and the first steps cancel; and that pair --launches times (default 3):
+a row is the median launch, each launch's figure kept (launches_ms), because gloo across a
+veth runs in a fast or a slow regime fixed per launch (docs/benchmarks/links.md):
 
 - decode: `shardwise generate --json`, greedy, with SHORT and with LONG new tokens. ms/token
   is the LONG run's median decode step; bytes per token on the links are (tx bytes of every
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -205,6 +208,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/bench_links.json")
     ap.add_argument("--predict", action="store_true", help="no runs: the planner's figures beside --out's rows")
     ap.add_argument("--measure-only", action="store_true", help="the runs only (--predict adds the planner's later)")
+    ap.add_argument("--launches", type=int, default=3, help="launches per row; the row is their median (default 3)")
     a = ap.parse_args()
     from shardwise.engine.text import DEFAULT_MODEL
     from shardwise.planner.presets import resolve_model
@@ -244,27 +248,34 @@ def _measure(a: argparse.Namespace, cfg) -> None:
         for name, (n, per_host, flags) in layouts.items():
             if n == 1 and rows and any(r["layout"] == name for r in rows):
                 continue  # inside one host the link does not matter: once
+            launches, tokens = [], None
             with netns.make_hosts(n, rate) as cluster:
-                if a.train:
-                    ms, sent = _train(cluster, per_host, flags, tmp)
-                    row = {"layout": name, "rate": rate if n > 1 else "loopback", "ms": ms, "link_bytes": round(sent)}
-                else:
-                    short, sent_short = _generate(cluster, per_host, flags, SHORT, model)
-                    long, sent_long = _generate(cluster, per_host, flags, LONG, model)
-                    row = {"layout": name, "rate": rate if n > 1 else "loopback", "ms": long["decode_ms_per_token"],
-                           "link_bytes": round((sent_long - sent_short) / (LONG - SHORT)), "tokens": long["tokens"]}  # fmt: skip
+                for _ in range(a.launches):  # NOTE: gloo across a veth is fast or slow per launch
+                    if a.train:
+                        launches.append(_train(cluster, per_host, flags, tmp))
+                    else:
+                        short, sent_short = _generate(cluster, per_host, flags, SHORT, model)
+                        long, sent_long = _generate(cluster, per_host, flags, LONG, model)
+                        launches.append((long["decode_ms_per_token"], (sent_long - sent_short) / (LONG - SHORT)))
+                        tokens = tokens or long["tokens"]
+            ms = [x for x, _ in launches]
+            row = {"layout": name, "rate": rate if n > 1 else "loopback", "ms": statistics.median(ms),
+                   "link_bytes": round(statistics.median(b for _, b in launches)), "launches_ms": ms,
+                   "launches_link_bytes": [round(b) for _, b in launches]}  # fmt: skip
+            if tokens is not None:
+                row["tokens"] = tokens
             row.update(hosts=n, per_host=per_host)
             rows.append(row)
-            print(
-                f"{name:24s} {row['rate']:9s} {row['ms']:8.2f} ms/{unit} {row['link_bytes']:10,d} B/{unit}", flush=True
-            )
+            print(f"{name:24s} {row['rate']:9s} {row['ms']:8.2f} ms/{unit} (launches: "
+                  f"{', '.join(f'{x:.2f}' for x in ms)}) {row['link_bytes']:10,d} B/{unit}", flush=True)  # fmt: skip
     for r in rows:  # greedy tokens of the q8 wire against fp32's at the same rate
         fp32 = [x for x in rows if x["layout"] == "tp=2 across the link" and x["rate"] == r["rate"]]
         if "q8" in r["layout"] and fp32:
             r["same_tokens_as_fp32"] = r["tokens"] == fp32[0]["tokens"]
     meta = {"date": t0, "end": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": load0,
             "load_end": os.getloadavg(), "cpu": _cpu(), "model": a.model or "built-in", "quantize": a.quantize,
-            "what": "train step" if a.train else "decode token", "backend": "gloo", "threads_per_rank": 1}  # fmt: skip
+            "what": "train step" if a.train else "decode token", "backend": "gloo", "threads_per_rank": 1,
+            "launches": a.launches}  # fmt: skip
     meta.update({"steps": TRAIN_STEPS, **TRAIN} if a.train else {"short": SHORT, "long": LONG})
     a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
@@ -284,6 +295,8 @@ def _predict(a: argparse.Namespace, cfg) -> None:
         row["predicted_ms"] = float(row["predicted_ms"])  # a fresh calibration's fits are numpy floats
         row["predicted_over_measured"] = row["predicted_ms"] / row["ms"]
         row["within_25pct"] = bool(0.75 <= row["predicted_over_measured"] <= 1.25)
+        if "launches_ms" in row:  # how many of the launches the planner is within 25% of
+            row["launches_within_25pct"] = sum(0.75 <= row["predicted_ms"] / x <= 1.25 for x in row["launches_ms"])
         print(f"{name:24s} {rate:9s} {row['ms']:8.2f} ms, planner {row['predicted_ms']:8.2f} ms "
               f"({row['predicted_over_measured']:.2f}x)", flush=True)  # fmt: skip
     data["meta"]["calibration"] = predictor.cal.created
@@ -311,12 +324,17 @@ def _plot(rows: list[dict], path: Path, what: str) -> None:
         elif pts:
             x = [order.index(r["rate"]) for r in pts]
             ax.plot(x, [r["ms"] for r in pts], "o-", color=color, label=name)
+            for xi, r in zip(x, pts, strict=True):  # the launches' spread around their median
+                ms = r.get("launches_ms", [r["ms"]])
+                ax.vlines(xi, min(ms), max(ms), color=color, lw=1)
             ax.plot(x, [r["predicted_ms"] for r in pts], "x:", color=color)
     ax.set_xticks(range(len(order)), order)
     ax.set_yscale("log")
     ax.set_xlabel("link rate (tbf)")
     ax.set_ylabel(f"ms per {what.split()[-1]}")
-    ax.set_title(f"{what} across a shaped link (2 ranks, gloo): measured o, planner x")
+    ax.set_title(
+        f"{what} across a shaped link (2 ranks, gloo): measured o (median launch, bar: all), planner x", fontsize=9
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -19,7 +19,7 @@ def test_shared_memory_and_veth_paths_are_measured_and_make_hosts_for_the_planne
     from shardwise.bench.calibrate import Calibration
     from shardwise.bench.hostlinks import SIZES, measure_paths
 
-    links, missing = measure_paths(flops=50e9, tries=1, log=lambda msg: None)
+    links, missing = measure_paths(flops=50e9, tries=1, veth_launches=2, log=lambda msg: None)
     assert set(links) == {"shm", "veth"}, missing
     for name, rec in links.items():
         assert [p["size_bytes"] for p in rec["points"]] == SIZES, name
@@ -33,6 +33,7 @@ def test_shared_memory_and_veth_paths_are_measured_and_make_hosts_for_the_planne
     assert all(d["us"] > 0 and d["burst_us"] > 0 and d["spill_us"] >= 0 for o in ops.values() for d in o.values())
     # across hosts, pp=2's decode step: one message between the stages (measure.pipeline_step_rank)
     hop = links["veth"]["decode_hop"]
+    assert links["veth"]["launches"] == 2 and len(links["veth"]["per_launch"]["decode_pp_step_us"]) == 2
     assert hop["hop_us"] > 0 and hop["step_us"] > hop["alone_us"] > 0 and "decode_hop" not in links["shm"], hop
     # a 4 KiB all-reduce through shared memory is faster than gloo's across the link
     assert links["shm"]["points"][0]["latency_us"] < links["veth"]["points"][0]["latency_us"], links

@@ -175,3 +175,25 @@ def test_a_pipelines_decode_messages_are_priced_as_its_measured_hop():
     assert CAL.link("veth").hop_s(1024) is None
     with pytest.raises(PlannerError, match="decode_hop"):
         Link("x", 1.0, 1.0, decode_hop=(256.0, 0.0))
+
+
+def test_the_veths_probes_are_the_median_launch_not_the_fastest():
+    # gloo across the veth runs fast or slow per launch: the calibration keeps the median launch
+    from shardwise.bench.hostlinks import _median, _record
+
+    def launch(idle_us: float, step_us: float, hop_us: float) -> dict:
+        pts = [{"burst_us": 100.0, "per_call_us": idle_us * 1.5}]
+        op = {"calls": 9, "bytes": 256.0, "us": step_us / 12}
+        return {"idle": [(4096, idle_us * 1e-6), (1 << 20, 2 * idle_us * 1e-6)], "after": pts, "after_big": pts,
+                "send_us": hop_us / 2, "decode": {"per_op": {"step_us": step_us, "ops": {"all_reduce": op}},
+                                                  "pp": {"bytes": 256, "hop_us": hop_us, "step_us": 2 * hop_us + 200,
+                                                         "alone_us": 200.0}}}  # fmt: skip
+
+    outs = [launch(500.0, 12000.0, 250.0), launch(2200.0, 20000.0, 400.0), launch(600.0, 18000.0, 300.0)]
+    m = _median(outs)
+    assert m["idle"][0] == (4096, pytest.approx(600e-6)) and m["send_us"] == 150.0
+    assert m["after"][0]["per_call_us"] == 900.0
+    assert m["decode"]["per_op"]["step_us"] == 18000.0 and m["decode"]["pp"]["hop_us"] == 300.0
+    rec = _record(m)
+    assert rec["launches"] == 3 and rec["per_launch"]["idle_4k_us"] == pytest.approx([500.0, 2200.0, 600.0])
+    assert rec["decode_hop"]["hop_us"] == 300.0 and rec["points"][0]["latency_us"] == pytest.approx(600.0)

@@ -36,7 +36,9 @@ starts ranks). Measured (shardwise.bench.measure):
   veth links of a given rate (what benchmarks/bench_links.py runs).
 
 Every figure is the fastest of several tries (per rank, then the median over ranks): the
-machine may be shared, and load elsewhere only ever adds time.
+machine may be shared, and load elsewhere only ever adds time. Except across the veth: there
+gloo runs in a fast or a slow regime fixed per launch, and its figures are the median of 3
+launches (hostlinks._median), each launch's headline figures kept (`per_launch`).
 
 The cache (~/.cache/shardwise/calibration.json; $SHARDWISE_CACHE_DIR overrides the folder)
 is reused while host, core count and torch version match; --recalibrate measures again.
@@ -70,13 +72,14 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 11
+VERSION = 12
 """Bumped when the measurements change meaning: a cache of another version is measured again
 (6: the quantized linear kernels; 7: the shared-memory and veth paths, point-to-point times;
 8: the native decode step's fixed costs, and each path's collectives inside a decode step;
 9: a decode step's collectives as the mean call with the step's spill, the q8 wire's across
 hosts, and the cache-resident streaming rate; 10: the after-compute probe at 256 KiB too;
-11: across hosts, pp=2's decode step and its message between the stages)."""
+11: across hosts, pp=2's decode step and its message between the stages; 12: the veth's
+probes the median of 3 launches, not the fastest of 2)."""
 QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Rows of the quantized kernel probe: one sequence decoding up to a short prompt."""
 

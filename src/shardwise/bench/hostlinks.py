@@ -112,6 +112,7 @@ def _record(out: dict) -> dict:
             for p in out.get("after_big", ())
         ],
         **_decode_record(out.get("decode", {})),
+        **{k: out[k] for k in ("launches", "per_launch") if k in out},
     }
 
 
@@ -172,6 +173,29 @@ def _better(a: dict, b: dict) -> dict:
     }
 
 
+def _median(outs: list[dict]) -> dict:
+    """The median of several launches' probes, figure by figure; each decode probe whole, from
+    the launch whose step is the median (its calls belong together). NOTE: across the veth,
+    gloo runs in a fast or a slow regime fixed per launch (docs/benchmarks/links.md: 4 KiB
+    idle 0.5 ms in one launch, 2.2 ms in the next): the fastest launch prices the fast regime
+    only, the median the launch a job most likely gets."""
+
+    def mid(values, key=lambda v: v):
+        return sorted(values, key=key)[(len(values) - 1) // 2]
+
+    idle = [(pts[0][0], mid([s for _, s in pts])) for pts in zip(*(o["idle"] for o in outs), strict=True)]
+    per_call = lambda pt: pt["per_call_us"]  # noqa: E731
+    after = [mid(list(pts), per_call) for pts in zip(*(o["after"] for o in outs), strict=True)]
+    big = [mid(list(pts), per_call) for pts in zip(*(o["after_big"] for o in outs), strict=True)]
+    decode = {k: mid([o["decode"][k] for o in outs], lambda r: r["step_us"]) for k in outs[0].get("decode", {})}
+    out = {"idle": idle, "after": after, "after_big": big, "send_us": mid([o["send_us"] for o in outs]),
+           "decode": decode}  # fmt: skip
+    # each launch's headline figures, kept to show the spread between launches
+    spread = {"idle_4k_us": [o["idle"][0][1] * 1e6 for o in outs]}
+    spread.update({f"decode_{k}_step_us": [o["decode"][k]["step_us"] for o in outs] for k in decode})
+    return {**out, "launches": len(outs), "per_launch": spread}
+
+
 def _veth(flops: float, tries: int) -> dict:
     from shardwise.bench import netns
 
@@ -188,14 +212,15 @@ def _veth(flops: float, tries: int) -> dict:
             if any(p.returncode for p in procs):
                 raise RuntimeError("veth probe failed: " + " | ".join(e.strip().splitlines()[-1] for _, e in done if e))
             outs.append(json.loads(done[0][0].strip().splitlines()[-1]))
-    best = outs[0]
-    for o in outs[1:]:
-        best = _better(best, o)
-    return best
+    return _median(outs)
 
 
-def measure_paths(*, flops: float, tries: int = 2, log=None, quiet=lambda: None) -> tuple[dict, dict]:
-    """({"shm": record, "veth": record}, {path: why not measured}); see the module docstring."""
+def measure_paths(
+    *, flops: float, tries: int = 2, veth_launches: int = 3, log=None, quiet=lambda: None
+) -> tuple[dict, dict]:
+    """({"shm": record, "veth": record}, {path: why not measured}); see the module docstring.
+    The shared memory: the faster of `tries` launches, figure by figure (load elsewhere only adds
+    time); the veth: the median of `veth_launches` (_median: its per-launch regimes)."""
     from shardwise.bench import netns
     from shardwise.comm.shm_segment import supported
     from shardwise.launch import launch
@@ -216,7 +241,7 @@ def measure_paths(*, flops: float, tries: int = 2, log=None, quiet=lambda: None)
         log("calibrating: gloo across a veth link between two namespace hosts")
         quiet()
         try:
-            links["veth"] = _record(_veth(flops, tries))
+            links["veth"] = _record(_veth(flops, veth_launches))
         except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
             unavailable["veth"] = str(e)[:200]
     else:
