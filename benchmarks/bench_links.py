@@ -8,7 +8,9 @@ torchrun with one rank per host (both ranks on host 0 for the one-host layout, o
 loopback and its shared-memory all-reduce), gloo, one thread per rank, twice, so that the
 rendezvous, loading and the first steps cancel; and that pair --launches times (default 3):
 a row is the median launch, each launch's figure kept (launches_ms), because gloo across a
-veth runs in a fast or a slow regime fixed per launch (docs/benchmarks/links.md):
+veth runs in a fast or a slow regime fixed per launch (docs/benchmarks/links.md). Each
+host's ranks run on cores of their own (netns.make_hosts(pin=True); --no-pin: anywhere), as
+the calibration's veth probes do (hostlinks):
 
 - decode: `shardwise generate --json`, greedy, with SHORT and with LONG new tokens. ms/token
   is the LONG run's median decode step; bytes per token on the links are (tx bytes of every
@@ -209,6 +211,8 @@ def main() -> None:
     ap.add_argument("--predict", action="store_true", help="no runs: the planner's figures beside --out's rows")
     ap.add_argument("--measure-only", action="store_true", help="the runs only (--predict adds the planner's later)")
     ap.add_argument("--launches", type=int, default=3, help="launches per row; the row is their median (default 3)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="let the scheduler place the hosts' ranks (default: each host on cores of its own, netns.host_cores)")  # fmt: skip
     a = ap.parse_args()
     from shardwise.engine.text import DEFAULT_MODEL
     from shardwise.planner.presets import resolve_model
@@ -249,7 +253,7 @@ def _measure(a: argparse.Namespace, cfg) -> None:
             if n == 1 and rows and any(r["layout"] == name for r in rows):
                 continue  # inside one host the link does not matter: once
             launches, tokens = [], None
-            with netns.make_hosts(n, rate) as cluster:
+            with netns.make_hosts(n, rate, pin=a.pin) as cluster:
                 for _ in range(a.launches):  # NOTE: gloo across a veth is fast or slow per launch
                     if a.train:
                         launches.append(_train(cluster, per_host, flags, tmp))
@@ -275,7 +279,7 @@ def _measure(a: argparse.Namespace, cfg) -> None:
     meta = {"date": t0, "end": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": load0,
             "load_end": os.getloadavg(), "cpu": _cpu(), "model": a.model or "built-in", "quantize": a.quantize,
             "what": "train step" if a.train else "decode token", "backend": "gloo", "threads_per_rank": 1,
-            "launches": a.launches}  # fmt: skip
+            "launches": a.launches, "pinned": a.pin}  # fmt: skip
     meta.update({"steps": TRAIN_STEPS, **TRAIN} if a.train else {"short": SHORT, "long": LONG})
     a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 

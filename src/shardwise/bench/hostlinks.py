@@ -16,8 +16,9 @@ between, priced from none of the above):
 - "shm": 2 local ranks, their world wrapped by shardwise.comm.shm (what a tp group inside one
   host uses by default); every other operation is the gloo link's.
 - "veth": 2 hosts made as network namespaces (shardwise.bench.netns, unshaped: root only),
-  one rank on each, gloo over the veth link between them. The planner adds a link's rate on
-  top (specs.Link.shaped): these are the costs a message pays whatever the rate.
+  one rank on each, gloo over the veth link between them, each host pinned to a core of its
+  own (netns.make_hosts(pin=True), as benchmarks/bench_links.py runs them). The planner adds a
+  link's rate on top (specs.Link.shaped): these are the costs a message pays whatever the rate.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def _veth(flops: float, tries: int) -> dict:
 
     outs = []
     for _ in range(tries):
-        with netns.make_hosts(2, None) as cluster:
+        with netns.make_hosts(2, None, pin=True) as cluster:  # each host on a core of its own, as bench_links
             env = {**os.environ, "OMP_NUM_THREADS": "1", **cluster.env()}
             argv = [sys.executable, "-m", "shardwise.bench.hostlinks", cluster.hosts[0].addr, str(flops)]
             procs = [

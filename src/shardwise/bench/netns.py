@@ -46,6 +46,7 @@ __all__ = [
     "Cluster",
     "Host",
     "make_hosts",
+    "host_cores",
     "probe",
     "unavailable",
     "cleanup_stale",
@@ -96,11 +97,14 @@ class Host:
     netns: str
     iface: str = "eth0"
     """Its link, inside its namespace (GLOO_SOCKET_IFNAME, hydra's -iface)."""
+    cores: tuple[int, ...] = ()
+    """The CPU cores its processes may run on (taskset; make_hosts(pin=True)); (): any."""
 
     def command(self, argv: list[str]) -> list[str]:
-        """argv run on this host: in its namespace, with its hostname."""
+        """argv run on this host: in its namespace, with its hostname (on its cores, if pinned)."""
         script = 'hostname "$0" && exec "$@"'
-        return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--", "sh", "-c", script, self.name, *argv]
+        pin = ["taskset", "-c", ",".join(map(str, self.cores))] if self.cores else []
+        return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--", "sh", "-c", script, self.name, *pin, *argv]
 
     def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.command(argv), **kwargs)
@@ -197,9 +201,24 @@ class Cluster:
             shutil.rmtree(os.path.dirname(self.rsh), ignore_errors=True)
 
 
-def make_hosts(n: int, rate: str | None = "1gbit", *, prefix: str = PREFIX) -> Cluster:
+def host_cores(n: int, cores: list[int]) -> list[tuple[int, ...]]:
+    """This machine's `cores` dealt out to n hosts, an equal run of them each (one each at
+    least, round the cores when there are fewer cores than hosts): [(0,), (1,)] for 2 hosts of a
+    2-core machine, [(0, 1)] for one."""
+    cores = sorted(cores)
+    k = max(1, len(cores) // n)
+    return [tuple(cores[(i * k + j) % len(cores)] for j in range(k)) for i in range(n)]
+
+
+def make_hosts(n: int, rate: str | None = "1gbit", *, prefix: str = PREFIX, pin: bool = False) -> Cluster:
     """n hosts (2 to MAX_HOSTS), each linked to one switch at `rate` ('100mbit', '1gbit',
-    '10gbit'; None: unshaped). Use it as a context manager: it deletes everything on exit."""
+    '10gbit'; None: unshaped). Use it as a context manager: it deletes everything on exit.
+
+    pin: each host's processes on cores of its own (host_cores, taskset), as separate machines'
+    are. NOTE: unpinned, gloo across the link ran in a fast or a slow regime fixed per launch
+    (tp=2 decode across an unshaped veth, 5 launches each, interleaved, 2026-12-05: unpinned
+    10.6-19.5 ms a token, pinned 21.4-27.4): the scheduler may put both hosts' ranks on one core,
+    which separate hosts never share; pinned, each launch is the same case."""
     if not 1 <= n <= MAX_HOSTS:
         raise ValueError(f"hosts: {n}; between 1 and {MAX_HOSTS}")
     if rate is not None:
@@ -209,7 +228,8 @@ def make_hosts(n: int, rate: str | None = "1gbit", *, prefix: str = PREFIX) -> C
         raise RuntimeError(f"cannot make hosts: {why}")
     cleanup_stale(prefix)
     base = f"{prefix}{os.getpid()}c{next(_counter)}"
-    hosts = [Host(i, f"host{i}", f"{SUBNET}.{i + 1}", f"{base}h{i}") for i in range(n)]
+    cores = host_cores(n, sorted(os.sched_getaffinity(0))) if pin else [()] * n
+    hosts = [Host(i, f"host{i}", f"{SUBNET}.{i + 1}", f"{base}h{i}", cores=cores[i]) for i in range(n)]
     cluster = Cluster(hosts, None, f"{base}s")
     atexit.register(cluster.close)
     try:
