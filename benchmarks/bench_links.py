@@ -336,9 +336,7 @@ def _plot(rows: list[dict], path: Path, what: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("link rate (tbf)")
     ax.set_ylabel(f"ms per {what.split()[-1]}")
-    ax.set_title(
-        f"{what} across a shaped link (2 ranks, gloo): measured o (median launch, bar: all), planner x", fontsize=9
-    )
+    ax.set_title(f"{what}, 2 ranks, gloo: o measured (median; bar: launches), x planner", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
