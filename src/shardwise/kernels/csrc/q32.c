@@ -395,6 +395,32 @@ ALWAYS_INLINE void rows8(int f, int nr, int ni, const uint8_t *w, size_t row_byt
 ALWAYS_INLINE void rows_q8_vnni256(int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                    const sw_a32 *xa, float *y, int64_t ldy) {
     const int bs = fmt_bytes(F_Q8_0);
+    if (ni == 1) { /* four blocks a step into four sums: the adds' latency off the path */
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *wr = w + r * row_bytes;
+            const sw_a32 *xb = xa;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            int64_t b = 0;
+            for (; b + 4 <= kblocks; b += 4) {
+                for (int k = 0; k < 4; k++) {
+                    const uint8_t *blk = wr + bs * (b + k);
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), u = _mm256_abs_epi8(q);
+                    const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb[b + k].q), q);
+                    const __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
+                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * xb[b + k].d), acc[k]);
+                }
+            }
+            for (; b < kblocks; b++) {
+                const uint8_t *blk = wr + bs * b;
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), u = _mm256_abs_epi8(q);
+                const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb[b].q), q);
+                const __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
+                acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * xb[b].d), acc[0]);
+            }
+            y[r] = hsum8_avx2(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+        }
+        return;
+    }
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *wr = w + r * row_bytes;
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
