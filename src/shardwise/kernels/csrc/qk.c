@@ -588,9 +588,105 @@ ALWAYS_INLINE void q6_rows512(int ni, const uint8_t *w, size_t row_bytes, int64_
     }
 }
 
+/* One activation row in ymm with VNNI (decode at batch 1). On Zen 4, whose 512-bit
+ * operations take two passes, a block's 64 weights a ymm cost fewer passes than the zmm
+ * kernels' broadcasts and variable shifts: per 64 weights two vpdpbusd from zero (exact, as
+ * above), vpackssdw of the two and one vpdpwssd by the sub-scales; the block's float tail
+ * into one of two sums by the block's parity. Same arithmetic as k45_rows512. */
+ALWAYS_INLINE void k45_row1_vnni256(int q5, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                                    const sw_a256 *xa, float *y) {
+    const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES, qs_off = q5 ? 48 : 16;
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i sidx[4]; /* vpackssdw of sub-blocks 2k, 2k + 1 holds per 128-bit lane 4 int16 of each: sc[2k] x4, sc[2k+1] x4 */
+    for (int k = 0; k < 4; k++) {
+        const short lo = (short)(0x8000 | 2 * k), hi = (short)(0x8000 | (2 * k + 1));
+        const __m128i l = _mm_setr_epi16(lo, lo, lo, lo, hi, hi, hi, hi);
+        sidx[k] = _mm256_setr_m128i(l, l);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t b = 0; b < kblocks; b++) {
+            const uint8_t *blk = wr + bytes * b;
+            const sw_a256 *a = xa + b;
+            uint64_t sc, mn;
+            k_scales64(blk + 4, &sc, &mn);
+            const __m256i scb = _mm256_set1_epi64x((long long)sc);
+            __m256i hk = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : zero;
+            __m256i isum = zero;
+            for (int k = 0; k < 4; k++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + qs_off + 32 * k));
+                const __m256i q0 = k45_sub_avx2(q5, 2 * k, v, hk), q1 = k45_sub_avx2(q5, 2 * k + 1, v, hk);
+                const __m256i d0 = _mm256_dpbusd_epi32(zero, q0, _mm256_loadu_si256((const __m256i *)(a->q + 64 * k)));
+                const __m256i d1 =
+                    _mm256_dpbusd_epi32(zero, q1, _mm256_loadu_si256((const __m256i *)(a->q + 64 * k + 32)));
+                isum = _mm256_dpwssd_epi32(isum, _mm256_packs_epi32(d0, d1), _mm256_shuffle_epi8(scb, sidx[k]));
+                if (q5) hk = _mm256_srli_epi16(hk, 2);
+            }
+            const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), k_pairs16(mn));
+            const __m256 vd = _mm256_set1_ps(_cvtsh_ss(k_u16(blk))), vm = _mm256_set1_ps(_cvtsh_ss(k_u16(blk + 2)));
+            const __m256 fm = _mm256_mul_ps(_mm256_cvtepi32_ps(imin), vm);
+            const __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), vd, fm);
+            acc[b & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(a->d), acc[b & 1]);
+        }
+        y[r] = k_hsum8(_mm256_add_ps(acc[0], acc[1]));
+    }
+}
+
+/* Q6_K, one activation row in ymm with VNNI: as q6_rows512 a ymm at a time; sub-blocks 2u and
+ * 2u + 1 of half hf packed together hold per 128-bit lane c 4 int16 of 16-weight group
+ * 8 hf + 4u + c, then 4 of 8 hf + 4u + 2 + c. A block's integer total, then da d total. */
+ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                                   const sw_a256 *xa, float *y) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i pidx[4];
+    for (int hf = 0; hf < 2; hf++)
+        for (int u = 0; u < 2; u++) {
+            const short g = (short)(8 * hf + 4 * u);
+            pidx[2 * hf + u] = _mm256_setr_m128i(_mm_setr_epi16(g, g, g, g, g + 2, g + 2, g + 2, g + 2),
+                                                 _mm_setr_epi16(g + 1, g + 1, g + 1, g + 1, g + 3, g + 3, g + 3, g + 3));
+        }
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *wr = w + r * row_bytes;
+        __m128 acc = _mm_setzero_ps();
+        for (int64_t b = 0; b < kblocks; b++) {
+            const uint8_t *blk = wr + Q6K_BYTES * b;
+            const sw_a256 *a = xa + b;
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            const __m256i c = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), sc16);
+            __m256i isum = _mm256_sub_epi32(zero, _mm256_slli_epi32(c, 5)); /* -32 sum_g sc[g] bsum[g] */
+            for (int hf = 0; hf < 2; hf++) {
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hf));
+                for (int u = 0; u < 2; u++) {
+                    const int8_t *x = a->q + 128 * hf + 64 * u;
+                    const __m256i d0 = _mm256_dpbusd_epi32(zero, q6_sub_avx2(2 * u, ql0, ql1, qh),
+                                                           _mm256_loadu_si256((const __m256i *)x));
+                    const __m256i d1 = _mm256_dpbusd_epi32(zero, q6_sub_avx2(2 * u + 1, ql0, ql1, qh),
+                                                           _mm256_loadu_si256((const __m256i *)(x + 32)));
+                    isum = _mm256_dpwssd_epi32(isum, _mm256_packs_epi32(d0, d1),
+                                               _mm256_permutexvar_epi16(pidx[2 * hf + u], sc16));
+                }
+            }
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+            const __m128 f = _mm_mul_ss(_mm_set_ss(a->d), _mm_set_ss(_cvtsh_ss(k_u16(blk + 208))));
+            acc = _mm_add_ss(acc, _mm_mul_ss(f, _mm_cvtepi32_ps(t)));
+        }
+        y[r] = _mm_cvtss_f32(acc);
+    }
+}
+
 ALWAYS_INLINE void gemm_k_avx512(int fmt, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                  const void *x, int64_t n, float *y, int64_t ldy) {
     const sw_a256 *xa = (const sw_a256 *)x;
+    if (n == 1) { /* one row: a ymm at a time (k45_row1_vnni256) */
+        if (fmt == 6) q6_row1_vnni256(w, row_bytes, rows, kblocks, xa, y);
+        else k45_row1_vnni256(fmt == 5, w, row_bytes, rows, kblocks, xa, y);
+        return;
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += K_TILE) {
         const int64_t nr = rows - r0 < K_TILE ? rows - r0 : K_TILE;
         const uint8_t *wt = w + r0 * row_bytes;
