@@ -220,6 +220,26 @@ def _ranks_exit_after_cut(cluster: netns.Cluster, *, agent: int) -> None:
     assert cluster.hosts[0].pids() == []
 
 
+def _wait_for_text(proc: subprocess.Popen, timeout: float) -> None:
+    """Until the job's stdout shows text after the echoed prompt (generate streams the tokens
+    as they come): the ranks have loaded and decode. A fixed sleep cut the link during
+    loading on a busy machine."""
+    import select
+
+    from shardwise.cli.generate import DEFAULT_PROMPT
+
+    fd, deadline, text = proc.stdout.fileno(), time.monotonic() + timeout, b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            text += os.read(fd, 4096)
+            _, echoed, after = text.decode(errors="replace").partition(DEFAULT_PROMPT)
+            if echoed and after.strip():
+                return
+        assert proc.poll() is None, f"the job ended before it decoded: {text[-2000:]!r}"
+    pytest.fail(f"no streamed text within {timeout} s: {text[-2000:]!r}")
+
+
 def test_a_host_cut_off_during_decode_is_named_and_its_rank_exits():
     argv = ["-m", "shardwise", "generate", "--tp", "2", "--backend", "gloo", "--max-new-tokens", "450"]
     argv += ["--allow-cross-host-tp", "--timeout", "5"]
@@ -232,7 +252,8 @@ def test_a_host_cut_off_during_decode_is_named_and_its_rank_exits():
             seen.append(line)
             if "spans hosts" in line:
                 break
-        time.sleep(2)  # loaded and decoding (about 20 ms a token here: 450 take 9 s)
+        _wait_for_text(procs[0], 120)  # loaded and decoding: the first tokens streamed (450 take 9-11 s)
+        time.sleep(0.5)
         cluster.cut(1)
         _, err = procs[0].communicate(timeout=60)
         err = "".join(seen) + err

@@ -4,8 +4,8 @@ computed in float64.
 
 Weights are valid blocks from gguf's own quantizer and, separately, random bytes with sane
 fp16 scales (every nibble, 5th-bit and int8 pattern, Q8_0's -128 included). Activations carry
-outliers and all-zero blocks. Shapes: rows {0, 1, 7, 64}, kblocks {0, 1, 3, 8, 13},
-n {0, 1, 2, 3, 4, 5, 16}; the weights are a slice (row_bytes wider than the blocks used,
+outliers and all-zero blocks. Shapes: rows {0, 1, 7, 37, 64}, kblocks {0, 1, 3, 8, 13},
+n {0, 1, 2, 3, 4, 5, 16, 19}; the weights are a slice (row_bytes wider than the blocks used,
 starting at a block offset, so unaligned), y has a row stride ldy > rows.
 """
 
@@ -110,11 +110,11 @@ def test_gemm_against_reference(fmt: str, kind: str, isa_name: str) -> None:
     rng = np.random.default_rng([t, len(kind)])
     w = _weights(fmt, kind, rng)
     nbytes = FORMATS[fmt][1]
-    x = _activations(16, rng)
+    x = _activations(19, rng)
     worst = 0.0
     for kb in (0, 1, 3, 8, 13):
-        xs = {n: _quantize_x(x[:n], kb) for n in (0, 1, 2, 3, 4, 5, 16)}
-        for rows in (0, 1, 7, 64):
+        xs = {n: _quantize_x(x[:n], kb) for n in (0, 1, 2, 3, 4, 5, 16, 19)}  # 19: two runs of 16, an odd rest
+        for rows in (0, 1, 7, 37, 64):  # 37: two 16-row tiles and 5 rows
             wk = w[:rows, OFF * nbytes : (OFF + kb) * nbytes]
             for n, (xq, xd) in xs.items():
                 ref, scale = _reference(fmt, wk, xd)

@@ -109,3 +109,10 @@ def test_a_fast_link_with_slow_devices_gets_tp_across_the_hosts_uncompressed():
     assert (lay.tp, lay.pp) == (4, 1)
     assert "its tp group crosses the nodes" in line and "would not be faster" in line, line
     assert cross.inference.wire == "fp32"
+
+
+def test_between_them_tp_across_the_hosts_compressed_to_q8_wins():
+    lay, line, cross = _two_hosts(0.025)  # 200 Mbit/s: pp across loses, tp across wins with q8 on the wire
+    assert (lay.tp, lay.pp) == (4, 1)
+    assert cross.inference.wire == "q8"
+    assert "compressed to q8" in line and "which is the layout recommended" in line, line

@@ -439,6 +439,103 @@ ALWAYS_INLINE void rows_q8_vnni256(int ni, const uint8_t *w, size_t row_bytes, i
     }
 }
 
+/* Q8_0 at 4 or more activation rows: 16 weight rows a zmm, one int32 lane each. Per block the
+ * 16 rows' 32 bytes are transposed in registers into 8 zmm, zmm k holding bytes 4k .. 4k + 3
+ * of every row, made unsigned (w + 128); then per activation row one vpdpbusd per k with its
+ * 4 bytes broadcast from memory: 16 rows x 4 products an instruction, the transpose's cost
+ * shared by up to 16 activation rows. The +128 is taken back through the activation block's
+ * sum (the lanes start at -128 sum(x), exact in int32); then acc += float(lane) * dw dx, one
+ * rounding a block as the other paths. The lanes hold the rows in the order 0-3, 8-11, 4-7,
+ * 12-15 (what the last shuffle of the transpose leaves), put back in order as they are stored. */
+static const int32_t *q8_corr(const sw_a32 *xa, int64_t n, int64_t kblocks) {
+    static __thread int32_t *buf;
+    static __thread size_t cap;
+    const size_t need = (size_t)(n * kblocks);
+    if (need > cap) {
+        free(buf);
+        cap = need + need / 2 + 64;
+        buf = malloc(cap * sizeof(int32_t));
+        if (!buf) {
+            cap = 0;
+            return NULL;
+        }
+    }
+    for (int64_t j = 0; j < n * kblocks; j++) {
+        int sum = 0;
+        for (int t = 0; t < 32; t++) sum += xa[j].q[t];
+        buf[j] = -128 * sum;
+    }
+    return buf;
+}
+
+ALWAYS_INLINE void q8_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t kblocks, const sw_a32 *xa,
+                             const int32_t *corr, int64_t ldx, float *y, int64_t ldy) {
+    const int bs = fmt_bytes(F_Q8_0);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[16];
+    for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kblocks; b++) {
+        const uint8_t *p = w + bs * b;
+        __m512i z[8], t[8], u[8], wk[8];
+        for (int j = 0; j < 8; j++) { /* rows j (low half) and j + 8 (high half), +128 */
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + j * row_bytes + 2));
+            const __m256i hi = _mm256_loadu_si256((const __m256i *)(p + (j + 8) * row_bytes + 2));
+            z[j] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
+        }
+        for (int j = 0; j < 8; j += 2) {
+            t[j] = _mm512_unpacklo_epi32(z[j], z[j + 1]);
+            t[j + 1] = _mm512_unpackhi_epi32(z[j], z[j + 1]);
+        }
+        for (int h = 0; h < 8; h += 4) { /* u[h + c]: dword c (lane 0 of 4), 4 + c (lane 1) of rows h .. h + 3 */
+            u[h + 0] = _mm512_unpacklo_epi64(t[h], t[h + 2]);
+            u[h + 1] = _mm512_unpackhi_epi64(t[h], t[h + 2]);
+            u[h + 2] = _mm512_unpacklo_epi64(t[h + 1], t[h + 3]);
+            u[h + 3] = _mm512_unpackhi_epi64(t[h + 1], t[h + 3]);
+        }
+        for (int c = 0; c < 4; c++) {
+            wk[c] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+            wk[c + 4] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+        }
+#define D16(r) ((short)load_u16(p + (r) * row_bytes))
+        const __m512 dw = _mm512_cvtph_ps(_mm256_setr_epi16(D16(0), D16(1), D16(2), D16(3), D16(8), D16(9), D16(10),
+                                                            D16(11), D16(4), D16(5), D16(6), D16(7), D16(12), D16(13),
+                                                            D16(14), D16(15)));
+#undef D16
+        for (int i = 0; i < ni; i++) {
+            const sw_a32 *xb = xa + i * ldx + b;
+            __m512i s = _mm512_set1_epi32(corr[i * ldx + b]);
+            for (int k = 0; k < 8; k++) {
+                int32_t x4;
+                memcpy(&x4, xb->q + 4 * k, 4);
+                s = _mm512_dpbusd_epi32(s, wk[k], _mm512_set1_epi32(x4));
+            }
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[i]);
+        }
+    }
+    for (int i = 0; i < ni; i++) _mm512_storeu_ps(y + i * ldy, _mm512_shuffle_f32x4(acc[i], acc[i], 0xD8));
+}
+
+/* rows: a multiple of 16; activation rows in runs of up to 16, each run over every tile. */
+ALWAYS_INLINE void q8_tiles16(const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks, const sw_a32 *xa,
+                              const int32_t *corr, int64_t n, float *y, int64_t ldy) {
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int ni = n - i0 < 16 ? (int)(n - i0) : 16;
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+            const uint8_t *wt = w + r0 * row_bytes;
+            const sw_a32 *xi = xa + i0 * kblocks;
+            const int32_t *ci = corr + i0 * kblocks;
+            float *yi = y + i0 * ldy + r0;
+            switch (ni) {
+#define T16(k) \
+    case k: q8_tile16(k, wt, row_bytes, kblocks, xi, ci, kblocks, yi, ldy); break;
+                T16(1) T16(2) T16(3) T16(4) T16(5) T16(6) T16(7) T16(8)
+                T16(9) T16(10) T16(11) T16(12) T16(13) T16(14) T16(15) T16(16)
+#undef T16
+            }
+        }
+    }
+}
+
 ALWAYS_INLINE void gemm8_avx512(int f, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                 const void *x, int64_t n, float *y, int64_t ldy) {
     const sw_a32 *xa = (const sw_a32 *)x;
@@ -446,6 +543,17 @@ ALWAYS_INLINE void gemm8_avx512(int f, const uint8_t *w, size_t row_bytes, int64
     if (f == F_Q8_0 && n <= 2) { /* one or two rows: a block at a time (rows_q8_vnni256) */
         if (n == 2) rows_q8_vnni256(2, w, row_bytes, rows, kblocks, xa, y, ldy);
         else rows_q8_vnni256(1, w, row_bytes, rows, kblocks, xa, y, ldy);
+        return;
+    }
+    const int32_t *corr = f == F_Q8_0 && n >= 4 && rows >= 16 ? q8_corr(xa, n, kblocks) : NULL;
+    if (corr) { /* 16 weight rows a zmm (q8_tiles16); the last rows % 16 a block at a time */
+        const int64_t body = rows & ~(int64_t)15;
+        q8_tiles16(w, row_bytes, body, kblocks, xa, corr, n, y, ldy);
+        for (int64_t i = 0; i + 1 < n; i += 2) /* rows_q8_vnni256 takes one or two activation rows */
+            rows_q8_vnni256(2, w + body * row_bytes, row_bytes, rows - body, kblocks, xa + i * kblocks, y + i * ldy + body, ldy);
+        if (n & 1)
+            rows_q8_vnni256(1, w + body * row_bytes, row_bytes, rows - body, kblocks, xa + (n - 1) * kblocks,
+                            y + (n - 1) * ldy + body, ldy);
         return;
     }
     const int64_t ng = (kblocks + 7) / 8;
