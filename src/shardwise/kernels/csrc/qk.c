@@ -593,10 +593,38 @@ ALWAYS_INLINE void q6_rows512(int ni, const uint8_t *w, size_t row_bytes, int64_
  * kernels' broadcasts and variable shifts: per 64 weights two vpdpbusd from zero (exact, as
  * above), vpackssdw of the two and one vpdpwssd by the sub-scales; the block's float tail
  * into one of two sums by the block's parity. Same arithmetic as k45_rows512. */
+/* One block of k45_row1_vnni256: da (d isum - dmin imin) added to acc. */
+ALWAYS_INLINE __m256 k45_block1_vnni256(int q5, const uint8_t *blk, const sw_a256 *a, const __m256i sidx[4], __m256 acc) {
+    const __m256i zero = _mm256_setzero_si256();
+    const int qs_off = q5 ? 48 : 16;
+    uint64_t sc, mn;
+    k_scales64(blk + 4, &sc, &mn);
+    const __m256i scb = _mm256_set1_epi64x((long long)sc);
+    __m256i hk = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : zero;
+    __m256i isum = zero;
+    for (int k = 0; k < 4; k++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + qs_off + 32 * k));
+        const __m256i q0 = k45_sub_avx2(q5, 2 * k, v, hk), q1 = k45_sub_avx2(q5, 2 * k + 1, v, hk);
+        const __m256i d0 = _mm256_dpbusd_epi32(zero, q0, _mm256_loadu_si256((const __m256i *)(a->q + 64 * k)));
+        const __m256i d1 = _mm256_dpbusd_epi32(zero, q1, _mm256_loadu_si256((const __m256i *)(a->q + 64 * k + 32)));
+        isum = _mm256_dpwssd_epi32(isum, _mm256_packs_epi32(d0, d1), _mm256_shuffle_epi8(scb, sidx[k]));
+        if (q5) hk = _mm256_srli_epi16(hk, 2);
+    }
+    const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), k_pairs16(mn));
+    const __m256 vd = _mm256_set1_ps(_cvtsh_ss(k_u16(blk))), vm = _mm256_set1_ps(_cvtsh_ss(k_u16(blk + 2)));
+    const __m256 fm = _mm256_mul_ps(_mm256_cvtepi32_ps(imin), vm);
+    const __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), vd, fm);
+    return _mm256_fmadd_ps(t, _mm256_set1_ps(a->d), acc);
+}
+
+/* One activation row in ymm with VNNI (decode at batch 1). On Zen 4, whose 512-bit
+ * operations take two passes, a block's 64 weights a ymm cost fewer passes than the zmm
+ * kernels' broadcasts and variable shifts: per 64 weights two vpdpbusd from zero (exact, as
+ * above), vpackssdw of the two and one vpdpwssd by the sub-scales; two blocks a step into two
+ * sums held in registers. Same arithmetic as k45_rows512. */
 ALWAYS_INLINE void k45_row1_vnni256(int q5, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                     const sw_a256 *xa, float *y) {
-    const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES, qs_off = q5 ? 48 : 16;
-    const __m256i zero = _mm256_setzero_si256();
+    const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES;
     __m256i sidx[4]; /* vpackssdw of sub-blocks 2k, 2k + 1 holds per 128-bit lane 4 int16 of each: sc[2k] x4, sc[2k+1] x4 */
     for (int k = 0; k < 4; k++) {
         const short lo = (short)(0x8000 | 2 * k), hi = (short)(0x8000 | (2 * k + 1));
@@ -605,31 +633,14 @@ ALWAYS_INLINE void k45_row1_vnni256(int q5, const uint8_t *w, size_t row_bytes, 
     }
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *wr = w + r * row_bytes;
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t b = 0; b < kblocks; b++) {
-            const uint8_t *blk = wr + bytes * b;
-            const sw_a256 *a = xa + b;
-            uint64_t sc, mn;
-            k_scales64(blk + 4, &sc, &mn);
-            const __m256i scb = _mm256_set1_epi64x((long long)sc);
-            __m256i hk = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : zero;
-            __m256i isum = zero;
-            for (int k = 0; k < 4; k++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + qs_off + 32 * k));
-                const __m256i q0 = k45_sub_avx2(q5, 2 * k, v, hk), q1 = k45_sub_avx2(q5, 2 * k + 1, v, hk);
-                const __m256i d0 = _mm256_dpbusd_epi32(zero, q0, _mm256_loadu_si256((const __m256i *)(a->q + 64 * k)));
-                const __m256i d1 =
-                    _mm256_dpbusd_epi32(zero, q1, _mm256_loadu_si256((const __m256i *)(a->q + 64 * k + 32)));
-                isum = _mm256_dpwssd_epi32(isum, _mm256_packs_epi32(d0, d1), _mm256_shuffle_epi8(scb, sidx[k]));
-                if (q5) hk = _mm256_srli_epi16(hk, 2);
-            }
-            const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), k_pairs16(mn));
-            const __m256 vd = _mm256_set1_ps(_cvtsh_ss(k_u16(blk))), vm = _mm256_set1_ps(_cvtsh_ss(k_u16(blk + 2)));
-            const __m256 fm = _mm256_mul_ps(_mm256_cvtepi32_ps(imin), vm);
-            const __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), vd, fm);
-            acc[b & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(a->d), acc[b & 1]);
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 2 <= kblocks; b += 2) {
+            acc0 = k45_block1_vnni256(q5, wr + bytes * b, xa + b, sidx, acc0);
+            acc1 = k45_block1_vnni256(q5, wr + bytes * (b + 1), xa + b + 1, sidx, acc1);
         }
-        y[r] = k_hsum8(_mm256_add_ps(acc[0], acc[1]));
+        if (b < kblocks) acc0 = k45_block1_vnni256(q5, wr + bytes * b, xa + b, sidx, acc0);
+        y[r] = k_hsum8(_mm256_add_ps(acc0, acc1));
     }
 }
 
