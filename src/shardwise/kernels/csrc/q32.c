@@ -503,13 +503,14 @@ ALWAYS_INLINE void q8_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
 #undef D16
         for (int i = 0; i < ni; i++) {
             const sw_a32 *xb = xa + i * ldx + b;
-            __m512i s = _mm512_set1_epi32(corr[i * ldx + b]);
+            __m512i s[2] = {_mm512_set1_epi32(corr[i * ldx + b]), _mm512_setzero_si512()}; /* two chains: half the latency */
             for (int k = 0; k < 8; k++) {
                 int32_t x4;
                 memcpy(&x4, xb->q + 4 * k, 4);
-                s = _mm512_dpbusd_epi32(s, wk[k], _mm512_set1_epi32(x4));
+                s[k & 1] = _mm512_dpbusd_epi32(s[k & 1], wk[k], _mm512_set1_epi32(x4));
             }
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[i]);
+            const __m512i st = _mm512_add_epi32(s[0], s[1]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(st), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[i]);
         }
     }
     for (int i = 0; i < ni; i++) _mm512_storeu_ps(y + i * ldy, _mm512_shuffle_f32x4(acc[i], acc[i], 0xD8));
