@@ -395,9 +395,11 @@ def test_worker_stopped_mid_generation_on_mpi(tmp_path):
 
 def test_worker_raising_mid_generation(tmp_path):
     # the default backend: MPI where installed
-    s = Server(tmp_path, "--tp", "2", "--timeout", "10", "--debug-fail-rank", "1", "--debug-fail-after", "60")
+    # after 300 steps of the 400-token stream: long enough to see it running first (60 steps,
+    # a fraction of a second, sometimes ended the server before the first /metrics poll)
+    s = Server(tmp_path, "--tp", "2", "--timeout", "10", "--debug-fail-rank", "1", "--debug-fail-after", "300")
     try:
         _fault_case(s, lambda: None)
-        assert "rank 1 failed: RuntimeError: injected failure on rank 1 at step 61" in s.log.read_text()
+        assert "rank 1 failed: RuntimeError: injected failure on rank 1 at step 301" in s.log.read_text()
     finally:
         s.stop()

@@ -439,7 +439,7 @@ ALWAYS_INLINE void rows_q8_vnni256(int ni, const uint8_t *w, size_t row_bytes, i
     }
 }
 
-/* Q8_0 at 4 or more activation rows: 16 weight rows a zmm, one int32 lane each. Per block the
+/* Q8_0 at 8 or more activation rows: 16 weight rows a zmm, one int32 lane each. Per block the
  * 16 rows' 32 bytes are transposed in registers into 8 zmm, zmm k holding bytes 4k .. 4k + 3
  * of every row, made unsigned (w + 128); then per activation row one vpdpbusd per k with its
  * 4 bytes broadcast from memory: 16 rows x 4 products an instruction, the transpose's cost
@@ -447,6 +447,13 @@ ALWAYS_INLINE void rows_q8_vnni256(int ni, const uint8_t *w, size_t row_bytes, i
  * sum (the lanes start at -128 sum(x), exact in int32); then acc += float(lane) * dw dx, one
  * rounding a block as the other paths. The lanes hold the rows in the order 0-3, 8-11, 4-7,
  * 12-15 (what the last shuffle of the transpose leaves), put back in order as they are stored. */
+/* From 8 activation rows: at 4 the tiles gained 5-10% over rows8 (streaming, Zen 4), and on
+ * the real SmolLM2-135M the batched greedy check (4 prompts, 8 tokens against fp32) came out
+ * 2 of 4 with them at 4 rows, 4 of 4 from 8 (3 of 4 on the avx2 path): correct kernels that
+ * sum in another order move that model's logits by about 0.17 rms through the activations'
+ * 8-bit rounding, which decides its near ties (docs/benchmarks/native-kernels.md). */
+enum { Q8_TILE_ROWS = 8 };
+
 static const int32_t *q8_corr(const sw_a32 *xa, int64_t n, int64_t kblocks) {
     static __thread int32_t *buf;
     static __thread size_t cap;
@@ -546,7 +553,7 @@ ALWAYS_INLINE void gemm8_avx512(int f, const uint8_t *w, size_t row_bytes, int64
         else rows_q8_vnni256(1, w, row_bytes, rows, kblocks, xa, y, ldy);
         return;
     }
-    const int32_t *corr = f == F_Q8_0 && n >= 4 && rows >= 16 ? q8_corr(xa, n, kblocks) : NULL;
+    const int32_t *corr = f == F_Q8_0 && n >= Q8_TILE_ROWS && rows >= 16 ? q8_corr(xa, n, kblocks) : NULL;
     if (corr) { /* 16 weight rows a zmm (q8_tiles16); the last rows % 16 a block at a time */
         const int64_t body = rows & ~(int64_t)15;
         q8_tiles16(w, row_bytes, body, kblocks, xa, corr, n, y, ldy);
