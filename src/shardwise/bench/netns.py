@@ -99,6 +99,9 @@ class Host:
     """Its link, inside its namespace (GLOO_SOCKET_IFNAME, hydra's -iface)."""
     cores: tuple[int, ...] = ()
     """The CPU cores its processes may run on (taskset; make_hosts(pin=True)); (): any."""
+    started: list[subprocess.Popen] = field(default_factory=list, compare=False, repr=False)
+    """What popen started here: close() kills these too, since one still entering the
+    namespace is not yet among `ip netns pids` (seen on a busy machine: a sleeper outlived it)."""
 
     def command(self, argv: list[str]) -> list[str]:
         """argv run on this host: in its namespace, with its hostname (on its cores, if pinned)."""
@@ -107,7 +110,9 @@ class Host:
         return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--", "sh", "-c", script, self.name, *pin, *argv]
 
     def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
-        return subprocess.Popen(self.command(argv), **kwargs)
+        p = subprocess.Popen(self.command(argv), **kwargs)
+        self.started.append(p)
+        return p
 
     def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(argv), **kwargs)
@@ -196,6 +201,9 @@ class Cluster:
         if self._closed:
             return
         self._closed = True
+        for p in (p for h in self.hosts for p in h.started if p.poll() is None):
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()  # ip netns exec execs into the command: the same pid from start to end
         _delete([h.netns for h in self.hosts] + [self.switch])
         if self.rsh:
             shutil.rmtree(os.path.dirname(self.rsh), ignore_errors=True)

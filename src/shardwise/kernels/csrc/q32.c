@@ -385,6 +385,14 @@ ALWAYS_INLINE void rows8(int f, int nr, int ni, const uint8_t *w, size_t row_byt
     }
 }
 
+/* One Q8_0 block against one activation block: acc += float(|q| . sign(q) qa) dw dx. */
+ALWAYS_INLINE __m256 q8_block256(const uint8_t *blk, const sw_a32 *xb, __m256 acc) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), u = _mm256_abs_epi8(q);
+    const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb->q), q);
+    const __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * xb->d), acc);
+}
+
 /* Q8_0, ni (<= 2) activation rows against every weight row, one block at a time in ymm, as
  * rows_avx2 with one vpdpbusd of |q| by sign(q) qa for its vpmaddubsw and vpmaddwd: exact in
  * int32 (no int16 pair saturates), then acc += dot * (dw dx) in the row's 8 fp32 lanes. A row
@@ -398,25 +406,11 @@ ALWAYS_INLINE void rows_q8_vnni256(int ni, const uint8_t *w, size_t row_bytes, i
     if (ni == 1) { /* four blocks a step into four sums: the adds' latency off the path */
         for (int64_t r = 0; r < rows; r++) {
             const uint8_t *wr = w + r * row_bytes;
-            const sw_a32 *xb = xa;
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             int64_t b = 0;
-            for (; b + 4 <= kblocks; b += 4) {
-                for (int k = 0; k < 4; k++) {
-                    const uint8_t *blk = wr + bs * (b + k);
-                    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), u = _mm256_abs_epi8(q);
-                    const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb[b + k].q), q);
-                    const __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
-                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * xb[b + k].d), acc[k]);
-                }
-            }
-            for (; b < kblocks; b++) {
-                const uint8_t *blk = wr + bs * b;
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), u = _mm256_abs_epi8(q);
-                const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb[b].q), q);
-                const __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
-                acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(_cvtsh_ss(load_u16(blk)) * xb[b].d), acc[0]);
-            }
+            for (; b + 4 <= kblocks; b += 4)
+                for (int k = 0; k < 4; k++) acc[k] = q8_block256(wr + bs * (b + k), xa + b + k, acc[k]);
+            for (; b < kblocks; b++) acc[0] = q8_block256(wr + bs * b, xa + b, acc[0]);
             y[r] = hsum8_avx2(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
         }
         return;
