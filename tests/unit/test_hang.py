@@ -115,6 +115,34 @@ def test_ranks_that_all_arrived_on_two_hosts_name_the_link_and_a_rank_not_seen_i
         hang_mod.set_rank_hosts(())
 
 
+def test_a_rank_left_inside_the_previous_all_reduce_across_a_cut_link_is_cut_off_too():
+    """The cut can fall between an all-reduce's last messages: rank 0 finished #5 and waits
+    in #6, rank 1 (host1) still waits inside #5 for what rank 0 sent. Seen under mpiexec in CI."""
+    from shardwise.comm import hang as hang_mod
+
+    records = [
+        _rec(0, {TP01: 6}, op=_op("all_reduce", "tp", TP01, 6, (0, 1), waited=5.0)),
+        _rec(1, {TP01: 5}, op=_op("all_reduce", "tp", TP01, 5, (0, 1), waited=5.2)),
+    ]
+    hang_mod.set_rank_hosts(("host0", "host1"))
+    try:
+        cut = _diagnose(records, origin=0)
+        assert cut is not None and cut.ranks == (1,) and cut.behind_cut[0].seq == 5
+        assert cut.sentence() == (
+            "rank 1 is cut off: rank 1 on host1 and rank 0 on host0 are alive (fresh heartbeats); rank 0 finished "
+            "what rank 1 still inside all_reduce/tp #5 (5.2 s) waits for and waits in all_reduce/tp #6, but its "
+            "messages do not get through between host0 and host1 in 5.0 s: the link between the hosts is down or "
+            "unreachable"
+        )
+        hang_mod.set_rank_hosts(("host0", "host0"))
+        assert _diagnose(records, origin=0) is None  # one host: not a link
+        hang_mod.set_rank_hosts(("host0", "host1"))
+        records[1] = _rec(1, {TP01: 5}, last=_op("all_reduce", "tp", TP01, 5, (0, 1)))  # outside: stuck, not cut
+        assert _diagnose(records, origin=0).sentence().startswith("rank 1 is stuck: never arrived")
+    finally:
+        hang_mod.set_rank_hosts(())
+
+
 def test_a_chain_over_tp_and_dp_leads_to_the_rank_everyone_waits_for():
     # tp=2 x dp=2, rank 3 stopped outside: rank 2 waits for it in tp, rank 1 in dp, rank 0 for rank 2 in dp.
     records = [

@@ -91,6 +91,9 @@ class Hang:
     cut_off: tuple[Wait, tuple[int, ...], str, str] | None = None
     """Every member arrived and is alive, on more than one host: (the waiting rank's wait,
     the ranks on other hosts, the waiting rank's host, theirs): the link between them."""
+    behind_cut: tuple[Wait, ...] = ()
+    """With cut_off: members on the far side still inside an earlier operation of the same
+    group, one the waiting rank finished (its last messages to them never arrived)."""
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -103,10 +106,19 @@ class Hang:
         """One line without the rank as subject: "stuck: never arrived at ...", for "rank 3 failed: ..."."""
         if self.cut_off is not None:
             w, far, here, there = self.cut_off
+            link = (
+                f"but its messages do not get through between {here} and {there} in {w.waited_s:.1f} s: "
+                f"the link between the hosts is down or unreachable"
+            )
+            if self.behind_cut:
+                still = "; ".join(f"rank {b.rank} still inside {b.where} ({b.waited_s:.1f} s)" for b in self.behind_cut)
+                return (
+                    f"cut off: {_ranks(far)} on {there} and rank {w.rank} on {here} are alive (fresh heartbeats); "
+                    f"rank {w.rank} finished what {still} waits for and waits in {w.where}, {link}"
+                )
             return (
                 f"cut off: {_ranks(far)} on {there} and rank {w.rank} on {here} all entered {w.where} and are alive "
-                f"(fresh heartbeats), but its messages do not get through between {here} and {there} in "
-                f"{w.waited_s:.1f} s: the link between the hosts is down or unreachable"
+                f"(fresh heartbeats), {link}"
             )
         if self.cycle:
             (w, peer), *rest = self.cycle
@@ -211,14 +223,19 @@ def _cut_off(records, waits: dict[int, Wait], health, origin: int | None) -> Han
     members = [entry["peer"]] if entry.get("peer") is not None else list(entry["members"])
     if any(m >= len(_RANK_HOSTS) or m not in records for m in members):
         return None
-    arrived = all(records[m]["counts"].get(entry["chan"], 0) >= entry["seq"] for m in members)
-    alive = all(health[m][0] == "ok" for m in members)
     here = _RANK_HOSTS[origin]
+    late = [m for m in members if records[m]["counts"].get(entry["chan"], 0) < entry["seq"]]
+    # a member that has not arrived may still be inside an earlier operation of this group,
+    # one `origin` finished: an all-reduce can complete on one side and not the other when
+    # the link goes down between its last messages. On another host, alive, it is cut off too.
+    behind = [m for m in late if m in waits and _waiting_in(records[m])["chan"] == entry["chan"]]
+    arrived = all(m in behind and _RANK_HOSTS[m] != here for m in late)
+    alive = all(health[m][0] == "ok" for m in members)
     far = tuple(sorted(m for m in members if _RANK_HOSTS[m] != here))
     if not (arrived and alive and far):
         return None
     there = ", ".join(dict.fromkeys(_RANK_HOSTS[m] for m in far))
-    return Hang(cut_off=(waits[origin], far, here, there))
+    return Hang(cut_off=(waits[origin], far, here, there), behind_cut=tuple(waits[m] for m in behind))
 
 
 _NO_RECORD = "it published no progress record (it never started, or it runs on another host: see SHARDWISE_BOARD)"
