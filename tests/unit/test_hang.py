@@ -137,6 +137,14 @@ def test_a_rank_left_inside_the_previous_all_reduce_across_a_cut_link_is_cut_off
         hang_mod.set_rank_hosts(("host0", "host0"))
         assert _diagnose(records, origin=0) is None  # one host: not a link
         hang_mod.set_rank_hosts(("host0", "host1"))
+        world = channel("world", (0, 1))  # inside a broadcast rank 0 (its root) finished
+        records = [
+            _rec(0, {TP01: 6, world: 3}, op=_op("all_reduce", "tp", TP01, 6, (0, 1), waited=5.0)),
+            _rec(1, {TP01: 5, world: 3}, op=_op("broadcast", "world", world, 3, (0, 1), waited=5.1)),
+        ]
+        assert _diagnose(records, origin=0).behind_cut[0].where == "broadcast/world #3"
+        records[1] = _rec(1, {TP01: 5, world: 4}, op=_op("broadcast", "world", world, 4, (0, 1)))
+        assert _diagnose(records, origin=0).sentence().startswith("deadlock")  # in one rank 0 never entered
         records[1] = _rec(1, {TP01: 5}, last=_op("all_reduce", "tp", TP01, 5, (0, 1)))  # outside: stuck, not cut
         assert _diagnose(records, origin=0).sentence().startswith("rank 1 is stuck: never arrived")
     finally:

@@ -225,10 +225,10 @@ def _cut_off(records, waits: dict[int, Wait], health, origin: int | None) -> Han
         return None
     here = _RANK_HOSTS[origin]
     late = [m for m in members if records[m]["counts"].get(entry["chan"], 0) < entry["seq"]]
-    # a member that has not arrived may still be inside an earlier operation of this group,
-    # one `origin` finished: an all-reduce can complete on one side and not the other when
+    # a member that has not arrived may still be inside an earlier operation (of this group
+    # or another it shares with `origin`), one `origin` finished: an all-reduce can complete on one side and not the other when
     # the link goes down between its last messages. On another host, alive, it is cut off too.
-    behind = [m for m in late if m in waits and _waiting_in(records[m])["chan"] == entry["chan"]]
+    behind = [m for m in late if m in waits and _passed(records[origin], _waiting_in(records[m]))]
     arrived = all(m in behind and _RANK_HOSTS[m] != here for m in late)
     alive = all(health[m][0] == "ok" for m in members)
     far = tuple(sorted(m for m in members if _RANK_HOSTS[m] != here))
@@ -236,6 +236,13 @@ def _cut_off(records, waits: dict[int, Wait], health, origin: int | None) -> Han
         return None
     there = ", ".join(dict.fromkeys(_RANK_HOSTS[m] for m in far))
     return Hang(cut_off=(waits[origin], far, here, there), behind_cut=tuple(waits[m] for m in behind))
+
+
+def _passed(rec: dict[str, Any], entry: dict[str, Any]) -> bool:
+    """Whether the rank of `rec` has entered the operation `entry` (of another rank) and left it."""
+    mine = rec.get("op") or {}
+    count = rec["counts"].get(entry["chan"], 0)
+    return count > entry["seq"] or (count == entry["seq"] and mine.get("chan") != entry["chan"])
 
 
 _NO_RECORD = "it published no progress record (it never started, or it runs on another host: see SHARDWISE_BOARD)"
