@@ -182,6 +182,27 @@ def test_decode_of_a_file_in_its_own_formats_streams_its_bytes_by_hand():
     assert p.decode.compute_s == pytest.approx(streamed / 100e9)
 
 
+def test_decode_of_a_file_in_its_own_formats_runs_each_share_on_its_kernels_measured_rate():
+    """With the file's formats (ModelConfig.stored_formats) and each one's kernel measured
+    (Device.quantized_rows_tflops, the calibration's block-format probe), each format's share
+    of the projections and the head takes that kernel's time at one row; the norms and the
+    KV cache stay on the roofline; a format without a measured kernel: bytes at mem_bw."""
+    from dataclasses import replace
+
+    mix = replace(BENCH, stored_bytes_per_weight=0.75, stored_formats=(("Q4_K", 0.75), ("Q6_K", 0.25)))
+    rates = {"Q4_K": ((1, 0.2), (4, 0.4)), "Q6_K": ((1, 0.1), (4, 0.3))}  # TFLOP/s at 1 and 4 rows
+    cl = _cluster(quantized_rows_tflops=rates)
+    kw = dict(batch=1, prompt_len=128, output_len=32, width=4, dtype="float32")
+    p = predict_inference(mix, cl, Layout(1, 1, 1), **kw)
+    flops = 2 * (8 * 11_272_192 + 32_768_000)  # the projections and the (tied) head, one row
+    rest = (8 * 2048 + 1024) * 4 + 144 * 16384  # norms (fp32) + KV
+    kernels = 0.75 * flops / 0.2e12 + 0.25 * flops / 0.1e12
+    assert p.decode.compute_s == pytest.approx(max(8 * 4 * 144 * 16 * 64 / 1e12, rest / 100e9) + kernels)
+    unmeasured = predict_inference(mix, _cluster(quantized_rows_tflops={"Q4_K": rates["Q4_K"]}), Layout(1, 1, 1), **kw)
+    matrices = 8 * 11_272_192 + 32_768_000
+    assert unmeasured.decode.compute_s == pytest.approx((matrices * 0.75 + rest) / 100e9)
+
+
 def test_decode_collectives_pay_the_extra_after_their_burst():
     kw = dict(batch=1, prompt_len=128, output_len=32, width=4, dtype="float32")
     plain = predict_inference(BENCH, _cluster(), Layout(2, 1, 1), **kw).decode

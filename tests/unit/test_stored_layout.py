@@ -53,6 +53,9 @@ def test_layout_is_what_each_rank_loads(files, qtype, tp):
     path = files[qtype]
     cfg = loaded_config(path, resolve_model(path).config)
     assert (cfg.stored_bytes_per_weight > 0) == (qtype != "F16")
+    if qtype != "F16":  # each format's share of the matrices' weights (the planner times each on its kernel)
+        shares = dict(cfg.stored_formats)
+        assert shares[qtype] > 0.5 and sum(shares.values()) == pytest.approx(1.0), shares
     for rank in range(tp):
         predicted = stored_layout(path, cfg, tp=tp, rank=rank)
         model, report = load_pretrained(path, comm=DryRunCommunicator(tp, rank))  # loading runs no collective

@@ -72,14 +72,15 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 12
+VERSION = 13
 """Bumped when the measurements change meaning: a cache of another version is measured again
 (6: the quantized linear kernels; 7: the shared-memory and veth paths, point-to-point times;
 8: the native decode step's fixed costs, and each path's collectives inside a decode step;
 9: a decode step's collectives as the mean call with the step's spill, the q8 wire's across
 hosts, and the cache-resident streaming rate; 10: the after-compute probe at 256 KiB too;
 11: across hosts, pp=2's decode step and its message between the stages; 12: the veth's
-probes the median of 3 launches, not the fastest of 2)."""
+probes the median of 3 launches, not the fastest of 2; 13: int8 on CPU measured as what runs it,
+the Q8_0 block kernel, not fbgemm's, and the GGUF block formats a file is computed in)."""
 QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Rows of the quantized kernel probe: one sequence decoding up to a short prompt."""
 
@@ -277,28 +278,32 @@ def _by_rows(table: dict[str, dict[str, float]]) -> dict[str, tuple[tuple[int, f
 
 
 def quantized_probe_rank(world, opts: dict) -> dict:
-    """TFLOP/s of `--quantize`'s linear kernels with m rows (QUANT_ROWS) through the fp32
+    """TFLOP/s of the quantized linear kernels with m rows (QUANT_ROWS) through the fp32
     probe's layer-shaped weights (measure.probe_rank: 6 layers of hidden 1024, 384 MiB in fp32,
-    beyond the caches), every rank of `world` at once, as benchmarks/bench_kernels.py calls them:
+    beyond the caches), every rank of `world` at once:
 
-        fp16  torch.ops.quantized.linear_dynamic_fp16 on linear_prepack_fp16(W)
-        int8  torch.ops.quantized.linear_dynamic(x, linear_prepack(W per output channel), True)
-              (activations quantized per call, reduce_range as fbgemm needs on AVX2)
+        fp16       torch.ops.quantized.linear_dynamic_fp16 on linear_prepack_fp16(W) (fbgemm)
+        Q8_0 ...   BlockWeight.linear on the weights in each GGUF block format a file is
+                   computed in (STORED_FORMATS; the native kernels, or their PyTorch fallback)
+        int8       what `--quantize int8` runs on CPU: the Q8_0 blocks (shardwise.kernels.rows)
 
-    {"fp16": {"1": TFLOP/s, "2": ...}, "int8": {...}}; empty where fbgemm is missing (not x86)."""
+    {"fp16": {"1": TFLOP/s, "2": ...}, "Q8_0": {...}, ...}; fp16 missing where fbgemm is (not x86)."""
     import torch
 
     from shardwise.bench.measure import _layers, best_time
+    from shardwise.planner.specs import STORED_FORMATS
 
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return {}
     torch.manual_seed(world.rank)
     out: dict[str, dict[str, float]] = {}
-    for scheme in ("fp16", "int8"):
-        weights = _layers(torch.float32)
-        params = sum(w.numel() for w in weights)
-        run, packed = _quantized_linears(scheme, weights)
-        del weights
+    schemes = (("fp16",) if "fbgemm" in torch.backends.quantized.supported_engines else ()) + STORED_FORMATS
+    for scheme in schemes:
+        if scheme == "fp16":
+            weights = _layers(torch.float32)
+            params = sum(w.numel() for w in weights)
+            run, packed = _quantized_linears(scheme, weights)
+            del weights
+        else:
+            run, packed, params = _block_linears(scheme)
         out[scheme] = {}
         for m in QUANT_ROWS:
             xs = {n: torch.randn(m, n) for n in {n for _, n in packed}}
@@ -308,7 +313,28 @@ def quantized_probe_rank(world, opts: dict) -> dict:
                     run(xs[n], p)
 
             out[scheme][str(m)] = 2 * m * params / best_time(through, opts["repeats"], sync=world) / 1e12
+        del run, packed
+    out["int8"] = dict(out["Q8_0"])
     return out
+
+
+def _block_linears(fmt: str) -> tuple:
+    """(run(x, w) -> x W^T, [(BlockWeight, in features), ...], weights): the probe's layer
+    shapes held in block format `fmt` on huge pages as loaded (shardwise.memory.on_huge_pages),
+    each matrix a 256-row quantized tile repeated (the kernels' time does not depend on the values)."""
+    import torch
+
+    from shardwise.kernels.block import BlockWeight
+    from shardwise.kernels.quantize import quantize_rows
+    from shardwise.memory import on_huge_pages
+
+    h, packed, params = 1024, [], 0
+    for _ in range(6):
+        for rows, cols in ((3 * h, h), (h, h), (8 * h, h), (h, 4 * h)):
+            tile = quantize_rows(torch.randn(256, cols), fmt)
+            packed.append((BlockWeight.of([(fmt, on_huge_pages(tile.repeat(rows // 256, 1)))], cols), cols))
+            params += rows * cols
+    return (lambda x, w: w.linear(x)), packed, params
 
 
 def _quantized_linears(scheme: str, weights: list) -> tuple:
@@ -474,7 +500,7 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None, 
         busy["rows_tflops"] = {
             m: statistics.median(r["rows_tflops"][m] for r in per_rank) for m in alone["rows_tflops"]
         }
-    log("calibrating: quantized linear kernels (fp16, int8) on one core")
+    log("calibrating: quantized linear kernels (fp16, int8 and the GGUF block formats) on one core")
     quiet()
     q_alone = launch(quantized_probe_rank, 1, args=({"repeats": repeats},))[0] if quantized else {}
     q_busy = q_alone

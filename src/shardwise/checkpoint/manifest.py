@@ -22,9 +22,10 @@ A manifest written before pipelines (no pp, no pipeline) reads as pp = 1.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from shardwise.models.config import ModelConfig
 from shardwise.hf.checkpoint import CheckpointError
 from shardwise.pipeline.stage import StageError, StageLayout
 
@@ -162,6 +163,9 @@ class Manifest:
     def architecture_diff(self, expected: dict) -> list[str]:
         """Fields where this checkpoint's model differs from `expected` (a ModelConfig dict)."""
         keys = sorted(set(self.model) | set(expected))
+        # a field the checkpoint predates reads as its default (a model field added since)
+        defaults = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}
+        keys = [k for k in keys if k in self.model or _norm(expected.get(k)) != _norm(defaults.get(k, MISSING))]
         return [
             f"{k}={self.model.get(k)!r} in the checkpoint, {expected.get(k)!r} expected"
             for k in keys

@@ -24,6 +24,7 @@ import torch
 
 from shardwise.kernels.blocks import FORMATS
 from shardwise.kernels.quantize import quantize_rows
+from shardwise.memory import empty_huge
 
 __all__ = ["Rows", "row_scales", "int8_rows", "BLOCK_SCHEMES", "block_format"]
 
@@ -77,7 +78,8 @@ class Rows:
         """The model's dtype and device: what the converted weight answers to."""
         if kind == "blocks":
             f = FORMATS[fmt]
-            self.data = torch.empty(shape[0], -(-shape[1] // f.block) * f.nbytes, dtype=torch.uint8)
+            # streamed every decode step: on transparent huge pages (shardwise.memory.empty_huge)
+            self.data = empty_huge((shape[0], -(-shape[1] // f.block) * f.nbytes), torch.uint8)
         else:
             store = {"int8": torch.int8, "fp16": torch.float16, "fp32": torch.float32}[kind]
             self.data = torch.empty(self.shape, dtype=store, device=self.device)

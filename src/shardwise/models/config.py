@@ -95,12 +95,19 @@ class ModelConfig:
     """Bytes per weight of the matrices (projections, experts, embedding, head) as a GGUF file
     computed in its own block formats holds them (Q4_K 0.5625, Q8_0 1.0625; a mix averages);
     0: in the model's dtype. For the planner's memory and time models."""
+    stored_formats: tuple[tuple[str, float], ...] = ()
+    """With stored_bytes_per_weight: each format of those matrices and its share of their
+    weights, (("Q4_K", 0.83), ("Q6_K", 0.17)); float matrices as "F32". The planner times each
+    share on its format's measured kernel where the device has one."""
     extra: dict = field(default_factory=dict)
     """Family-specific values carried through from the source config."""
 
     def __post_init__(self) -> None:
         if not self.stored_bytes_per_weight >= 0:
             raise ValueError(f"stored_bytes_per_weight must be >= 0, got {self.stored_bytes_per_weight}")
+        object.__setattr__(self, "stored_formats", tuple((str(f), float(x)) for f, x in self.stored_formats))
+        if any(not 0 <= x <= 1 for _, x in self.stored_formats):
+            raise ValueError(f"stored_formats shares must be in [0, 1], got {self.stored_formats}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -288,6 +288,15 @@ def _matrix_params(
     return proj.params + (head_flops_per_token(cfg, tp) / 2 if last else 0.0)
 
 
+def _stored_shares(cfg: ModelConfig, dev: Device) -> tuple[tuple[str, float], ...] | None:
+    """A GGUF file's block formats and their shares of its matrices' weights, where the device
+    measured every one's kernel (its float matrices stay on the roofline); else None."""
+    shares = tuple((f, x) for f, x in cfg.stored_formats if f != "F32" and x > 0)
+    if not shares or any(f not in dev.quantized_rows_tflops for f, _ in shares):
+        return None
+    return shares
+
+
 def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: int, *, layers: int, batch: int,
                    tokens: int, context: float, width: int, dtype: str, busy: bool, expert_parallel: bool = False,
                    quantize: str | None = None, native: bool = False) -> tuple[float, list]:  # fmt: skip
@@ -304,7 +313,13 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
     kv = batch * context * kv_bytes_per_token(cfg, tp, width, layers)
     nbytes = streamed_params(cfg, tp, pp, stage, layers=layers, rows=batch * tokens, **ep) * width + kv
     quantized_s = 0.0
-    if quantize is None and cfg.stored_bytes_per_weight:  # a GGUF file in its own formats: its bytes stream
+    stored = _stored_shares(cfg, dev) if quantize is None and cfg.stored_bytes_per_weight else None
+    if stored:  # a GGUF file in its own formats, each on its format's measured kernel
+        for fmt, share in stored:
+            done, streamed, s = _quantized_projections(cfg, dev, tp, fmt, layers=layers, batch=batch, tokens=tokens,
+                                                       last=last, busy=busy, **ep)  # fmt: skip
+            flops, nbytes, quantized_s = flops - share * done, nbytes - share * streamed * width, quantized_s + share * s
+    elif quantize is None and cfg.stored_bytes_per_weight:  # no kernel measured: its bytes stream
         nbytes -= _matrix_params(cfg, tp, layers, batch * tokens, last, **ep) * (width - cfg.stored_bytes_per_weight)
     if quantize is not None:  # the projections and the head on the quantized kernel, the rest as before
         done, streamed, quantized_s = _quantized_projections(cfg, dev, tp, quantize, layers=layers, batch=batch,

@@ -23,6 +23,7 @@ __all__ = [
     "PRECISIONS",
     "DTYPE_BYTES",
     "QUANTIZE",
+    "STORED_FORMATS",
 ]
 
 GIB = 2**30
@@ -30,6 +31,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 """shardwise.pipeline.SCHEDULE_NAMES (tests/unit/test_planner_pipeline.py checks they agree)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUANTIZE = ("fp16", "int8")
+STORED_FORMATS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
+"""GGUF block formats a file is computed in (no `--quantize`) whose kernels the calibration measures."""
 """Weight formats of `--quantize` (shardwise.quant.SCHEMES; tests/unit/test_planner_quantize.py
 checks they agree): the projections and embeddings stored as fp16, or as int8 with one fp32
 scale per output row, run by fbgemm's linear kernels (footprint.weight_bytes)."""
@@ -353,9 +356,9 @@ class Device:
             )
         for table in (self.quantized_rows_tflops, self.busy_quantized_rows_tflops):
             for scheme, pts in table.items():
-                if scheme not in QUANTIZE or not pts or any(m <= 0 or v <= 0 for m, v in pts):
+                if scheme not in QUANTIZE + STORED_FORMATS or not pts or any(m <= 0 or v <= 0 for m, v in pts):
                     raise PlannerError(
-                        f"Device {self.name}: quantized rates need a scheme of {', '.join(QUANTIZE)} and "
+                        f"Device {self.name}: quantized rates need a scheme of {', '.join(QUANTIZE + STORED_FORMATS)} and "
                         f"(rows, TFLOP/s) points > 0, got {scheme!r}: {pts}"
                     )
         if self.reserved_gib >= self.memory_gib:
