@@ -21,6 +21,7 @@ docs/benchmarks/native-kernels.md). SHARDWISE_HUGE_PAGES=0 turns it off.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -227,10 +228,8 @@ def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
     whole = torch.frombuffer(buf, dtype=torch.uint8)  # keeps buf alive with the tensor
     offset = -whole.data_ptr() % HUGE_PAGE
-    try:
+    with contextlib.suppress(OSError):  # a kernel built without THP: ordinary pages
         buf.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // HUGE_PAGE * HUGE_PAGE)
-    except OSError:  # a kernel built without THP: ordinary pages
-        pass
     return whole[offset : offset + nbytes].view(dtype).view(shape)
 
 

@@ -25,8 +25,8 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
-from shardwise.models.config import ModelConfig
 from shardwise.hf.checkpoint import CheckpointError
+from shardwise.models.config import ModelConfig
 from shardwise.pipeline.stage import StageError, StageLayout
 
 __all__ = [

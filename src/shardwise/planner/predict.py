@@ -318,7 +318,8 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
         for fmt, share in stored:
             done, streamed, s = _quantized_projections(cfg, dev, tp, fmt, layers=layers, batch=batch, tokens=tokens,
                                                        last=last, busy=busy, **ep)  # fmt: skip
-            flops, nbytes, quantized_s = flops - share * done, nbytes - share * streamed * width, quantized_s + share * s
+            flops, nbytes = flops - share * done, nbytes - share * streamed * width
+            quantized_s += share * s
     elif quantize is None and cfg.stored_bytes_per_weight:  # no kernel measured: its bytes stream
         nbytes -= _matrix_params(cfg, tp, layers, batch * tokens, last, **ep) * (width - cfg.stored_bytes_per_weight)
     if quantize is not None:  # the projections and the head on the quantized kernel, the rest as before
