@@ -16,9 +16,10 @@ the calibration's veth probes do (hostlinks):
   is the LONG run's median decode step; bytes per token on the links are (tx bytes of every
   host's link in the LONG run - in the SHORT run) / (LONG - SHORT). tp=2 across a link also
   runs with --comm-dtype q8 (8-bit blocks on the wire).
-- --train: `shardwise train --json` of the built-in model's shape (random weights, fp32,
-  AdamW, TRAIN's batch) for TRAIN_STEPS[0] and TRAIN_STEPS[1] steps: ms and link bytes per
-  step are the difference over the extra steps.
+- --train: `shardwise train --json` of the built-in model's shape or, with --train-shape 1b,
+  a 1B one (TRAIN_SHAPES: random weights, fp32, AdamW, the shape's batch) for the shape's
+  SHORT and LONG numbers of steps: ms and link bytes per step are the difference over the
+  extra steps.
 
 Beside each measurement, the planner's prediction for the same layout and rate (Predictor:
 this host's calibration, `shardwise plan --cluster this-host`, with the namespace hosts as
@@ -133,32 +134,55 @@ class Predictor:
         return predict_training(self.cfg, self.cluster(hosts, per_host, rate), lay, wl, sched).step.total_s * 1e3
 
 
-TRAIN = {"seq_len": 128, "global_batch_size": 8, "micro_batch_size": 2}
-"""The training step: the built-in model's shape, random weights, 4 micro-batches of 2 x 128 tokens."""
-TRAIN_STEPS = (2, 6)  # SHORT and LONG runs: per step = (LONG's total - SHORT's) / 4
+TRAIN_SHAPES = {  # --train-shape: (the model section, the batch, the SHORT and LONG runs' steps)
+    "builtin": (
+        dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=4),
+        {"seq_len": 128, "global_batch_size": 8, "micro_batch_size": 2},
+        (2, 6),
+    ),
+    # Llama-3.2-1B's layers (hidden 2048, 16 layers, 32/8 heads, MLP 8192, tied embeddings) with a
+    # 32000-token vocabulary: 1.04B parameters, 16.6 GB with AdamW in fp32 over both ranks (this
+    # machine has 24 GB; the 128256-token vocabulary would take 19.8 GB)
+    "1b": (
+        dict(
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=8,
+            tie_embeddings=True,
+        ),  # fmt: skip
+        {"seq_len": 128, "global_batch_size": 2, "micro_batch_size": 1},
+        (1, 3),
+    ),
+}
+TRAIN_SHAPE = "builtin"
+"""The shape --train runs (main sets it from --train-shape)."""
+
+
+def _shape() -> tuple[dict, dict, tuple[int, int]]:
+    return TRAIN_SHAPES[TRAIN_SHAPE]
 
 
 def _train_config(tmp: Path, flags: list[str], steps: int) -> Path:
-    """A `shardwise train` config of the built-in model's shape (random weights, fp32, AdamW)."""
+    """A `shardwise train` config of the --train-shape model (random weights, fp32, AdamW)."""
     import torch
 
     from shardwise.train.data import write_token_file
 
-    tokens = tmp / "tokens.safetensors"
+    model, d, _ = _shape()
+    vocab = model["vocab_size"]
+    tokens = tmp / f"tokens-{vocab}.safetensors"
     if not tokens.exists():
-        write_token_file(tokens, torch.randint(0, 512, (200_000,), generator=torch.Generator().manual_seed(0)),
-                         vocab_size=512)  # fmt: skip
+        write_token_file(tokens, torch.randint(0, vocab, (200_000,), generator=torch.Generator().manual_seed(0)),
+                         vocab_size=vocab)  # fmt: skip
     tp, pp = (1, 2) if "--pp" in flags else (2, 1)
-    path = tmp / f"train-tp{tp}-pp{pp}-{steps}.toml"
-    d = TRAIN
+    path = tmp / f"train-{TRAIN_SHAPE}-tp{tp}-pp{pp}-{steps}.toml"
+    section = "\n".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in model.items())
     path.write_text(f"""
 [model]
-vocab_size = 512
-hidden_size = 256
-intermediate_size = 512
-num_layers = 4
-num_heads = 8
-num_kv_heads = 4
+{section}
 
 [data]
 tokens = "{tokens}"
@@ -174,7 +198,7 @@ backend = "gloo"
 
 [run]
 steps = {steps}
-out_dir = "{tmp / f"run-{tp}-{pp}-{steps}"}"
+out_dir = "{tmp / f"run-{TRAIN_SHAPE}-{tp}-{pp}-{steps}"}"
 progress = false
 save_at_end = false
 log_every = 1000
@@ -185,14 +209,22 @@ log_every = 1000
 def _train(cluster: netns.Cluster, per_host: int, flags: list[str], tmp: Path) -> tuple[float, float]:
     """(ms per step, link bytes per step): LONG's steps less SHORT's, so that start-up cancels."""
     runs = []
-    for steps in TRAIN_STEPS:
+    short_long = _shape()[2]
+    for steps in short_long:
         config = _train_config(tmp, flags, steps)
         argv = ["-m", "shardwise", "train", "--config", str(config), "--json"]
         argv += ["--allow-cross-host-tp"] if "--allow-cross-host-tp" in flags else []
         out, sent = _run(cluster, per_host, argv)
         runs.append((out["ms_per_step"] * out["steps_run"], sent))
-    n = TRAIN_STEPS[1] - TRAIN_STEPS[0]
+    n = short_long[1] - short_long[0]
     return (runs[1][0] - runs[0][0]) / n, (runs[1][1] - runs[0][1]) / n
+
+
+def data_shape(a: argparse.Namespace) -> str | None:
+    """The --train-shape an existing --out was measured with (--predict alone), else None."""
+    if not a.predict or not a.out.exists():
+        return None
+    return json.loads(a.out.read_text())["meta"].get("shape", "builtin")
 
 
 def _cpu() -> str:
@@ -207,6 +239,8 @@ def main() -> None:
     ap.add_argument("--rates", default="100mbit,1gbit")
     ap.add_argument("--layouts", default=None, help="comma-separated subset of the layouts (default: all)")
     ap.add_argument("--train", action="store_true", help="a training step per layout instead of decode")
+    ap.add_argument("--train-shape", choices=sorted(TRAIN_SHAPES), default="builtin",
+                    help="--train's model: the built-in model's shape, or a 1B one (TRAIN_SHAPES)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/bench_links.json")
     ap.add_argument("--predict", action="store_true", help="no runs: the planner's figures beside --out's rows")
     ap.add_argument("--measure-only", action="store_true", help="the runs only (--predict adds the planner's later)")
@@ -220,8 +254,9 @@ def main() -> None:
     if a.train:
         from shardwise.train.config import ModelSection
 
-        cfg = ModelSection(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
-                           num_kv_heads=4).model_config()  # fmt: skip
+        global TRAIN_SHAPE
+        TRAIN_SHAPE = data_shape(a) or a.train_shape
+        cfg = ModelSection(**_shape()[0]).model_config()
     else:
         from shardwise.hf import loaded_config
 
@@ -280,7 +315,10 @@ def _measure(a: argparse.Namespace, cfg) -> None:
             "load_end": os.getloadavg(), "cpu": _cpu(), "model": a.model or "built-in", "quantize": a.quantize,
             "what": "train step" if a.train else "decode token", "backend": "gloo", "threads_per_rank": 1,
             "launches": a.launches, "pinned": a.pin}  # fmt: skip
-    meta.update({"steps": TRAIN_STEPS, **TRAIN} if a.train else {"short": SHORT, "long": LONG})
+    if a.train:
+        meta.update({"shape": TRAIN_SHAPE, "model_section": _shape()[0], "steps": _shape()[2], **_shape()[1]})
+    else:
+        meta.update({"short": SHORT, "long": LONG})
     a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
 
@@ -293,7 +331,7 @@ def _predict(a: argparse.Namespace, cfg) -> None:
     for row in data["rows"]:
         name, n, per_host, rate = row["layout"], row["hosts"], row["per_host"], row["rate"]
         if train:
-            row["predicted_ms"] = predictor.step_ms(name, n, per_host, rate, TRAIN)
+            row["predicted_ms"] = predictor.step_ms(name, n, per_host, rate, _shape()[1])
         else:
             row["predicted_ms"] = predictor.decode_ms(name, n, per_host, rate, prompt=16)
         row["predicted_ms"] = float(row["predicted_ms"])  # a fresh calibration's fits are numpy floats

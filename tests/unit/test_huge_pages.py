@@ -76,3 +76,21 @@ def test_block_weights_built_on_huge_pages_compute_as_before():
     a = BlockWeight.of([("Q8_0", rows.data)], 1024).linear(x)
     b = BlockWeight.of([("Q8_0", plain.clone())], 1024).linear(x)
     assert torch.equal(a, b)
+
+
+def test_a_shard_read_from_a_checkpoint_lands_on_huge_pages_joined_once():
+    """hf.sources._fresh: a rank's pieces (views of the mapped file) joined into memory it
+    owns, starting on a huge page when 2 MiB or more; a small one stays an ordinary copy."""
+    from types import SimpleNamespace
+
+    from shardwise.hf.sources import _fresh
+
+    a, b = torch.randn(300, 1024), torch.randn(400, 1024)  # 2.7 MiB joined
+    ckpt = SimpleNamespace(fresh_reads=False)
+    joined = _fresh(ckpt, [a, b], torch.float32, 0)
+    assert joined.data_ptr() % HUGE_PAGE == 0 and torch.equal(joined, torch.cat([a, b]))
+    one = _fresh(ckpt, [b.half()], torch.float32, 0)  # converted on the way
+    assert torch.equal(one, b.half().float())
+    small = torch.randn(10, 10)
+    copy = _fresh(ckpt, [small], torch.float32, 0)
+    assert torch.equal(copy, small) and copy.data_ptr() != small.data_ptr()  # never aliases the file

@@ -18,6 +18,7 @@ import torch
 from shardwise.hf.checkpoint import Checkpoint, CheckpointError
 from shardwise.kernels import NATIVE_FORMATS, Part
 from shardwise.layers import ShardSpec
+from shardwise.memory import empty_huge
 
 __all__ = ["Src", "Segment", "segments", "read_shard", "read_shard_rows", "read_shard_blocks", "CHUNK_ELEMENTS"]
 
@@ -179,10 +180,15 @@ def _row_block(
 def _fresh(ckpt: Checkpoint, parts: list[torch.Tensor], dtype: torch.dtype, dim: int) -> torch.Tensor:
     """parts joined along `dim` into memory the rank owns, copied exactly once: the reads are
     views of the memory-mapped file, or fresh tensors from a reader that makes them (GGUF)."""
-    if len(parts) == 1:
+    if len(parts) == 1 and (getattr(ckpt, "fresh_reads", False) or parts[0].dim() == 0):
         fresh = getattr(ckpt, "fresh_reads", False)
         return parts[0].to(dtype, copy=not fresh, memory_format=torch.contiguous_format)
-    return torch.cat([p.to(dtype) for p in parts], dim=dim)
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    out = empty_huge(tuple(shape), dtype)  # weights a decode step streams: on huge pages where big
+    if len(parts) == 1:
+        return out.copy_(parts[0])
+    return torch.cat([p.to(dtype) for p in parts], dim=dim, out=out)
 
 
 def read_shard_blocks(ckpt, segs: list[Segment], spec: ShardSpec) -> list[Part] | None:
