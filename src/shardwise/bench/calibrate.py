@@ -16,9 +16,10 @@ starts ranks). Measured (shardwise.bench.measure):
   of hidden 1024, 256 tokens): train_efficiency, for the planner's training steps; the
   same on every core at once (busy_train); and the bytes/s of an AdamW update of those
   weights (optimizer_gbps);
-- `--quantize`'s linear kernels (fbgemm's fp16 and int8 linears, as benchmarks/bench_kernels.py
-  calls them) at 1 to 128 rows through the same layer-shaped weights, alone and on every core
-  at once (quantized_probe_rank), for the planner's quantized projections;
+- the quantized linear kernels (fbgemm's fp16 linear; the GGUF block formats' kernels, Q8_0
+  also for `--quantize int8`, which runs on it on CPU) at 1 to 128 rows through the same
+  layer-shaped weights, alone and on every core at once (quantized_probe_rank), for the
+  planner's quantized projections and a GGUF file computed in its own formats;
 - the native decode step's fixed time per layer and per step (shardwise.kernels.step: a step's
   layers in one C call), a tiny model's decode step at 1 and 5 layers (measure.decode_step_rank);
 - `shardwise serve`'s own costs per step, per sequence in a step and per request, on the
@@ -338,23 +339,13 @@ def _block_linears(fmt: str) -> tuple:
 
 
 def _quantized_linears(scheme: str, weights: list) -> tuple:
-    """(run(x, packed) -> x W^T, [(packed W, in features), ...]): fbgemm's linear for `scheme`."""
-    import warnings
-
+    """(run(x, packed) -> x W^T, [(packed W, in features), ...]): fbgemm's linear for fp16."""
     import torch
 
+    if scheme != "fp16":
+        raise ValueError(f"fbgemm's linear is measured for fp16 only, got {scheme!r}")
     ops = torch.ops.quantized
-    if scheme == "fp16":
-        return ops.linear_dynamic_fp16, [(ops.linear_prepack_fp16(w, None), w.shape[1]) for w in weights]
-    packed = []
-    for w in weights:
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127  # one fp32 scale per output row
-        zeros = torch.zeros(w.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # quantized tensors are deprecated, still fbgemm's input
-            qw = torch.quantize_per_channel(w, scale.double(), zeros, 0, torch.qint8)
-        packed.append((ops.linear_prepack(qw, None), w.shape[1]))
-    return (lambda x, p: ops.linear_dynamic(x, p, True)), packed
+    return ops.linear_dynamic_fp16, [(ops.linear_prepack_fp16(w, None), w.shape[1]) for w in weights]
 
 
 def cache_path() -> Path:

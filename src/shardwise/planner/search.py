@@ -113,7 +113,8 @@ def compute_dtype(cfg: ModelConfig, wl: Workload) -> str:
 
 def quantize_options(cluster: Cluster) -> list[str]:
     """The `--quantize` formats the planner can plan on this cluster: those whose linear kernel
-    was measured on its device (this host's calibration: fbgemm's; none for the GPU presets,
+    was measured on its device (this host's calibration: fbgemm's fp16, the Q8_0 blocks of int8;
+    none for the GPU presets,
     whose CUDA paths, a half-precision F.linear and int8 dequantized into the product, are
     not measured)."""
     return [q for q in QUANTIZE if q in cluster.device.quantized_rows_tflops]
@@ -139,7 +140,7 @@ def check_inputs(cfg: ModelConfig, wl: Workload, headroom: float, cluster: Clust
         raise PlannerError(
             f"--quantize {wl.quantize}: {cluster.device.name} has no measured {wl.quantize} linear kernel to "
             "predict its speed with; the planner plans quantized weights where the calibration measured the kernels "
-            "(--cluster this-host: fbgemm's)"
+            "(--cluster this-host)"
         )
     check_context(cfg, wl)
     if not isinstance(wl, InferenceWorkload) and wl.sequence_parallel and cfg.num_experts:

@@ -31,11 +31,11 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 """shardwise.pipeline.SCHEDULE_NAMES (tests/unit/test_planner_pipeline.py checks they agree)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUANTIZE = ("fp16", "int8")
+"""Weight formats of `--quantize` (shardwise.quant.SCHEMES; tests/unit/test_planner_quantize.py
+checks they agree): the projections and embeddings stored as fp16 (fbgemm's linear on CPU),
+or as int8 (on CPU the Q8_0 blocks and their native kernel; footprint.weight_bytes)."""
 STORED_FORMATS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
 """GGUF block formats a file is computed in (no `--quantize`) whose kernels the calibration measures."""
-"""Weight formats of `--quantize` (shardwise.quant.SCHEMES; tests/unit/test_planner_quantize.py
-checks they agree): the projections and embeddings stored as fp16, or as int8 with one fp32
-scale per output row, run by fbgemm's linear kernels (footprint.weight_bytes)."""
 
 
 class PlannerError(ValueError):
@@ -310,9 +310,10 @@ class Device:
     sequence in a step, per request. Measured on this host (shardwise.bench.serve_probe);
     0 for the presets, whose serving stacks are not shardwise's."""
     quantized_rows_tflops: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
-    """`--quantize` scheme (QUANTIZE) -> measured TFLOP/s of its linear kernel at m rows, (m,
-    TFLOP/s) by increasing m from 1 (one row: how fast it streams its weights). Measured on this
-    host (shardwise.bench.calibrate: fbgemm's fp16 and int8 linears); empty for the presets,
+    """`--quantize` scheme (QUANTIZE) or GGUF block format (STORED_FORMATS) -> measured TFLOP/s
+    of its linear kernel at m rows, (m, TFLOP/s) by increasing m from 1 (one row: how fast it
+    streams its weights). Measured on this host (shardwise.bench.calibrate: fbgemm's fp16, the
+    block formats' kernels, int8 as the Q8_0 blocks it runs on CPU); empty for the presets,
     whose CUDA kernels are not measured: the planner does not plan quantized weights there."""
     busy_quantized_rows_tflops: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     """The same while every device works (missing: quantized_rows_tflops x busy_compute)."""
