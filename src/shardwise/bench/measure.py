@@ -146,7 +146,7 @@ def probe_rank(world: Communicator, opts: dict) -> dict:
 
 def _train_s(cfg, batch: int, tokens: int, repeats: int, optimizer: bool = False) -> float | tuple[float, float]:
     """Fastest forward + backward (cross-entropy on every position) of a DecoderLM of `cfg`;
-    with `optimizer`, also the fastest AdamW update of its parameters (PyTorch's, as
+    with `optimizer`, also the fastest AdamW update of its parameters (torch's fused kernel, as
     shardwise.train uses): (seconds, optimizer seconds)."""
     from shardwise.models.decoder import DecoderLM
 
@@ -161,7 +161,10 @@ def _train_s(cfg, batch: int, tokens: int, repeats: int, optimizer: bool = False
     t = best_time(step, repeats)
     if not optimizer:
         return t
-    adamw = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    from shardwise.train.optim import fused_ok
+
+    params = list(model.parameters())
+    adamw = torch.optim.AdamW(params, lr=1e-6, fused=fused_ok(params))  # as shardwise.train builds it
     return t, best_time(adamw.step, repeats)
 
 

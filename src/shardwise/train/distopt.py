@@ -47,6 +47,7 @@ from shardwise.comm import Communicator
 from shardwise.layers import ShardSpec, split_sizes
 from shardwise.train.config import OptimSection
 from shardwise.train.layout import owned_mask
+from shardwise.train.optim import fused_ok
 from shardwise.train.sync import GradSync
 
 __all__ = ["DistributedOptimizer", "MOMENTS", "DTYPES", "autocast", "bytes_per_param", "check_dtype", "held_bytes"]
@@ -284,6 +285,7 @@ class DistributedOptimizer(GradSync):
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
             eps=cfg.eps,
+            fused=fused_ok([c[1] for s in self.spaces for c in s.chunks]),  # as build_optimizer's
         )
         # Which elements of each slice the norm counts (1) or not (0): rows owned on this tp
         # rank, not a tied copy. (slice,) bool per space.

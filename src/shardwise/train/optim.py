@@ -34,7 +34,16 @@ def build_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused_ok(params))
+
+
+def fused_ok(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW takes these parameters (floats on the CPU or CUDA): one pass
+    over each tensor instead of a pass per operation. On one core of an AMD EPYC (Zen 4) it
+    steps 100M fp32 parameters at 0.65 ns each against 5.5 for the per-operation loop torch
+    picks by default on CPU (docs/benchmarks/links.md, the 1B training step)."""
+    floats = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in floats for p in params)
 
 
 def lr_at(step: int, cfg: OptimSection, total_steps: int) -> float:
