@@ -302,7 +302,7 @@ def quantized_probe_rank(world, opts: dict) -> dict:
         if scheme == "fp16":
             weights = _layers(torch.float32)
             params = sum(w.numel() for w in weights)
-            run, packed = _quantized_linears(scheme, weights)
+            run, packed = _fp16_linears(weights)
             del weights
         else:
             run, packed, params = _block_linears(scheme)
@@ -339,12 +339,10 @@ def _block_linears(fmt: str) -> tuple:
     return (lambda x, w: w.linear(x)), packed, params
 
 
-def _quantized_linears(scheme: str, weights: list) -> tuple:
-    """(run(x, packed) -> x W^T, [(packed W, in features), ...]): fbgemm's linear for fp16."""
+def _fp16_linears(weights: list) -> tuple:
+    """(run(x, packed) -> x W^T, [(packed W, in features), ...]): fbgemm's fp16 linear."""
     import torch
 
-    if scheme != "fp16":
-        raise ValueError(f"fbgemm's linear is measured for fp16 only, got {scheme!r}")
     ops = torch.ops.quantized
     return ops.linear_dynamic_fp16, [(ops.linear_prepack_fp16(w, None), w.shape[1]) for w in weights]
 

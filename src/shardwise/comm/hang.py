@@ -225,9 +225,10 @@ def _cut_off(records, waits: dict[int, Wait], health, origin: int | None) -> Han
         return None
     here = _RANK_HOSTS[origin]
     late = [m for m in members if records[m]["counts"].get(entry["chan"], 0) < entry["seq"]]
-    # a member that has not arrived may still be inside an earlier operation (of this group
-    # or another it shares with `origin`), one `origin` finished: an all-reduce can complete on one side and not the other when
-    # the link goes down between its last messages. On another host, alive, it is cut off too.
+    # a member that has not arrived may still be inside an earlier operation (of this group or
+    # another it shares with `origin`) that `origin` finished: an all-reduce can complete on one
+    # side and not the other when the link goes down between its last messages. On another
+    # host, alive, it is cut off too.
     behind = [m for m in late if m in waits and _passed(records[origin], _waiting_in(records[m]))]
     arrived = all(m in behind and _RANK_HOSTS[m] != here for m in late)
     alive = all(health[m][0] == "ok" for m in members)

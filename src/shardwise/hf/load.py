@@ -41,10 +41,8 @@ from shardwise.hf.families import Family, family_for, supported_model_types
 from shardwise.hf.fill import DTYPES, LoadReport, assign, bytes_read, dtype_name, refuse_unexpected
 from shardwise.hf.sources import read_shard, read_shard_blocks, read_shard_rows, segments
 from shardwise.kernels import NATIVE_FORMATS, BlockWeight
-from shardwise.kernels.block import Part
 from shardwise.kernels.blocks import FORMATS
 from shardwise.layers import ShardError, model_shard_specs
-from shardwise.memory import on_huge_pages
 from shardwise.models.config import ModelConfig
 from shardwise.models.decoder import DecoderLM
 from shardwise.models.meta import on_meta
@@ -217,7 +215,6 @@ def load_pretrained(
     for name, spec in bar:
         parts = read_shard_blocks(ckpt, plan[name], spec) if name in as_stored else None
         if parts is not None:  # the file's own blocks, this rank's rows or runs of whole blocks
-            parts = [Part(p.fmt, on_huge_pages(p.data)) for p in parts]  # streamed every step: huge pages
             install(as_stored[name], BlockWeight(parts, spec.local_shape[1], dtype=target))
         elif name in convert:  # converted a block of rows at a time: no float copy of the whole
             convert_rows(convert[name], read_shard_rows(ckpt, plan[name], spec, target), spec.local_shape, dtype=target)

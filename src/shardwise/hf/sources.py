@@ -180,15 +180,18 @@ def _row_block(
 def _fresh(ckpt: Checkpoint, parts: list[torch.Tensor], dtype: torch.dtype, dim: int) -> torch.Tensor:
     """parts joined along `dim` into memory the rank owns, copied exactly once: the reads are
     views of the memory-mapped file, or fresh tensors from a reader that makes them (GGUF)."""
-    if len(parts) == 1 and (getattr(ckpt, "fresh_reads", False) or parts[0].dim() == 0):
-        fresh = getattr(ckpt, "fresh_reads", False)
+    fresh = getattr(ckpt, "fresh_reads", False)
+    if len(parts) == 1 and (fresh or parts[0].dim() == 0):
         return parts[0].to(dtype, copy=not fresh, memory_format=torch.contiguous_format)
+    return _joined(parts, dtype, dim)
+
+
+def _joined(parts: list[torch.Tensor], dtype: torch.dtype, dim: int) -> torch.Tensor:
+    """parts joined along `dim` in `dtype`, copied once into fresh memory: on huge pages where
+    2 MiB or more (shardwise.memory.empty_huge), as weights a decode step streams every token."""
     shape = list(parts[0].shape)
     shape[dim] = sum(p.shape[dim] for p in parts)
-    out = empty_huge(tuple(shape), dtype)  # weights a decode step streams: on huge pages where big
-    if len(parts) == 1:
-        return out.copy_(parts[0])
-    return torch.cat([p.to(dtype) for p in parts], dim=dim, out=out)
+    return torch.cat([p.to(dtype) for p in parts], dim=dim, out=empty_huge(tuple(shape), dtype))
 
 
 def read_shard_blocks(ckpt, segs: list[Segment], spec: ShardSpec) -> list[Part] | None:
@@ -235,10 +238,10 @@ def read_shard_blocks(ckpt, segs: list[Segment], spec: ShardSpec) -> list[Part] 
         if spec.dim == 0 and spec.pad:  # padded vocabulary rows: zero blocks decode to zero weights
             fmt, last = pieces[-1]
             pieces.append((fmt, last.new_zeros(spec.pad, last.shape[1])))
-    merged: list[Part] = []
+    runs: list[tuple[str, list[torch.Tensor]]] = []  # consecutive pieces of one format, joined once
     for fmt, data in pieces:
-        if merged and merged[-1].fmt == fmt:
-            merged[-1] = Part(fmt, torch.cat([merged[-1].data, data]))
+        if runs and runs[-1][0] == fmt:
+            runs[-1][1].append(data)
         else:
-            merged.append(Part(fmt, data))
-    return merged
+            runs.append((fmt, [data]))
+    return [Part(fmt, _joined(run, run[0].dtype, 0)) for fmt, run in runs]
