@@ -6,8 +6,8 @@ Weights are valid blocks from shardwise's own quantizer (gguf's does not write t
 and, separately, random bytes with sane fp16 scales (every pattern of the quants, the 6-bit
 or int8 sub-scales and the mins), with one row of all-ones bits (every quant, scale and min
 at its largest) against activation rows of +-127 (the integer sums' extremes). Activations
-carry outliers and all-zero blocks. Shapes: rows {0, 1, 7, 64}, kblocks {0, 1, 3, 5},
-n {0, 1, 2, 3, 4, 5, 16}; the weights are a slice (row_bytes wider than the blocks used and
+carry outliers and all-zero blocks. Shapes: rows {0, 1, 7, 37, 64}, kblocks {0, 1, 3, 5},
+n {0, 1, 2, 3, 4, 5, 8, 9, 16} (the avx512 tiles from 8 activation rows and 16 weight rows); the weights are a slice (row_bytes wider than the blocks used and
 not a multiple of the block, from an odd address), y has a row stride ldy > rows.
 """
 
@@ -120,8 +120,8 @@ def test_gemm_against_reference(fmt: str, kind: str, isa_name: str) -> None:
     x = _activations(16, rng)
     worst = 0.0
     for kb in (0, 1, 3, 5):
-        xs = {n: _quantize_x(x[:n], kb) for n in (0, 1, 2, 3, 4, 5, 16)}
-        for rows in (0, 1, 7, 64):
+        xs = {n: _quantize_x(x[:n], kb) for n in (0, 1, 2, 3, 4, 5, 8, 9, 16)}
+        for rows in (0, 1, 7, 37, 64):  # 37: two 16-row tiles and 5 rows (from 8 activation rows)
             wd, wabs = _dequantized(fmt, w[:rows, OFF * nbytes : (OFF + kb) * nbytes])
             for n, (xq, xd) in xs.items():
                 ref, scale = xd @ wd.T, np.abs(xd) @ wabs.T

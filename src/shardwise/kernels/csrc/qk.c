@@ -31,7 +31,10 @@
  *             unsigned dot, so a block's lanes are summed in integers first (4 rows at once).
  *   avx512    one zmm per 64 weights in weight order; vpdpbusd (4 products a lane, which fit
  *             int16), two zmm of those packed to int16 (vpackssdw) and one vpdpwssd by the
- *             sub-scales: 3 multiplies per 128 weights and row. Dequantizing runs the avx2 code.
+ *             sub-scales: 3 multiplies per 128 weights and row. From a few activation rows
+ *             (K45_TILE_ROWS, Q6_TILE_ROWS) 16 weight rows a zmm instead, one int32 lane a row
+ *             (k45_tile16, q6_tile16): the transposes, scales and float tail shared by 16 rows.
+ *             Dequantizing runs the avx2 code.
  * The SIMD gemms take the weight rows a tile of K_TILE at a time and the activation rows in
  * groups of up to 4 (avx2) or 8 (avx512): each weight block is decoded into registers once
  * per group and dotted with the group's rows, and a tile stays in cache while the groups
@@ -690,6 +693,247 @@ ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t r
     }
 }
 
+/* Q4_K / Q5_K from K45_TILE_ROWS activation rows: 16 weight rows a zmm, one int32 lane each, as
+ * q32.c's Q8_0 tiles. Per block, each pair of sub-blocks (32 bytes of nibbles a row) is
+ * transposed in registers into 8 zmm, zmm k holding bytes 4k .. 4k + 3 of every row, and split
+ * into the two sub-blocks' weights (low and high nibbles; Q5_K's fifth bits from qh, transposed
+ * the same way once a block). Per activation row and sub-block, 8 vpdpbusd with its 4 bytes
+ * broadcast give the 16 rows' dots, exact; times the rows' sub-scales (vpmulld: |dot| <= 32 *
+ * 31 * 127, the block's sum inside int32, as the header says) into one integer sum a row; the
+ * mins through vpdpwssd of each row's (mn, mn) with the activation's bsum pairs. Then one fp32
+ * tail a block for the 16 rows: da (d isum - dmin imin), the portable path's arithmetic. The
+ * transposes, the scales and the float work are shared by 16 rows where k45_rows512 pays them
+ * per row: about 2.5x fewer instructions at 16 activation rows. The lanes hold the rows in the
+ * order 0-3, 8-11, 4-7, 12-15 (the transpose's), the headers are read in that order, and the
+ * results put back in order as they are stored. */
+enum { K45_TILE_ROWS = 3, Q6_TILE_ROWS = 6 }; /* the fewest activation rows that take the tiles */
+
+/* 16 rows' 32 bytes at p, p + stride, ... -> wk[k]: bytes 4k .. 4k + 3 of each row, in lanes
+ * 0-3, 8-11, 4-7, 12-15 order. */
+ALWAYS_INLINE void k_tr16x32(const uint8_t *p, size_t stride, __m512i wk[8]) {
+    __m512i z[8], t[8], u[8];
+    for (int j = 0; j < 8; j++) /* rows j (low half) and j + 8 (high half) */
+        z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + j * stride))),
+                                  _mm256_loadu_si256((const __m256i *)(p + (j + 8) * stride)), 1);
+    for (int j = 0; j < 8; j += 2) {
+        t[j] = _mm512_unpacklo_epi32(z[j], z[j + 1]);
+        t[j + 1] = _mm512_unpackhi_epi32(z[j], z[j + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {
+        u[h + 0] = _mm512_unpacklo_epi64(t[h], t[h + 2]);
+        u[h + 1] = _mm512_unpackhi_epi64(t[h], t[h + 2]);
+        u[h + 2] = _mm512_unpacklo_epi64(t[h + 1], t[h + 3]);
+        u[h + 3] = _mm512_unpackhi_epi64(t[h + 1], t[h + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        wk[c] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+        wk[c + 4] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    }
+}
+
+/* Byte j of each int32 lane of v (j < 4). */
+ALWAYS_INLINE __m512i k_byte32(__m512i v, int j) {
+    return j == 3 ? _mm512_srli_epi32(v, 24) : _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xFF));
+}
+
+ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes, int64_t kblocks, const sw_a256 *xa,
+                              int64_t ldx, float *y, int64_t ldy) {
+    static const int lane_row[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+    const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES, qs_off = q5 ? 48 : 16;
+    const __m512i nib = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10);
+    __m512 acc[16];
+    for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kblocks; b++) {
+        const uint8_t *p = w + bytes * b;
+        /* headers (d, dmin, 12 bytes of scales: 16 bytes a row): hd[c] lane q <- row lane_row[4q + c],
+         * then a 4 x 4 dword transpose in each 128-bit lane: x[k] lane l = dword k of lane l's row */
+        __m512i hd[4], t[4], x[4];
+        for (int c = 0; c < 4; c++) {
+            __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + lane_row[c] * row_bytes)));
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + lane_row[4 + c] * row_bytes)), 1);
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + lane_row[8 + c] * row_bytes)), 2);
+            hd[c] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + lane_row[12 + c] * row_bytes)), 3);
+        }
+        t[0] = _mm512_unpacklo_epi32(hd[0], hd[1]);
+        t[1] = _mm512_unpackhi_epi32(hd[0], hd[1]);
+        t[2] = _mm512_unpacklo_epi32(hd[2], hd[3]);
+        t[3] = _mm512_unpackhi_epi32(hd[2], hd[3]);
+        x[0] = _mm512_unpacklo_epi64(t[0], t[2]); /* d | dmin << 16 */
+        x[1] = _mm512_unpackhi_epi64(t[0], t[2]); /* scale bytes 0-3 */
+        x[2] = _mm512_unpacklo_epi64(t[1], t[3]); /* 4-7 */
+        x[3] = _mm512_unpackhi_epi64(t[1], t[3]); /* 8-11 */
+        const __m512i m3f = _mm512_set1_epi32(0x3F3F3F3F), m0f = _mm512_set1_epi32(0x0F0F0F0F),
+                      m30 = _mm512_set1_epi32(0x30303030);
+        const __m512i sc_lo = _mm512_and_si512(x[1], m3f), mn_lo = _mm512_and_si512(x[2], m3f);
+        const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(x[3], m0f),
+                                              _mm512_and_si512(_mm512_srli_epi32(x[1], 2), m30));
+        const __m512i mn_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(x[3], 4), m0f),
+                                              _mm512_and_si512(_mm512_srli_epi32(x[2], 2), m30));
+        const __m512 vd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x[0]));
+        const __m512 vdmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x[0], 16)));
+        __m512i hk[8];
+        if (q5) k_tr16x32(p + 16, row_bytes, hk);
+        __m512i isum[16];
+        for (int i = 0; i < ni; i++) isum[i] = _mm512_setzero_si512();
+        for (int pr = 0; pr < 4; pr++) { /* sub-blocks 2 pr (low nibbles), 2 pr + 1 (high) */
+            __m512i wk[8], lo[8], hi[8];
+            k_tr16x32(p + qs_off + 32 * pr, row_bytes, wk);
+            for (int k = 0; k < 8; k++) {
+                lo[k] = _mm512_and_si512(wk[k], nib);
+                hi[k] = _mm512_and_si512(_mm512_srli_epi16(wk[k], 4), nib);
+                if (q5) { /* bit j of qh byte l: weight l of sub-block j's fifth bit */
+                    lo[k] = _mm512_mask_add_epi8(lo[k], _mm512_test_epi8_mask(hk[k], _mm512_set1_epi8((char)(1 << 2 * pr))),
+                                                 lo[k], b4);
+                    hi[k] = _mm512_mask_add_epi8(
+                        hi[k], _mm512_test_epi8_mask(hk[k], _mm512_set1_epi8((char)(1 << (2 * pr + 1)))), hi[k], b4);
+                }
+            }
+            const __m512i s0 = k_byte32(pr < 2 ? sc_lo : sc_hi, (2 * pr) & 3);
+            const __m512i s1 = k_byte32(pr < 2 ? sc_lo : sc_hi, (2 * pr + 1) & 3);
+            for (int i = 0; i < ni; i++) {
+                const int8_t *a = xa[i * ldx + b].q + 64 * pr;
+                __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+                for (int k = 0; k < 8; k++) {
+                    int32_t x0, x1;
+                    memcpy(&x0, a + 4 * k, 4);
+                    memcpy(&x1, a + 32 + 4 * k, 4);
+                    d0 = _mm512_dpbusd_epi32(d0, lo[k], _mm512_set1_epi32(x0));
+                    d1 = _mm512_dpbusd_epi32(d1, hi[k], _mm512_set1_epi32(x1));
+                }
+                isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(d0, s0), _mm512_mullo_epi32(d1, s1)));
+            }
+        }
+        __m512i mw[8]; /* (mn[j], mn[j]) as an int16 pair in each row's lane */
+        for (int j = 0; j < 8; j++) {
+            const __m512i m = k_byte32(j < 4 ? mn_lo : mn_hi, j & 3);
+            mw[j] = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
+        }
+        for (int i = 0; i < ni; i++) {
+            const sw_a256 *a = xa + i * ldx + b;
+            __m512i imin = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) { /* mn[j] (bsum[2j] + bsum[2j + 1]) */
+                int32_t pair;
+                memcpy(&pair, a->bsum + 2 * j, 4);
+                imin = _mm512_dpwssd_epi32(imin, mw[j], _mm512_set1_epi32(pair));
+            }
+            const __m512 tt = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum[i]), vd,
+                                              _mm512_mul_ps(_mm512_cvtepi32_ps(imin), vdmin));
+            acc[i] = _mm512_fmadd_ps(tt, _mm512_set1_ps(a->d), acc[i]); /* da (d isum - dmin imin) */
+        }
+    }
+    for (int i = 0; i < ni; i++) _mm512_storeu_ps(y + i * ldy, _mm512_shuffle_f32x4(acc[i], acc[i], 0xD8));
+}
+
+/* Q6_K from Q6_TILE_ROWS activation rows: as k45_tile16. Per half, the 32 bytes of ql at 0 and at
+ * 32 and the 32 of qh are transposed (k_tr16x32); weights t = 0 .. 3 of the half take the low
+ * or high nibbles and their two high bits, u8 0..63. Per activation row and 32 weights, 8
+ * vpdpbusd: lanes 0-3 of the chain are one 16-weight sub-block, 4-7 the next, each times its
+ * int8 sub-scale (vpmulld); the -32 through vpdpwssd of each row's (sc[g], sc[g + 1]) with
+ * bsum's pairs; the block's integer sum exact (the header's bound), then da d sum. */
+ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t kblocks, const sw_a256 *xa,
+                             int64_t ldx, float *y, int64_t ldy) {
+    static const int lane_row[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+    const __m512i nib = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
+    __m512 acc[16];
+    for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kblocks; b++) {
+        const uint8_t *p = w + Q6K_BYTES * b;
+        __m512i hs[4], t[4], x[4]; /* x[k] lane l: sc[4k .. 4k + 3] of lane l's row */
+        for (int c = 0; c < 4; c++) {
+            __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + lane_row[c] * row_bytes + 192)));
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + lane_row[4 + c] * row_bytes + 192)), 1);
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + lane_row[8 + c] * row_bytes + 192)), 2);
+            hs[c] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + lane_row[12 + c] * row_bytes + 192)), 3);
+        }
+        t[0] = _mm512_unpacklo_epi32(hs[0], hs[1]);
+        t[1] = _mm512_unpackhi_epi32(hs[0], hs[1]);
+        t[2] = _mm512_unpacklo_epi32(hs[2], hs[3]);
+        t[3] = _mm512_unpackhi_epi32(hs[2], hs[3]);
+        x[0] = _mm512_unpacklo_epi64(t[0], t[2]);
+        x[1] = _mm512_unpackhi_epi64(t[0], t[2]);
+        x[2] = _mm512_unpacklo_epi64(t[1], t[3]);
+        x[3] = _mm512_unpackhi_epi64(t[1], t[3]);
+#define SC(g) _mm512_srai_epi32(_mm512_slli_epi32(x[(g) / 4], 24 - 8 * ((g) % 4)), 24) /* int8 sc[g], sign-extended */
+#define D16(r) ((short)k_u16(p + (r) * row_bytes + 208))
+        const __m512 vd = _mm512_cvtph_ps(_mm256_setr_epi16(D16(0), D16(1), D16(2), D16(3), D16(8), D16(9), D16(10),
+                                                            D16(11), D16(4), D16(5), D16(6), D16(7), D16(12), D16(13),
+                                                            D16(14), D16(15)));
+#undef D16
+        __m512i isum[16], sp[8];
+        for (int g = 0; g < 16; g += 2) /* (sc[g], sc[g + 1]) as an int16 pair in each row's lane */
+            sp[g / 2] = _mm512_or_si512(_mm512_and_si512(SC(g), _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(SC(g + 1), 16));
+        for (int i = 0; i < ni; i++) { /* -32 sum_g sc[g] bsum[g], by pairs of sub-blocks */
+            const sw_a256 *a = xa + i * ldx + b;
+            __m512i c = _mm512_setzero_si512();
+            for (int g = 0; g < 16; g += 2) {
+                int32_t pair;
+                memcpy(&pair, a->bsum + g, 4);
+                c = _mm512_dpwssd_epi32(c, sp[g / 2], _mm512_set1_epi32(pair));
+            }
+            isum[i] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(c, 5));
+        }
+        for (int hf = 0; hf < 2; hf++) {
+            __m512i l0[8], l1[8], qh[8];
+            k_tr16x32(p + 64 * hf, row_bytes, l0);
+            k_tr16x32(p + 64 * hf + 32, row_bytes, l1);
+            k_tr16x32(p + 128 + 32 * hf, row_bytes, qh);
+            for (int tq = 0; tq < 4; tq++) { /* weights 128 hf + 32 tq + l: sub-blocks g, g + 1 */
+                const int g = 8 * hf + 2 * tq;
+                __m512i wq[8];
+                for (int k = 0; k < 8; k++) {
+                    const __m512i l = tq & 1 ? l1[k] : l0[k];
+                    const __m512i lo = _mm512_and_si512(tq < 2 ? l : _mm512_srli_epi16(l, 4), nib);
+                    const __m512i hb = tq == 0   ? _mm512_slli_epi16(qh[k], 4)
+                                       : tq == 1 ? _mm512_slli_epi16(qh[k], 2)
+                                       : tq == 2 ? qh[k]
+                                                 : _mm512_srli_epi16(qh[k], 2);
+                    wq[k] = _mm512_or_si512(lo, _mm512_and_si512(hb, hi2));
+                }
+                const __m512i s0 = SC(g), s1 = SC(g + 1);
+                for (int i = 0; i < ni; i++) {
+                    const int8_t *a = xa[i * ldx + b].q + 32 * (g / 2);
+                    __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+                    for (int k = 0; k < 4; k++) {
+                        int32_t x0, x1;
+                        memcpy(&x0, a + 4 * k, 4);
+                        memcpy(&x1, a + 16 + 4 * k, 4);
+                        d0 = _mm512_dpbusd_epi32(d0, wq[k], _mm512_set1_epi32(x0));
+                        d1 = _mm512_dpbusd_epi32(d1, wq[k + 4], _mm512_set1_epi32(x1));
+                    }
+                    isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(d0, s0), _mm512_mullo_epi32(d1, s1)));
+                }
+            }
+        }
+#undef SC
+        for (int i = 0; i < ni; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(vd, _mm512_set1_ps(xa[i * ldx + b].d)), acc[i]);
+    }
+    for (int i = 0; i < ni; i++) _mm512_storeu_ps(y + i * ldy, _mm512_shuffle_f32x4(acc[i], acc[i], 0xD8));
+}
+
+/* rows: a multiple of 16; activation rows in runs of up to 16, each run over every tile. */
+ALWAYS_INLINE void k_tiles16(int fmt, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
+                               const sw_a256 *xa, int64_t n, float *y, int64_t ldy) {
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int ni = n - i0 < 16 ? (int)(n - i0) : 16;
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+            const uint8_t *wt = w + r0 * row_bytes;
+            const sw_a256 *xi = xa + i0 * kblocks;
+            float *yi = y + i0 * ldy + r0;
+            switch (ni) {
+#define T16(k) \
+    case k:                                                                          \
+        if (fmt == 6) q6_tile16(k, wt, row_bytes, kblocks, xi, kblocks, yi, ldy);   \
+        else k45_tile16(fmt == 5, k, wt, row_bytes, kblocks, xi, kblocks, yi, ldy); \
+        break;
+                T16(1) T16(2) T16(3) T16(4) T16(5) T16(6) T16(7) T16(8)
+                T16(9) T16(10) T16(11) T16(12) T16(13) T16(14) T16(15) T16(16)
+#undef T16
+            }
+        }
+    }
+}
+
 ALWAYS_INLINE void gemm_k_avx512(int fmt, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                  const void *x, int64_t n, float *y, int64_t ldy) {
     const sw_a256 *xa = (const sw_a256 *)x;
@@ -697,6 +941,13 @@ ALWAYS_INLINE void gemm_k_avx512(int fmt, const uint8_t *w, size_t row_bytes, in
         if (fmt == 6) q6_row1_vnni256(w, row_bytes, rows, kblocks, xa, y);
         else k45_row1_vnni256(fmt == 5, w, row_bytes, rows, kblocks, xa, y);
         return;
+    }
+    if (n >= (fmt == 6 ? Q6_TILE_ROWS : K45_TILE_ROWS) && rows >= 16) { /* 16 weight rows a zmm; the last rows % 16 below */
+        const int64_t body = rows & ~(int64_t)15;
+        k_tiles16(fmt, w, row_bytes, body, kblocks, xa, n, y, ldy);
+        w += body * row_bytes;
+        y += body;
+        rows -= body;
     }
     for (int64_t r0 = 0; r0 < rows; r0 += K_TILE) {
         const int64_t nr = rows - r0 < K_TILE ? rows - r0 : K_TILE;
