@@ -18,7 +18,8 @@ the calibration's veth probes do (hostlinks):
   runs with --comm-dtype q8 (8-bit blocks on the wire).
 - --train: `shardwise train --json` of the built-in model's shape or, with --train-shape 1b,
   a 1B one (TRAIN_SHAPES: random weights, fp32, AdamW, the shape's batch) for the shape's
-  SHORT and LONG numbers of steps: ms and link bytes per step are the difference over the
+  SHORT and LONG numbers of steps: ms per step is the mean of LONG's steps after its first
+  (the first allocates the optimizer's state), link bytes per step the difference over the
   extra steps.
 
 Beside each measurement, the planner's prediction for the same layout and rate (Predictor:
@@ -154,7 +155,7 @@ TRAIN_SHAPES = {  # --train-shape: (the model section, the batch, the SHORT and 
             tie_embeddings=True,
         ),  # fmt: skip
         {"seq_len": 128, "global_batch_size": 2, "micro_batch_size": 1},
-        (1, 3),
+        (1, 4),
     ),
 }
 TRAIN_SHAPE = "builtin"
@@ -207,7 +208,9 @@ log_every = 1000
 
 
 def _train(cluster: netns.Cluster, per_host: int, flags: list[str], tmp: Path) -> tuple[float, float]:
-    """(ms per step, link bytes per step): LONG's steps less SHORT's, so that start-up cancels."""
+    """(ms per step, link bytes per step): the mean of LONG's steps after its first (rank 0's
+    step_ms: the first allocates the optimizer's state and faults in every buffer), and
+    LONG's link bytes less SHORT's, so that start-up cancels."""
     runs = []
     short_long = _shape()[2]
     for steps in short_long:
@@ -215,9 +218,9 @@ def _train(cluster: netns.Cluster, per_host: int, flags: list[str], tmp: Path) -
         argv = ["-m", "shardwise", "train", "--config", str(config), "--json"]
         argv += ["--allow-cross-host-tp"] if "--allow-cross-host-tp" in flags else []
         out, sent = _run(cluster, per_host, argv)
-        runs.append((out["ms_per_step"] * out["steps_run"], sent))
+        runs.append((out["step_ms"], sent))
     n = short_long[1] - short_long[0]
-    return (runs[1][0] - runs[0][0]) / n, (runs[1][1] - runs[0][1]) / n
+    return statistics.mean(runs[1][0][1:]), (runs[1][1] - runs[0][1]) / n
 
 
 def data_shape(a: argparse.Namespace) -> str | None:

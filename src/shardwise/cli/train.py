@@ -120,6 +120,7 @@ def _train_rank(world: Communicator, cfg, p2p_check: bool = False) -> dict:
         "steps_run": len(result.stats),
         "tokens_per_s": round(result.tokens_per_s, 1),
         "ms_per_step": round(1e3 * sum(s.seconds for s in result.stats) / max(len(result.stats), 1), 2),
+        "step_ms": [round(1e3 * s.seconds, 2) for s in result.stats],
         "checkpoint": result.checkpoint,
         "plot": result.plot,
         "tp": cfg.parallel.tp,
