@@ -32,7 +32,7 @@
  *   avx512    one zmm per 64 weights in weight order; vpdpbusd (4 products a lane, which fit
  *             int16), two zmm of those packed to int16 (vpackssdw) and one vpdpwssd by the
  *             sub-scales: 3 multiplies per 128 weights and row. From a few activation rows
- *             (K45_TILE_ROWS, Q6_TILE_ROWS) 16 weight rows a zmm instead, one int32 lane a row
+ *             (k45_tile_rows, q6_tile_rows) 16 weight rows a zmm instead, one int32 lane a row
  *             (k45_tile16, q6_tile16): the transposes, scales and float tail shared by 16 rows.
  *             Dequantizing runs the avx2 code.
  * The SIMD gemms take the weight rows a tile of K_TILE at a time and the activation rows in
@@ -40,6 +40,7 @@
  * per group and dotted with the group's rows, and a tile stays in cache while the groups
  * pass over it (the weights are read from memory once). */
 #include <immintrin.h>
+#include <stdlib.h>
 
 #include "sw.h"
 
@@ -693,7 +694,7 @@ ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t r
     }
 }
 
-/* Q4_K / Q5_K from K45_TILE_ROWS activation rows: 16 weight rows a zmm, one int32 lane each, as
+/* Q4_K / Q5_K from k45_tile_rows activation rows: 16 weight rows a zmm, one int32 lane each, as
  * q32.c's Q8_0 tiles. Per block, each pair of sub-blocks (32 bytes of nibbles a row) is
  * transposed in registers into 8 zmm, zmm k holding bytes 4k .. 4k + 3 of every row, and split
  * into the two sub-blocks' weights (low and high nibbles; Q5_K's fifth bits from qh, transposed
@@ -706,7 +707,9 @@ ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t r
  * per row: about 2.5x fewer instructions at 16 activation rows. The lanes hold the rows in the
  * order 0-3, 8-11, 4-7, 12-15 (the transpose's), the headers are read in that order, and the
  * results put back in order as they are stored. */
-enum { K45_TILE_ROWS = 3, Q6_TILE_ROWS = 6 }; /* the fewest activation rows that take the tiles */
+/* The fewest activation rows that take the tiles; SHARDWISE_K_TILES=0 in the environment at
+ * import turns them off (benchmarks/bench_k_tiles.py compares both in one run). */
+static int64_t k45_tile_rows = 3, q6_tile_rows = 6;
 
 /* 16 rows' 32 bytes at p, p + stride, ... -> wk[k]: bytes 4k .. 4k + 3 of each row, in lanes
  * 0-3, 8-11, 4-7, 12-15 order. */
@@ -824,7 +827,7 @@ ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes
     for (int i = 0; i < ni; i++) _mm512_storeu_ps(y + i * ldy, _mm512_shuffle_f32x4(acc[i], acc[i], 0xD8));
 }
 
-/* Q6_K from Q6_TILE_ROWS activation rows: as k45_tile16. Per half, the 32 bytes of ql at 0 and at
+/* Q6_K from q6_tile_rows activation rows: as k45_tile16. Per half, the 32 bytes of ql at 0 and at
  * 32 and the 32 of qh are transposed (k_tr16x32); weights t = 0 .. 3 of the half take the low
  * or high nibbles and their two high bits, u8 0..63. Per activation row and 32 weights, 8
  * vpdpbusd: lanes 0-3 of the chain are one 16-weight sub-block, 4-7 the next, each times its
@@ -942,7 +945,7 @@ ALWAYS_INLINE void gemm_k_avx512(int fmt, const uint8_t *w, size_t row_bytes, in
         else k45_row1_vnni256(fmt == 5, w, row_bytes, rows, kblocks, xa, y);
         return;
     }
-    if (n >= (fmt == 6 ? Q6_TILE_ROWS : K45_TILE_ROWS) && rows >= 16) { /* 16 weight rows a zmm; the last rows % 16 below */
+    if (n >= (fmt == 6 ? q6_tile_rows : k45_tile_rows) && rows >= 16) { /* 16 weight rows a zmm; the last rows % 16 below */
         const int64_t body = rows & ~(int64_t)15;
         k_tiles16(fmt, w, row_bytes, body, kblocks, xa, n, y, ldy);
         w += body * row_bytes;
@@ -993,6 +996,8 @@ K_AVX2 static void dequant_q5_k_avx2(K_DEQ_ARGS) { dequant_k45_avx2(1, w, row_by
 K_AVX2 static void dequant_q6_k_avx2(K_DEQ_ARGS) { dequant_q6_avx2(w, row_bytes, rows, kblocks, out); }
 
 void sw_register_qk(void) {
+    const char *tiles = getenv("SHARDWISE_K_TILES");
+    if (tiles && tiles[0] == '0') k45_tile_rows = q6_tile_rows = INT64_MAX;
     sw_gemm_table[SW_Q4_K][SW_ISA_PORTABLE] = gemm_q4_k_portable;
     sw_gemm_table[SW_Q5_K][SW_ISA_PORTABLE] = gemm_q5_k_portable;
     sw_gemm_table[SW_Q6_K][SW_ISA_PORTABLE] = gemm_q6_k_portable;
