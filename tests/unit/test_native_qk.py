@@ -158,3 +158,42 @@ def test_dequantize_against_gguf(fmt: str, isa_name: str) -> None:
         want = quants.dequantize(wk, t).reshape(rows, kb * 256) if rows * kb else got
         # 1 ulp: s * q - m may be one fused rounding here and two in gguf's numpy
         np.testing.assert_allclose(got, want, rtol=0, atol=float(np.abs(want).max(initial=0)) * 2**-22 + 1e-30)
+
+
+def test_tiles_off_switch_gives_the_row_kernels_result() -> None:
+    """SHARDWISE_K_TILES=0 (read at import, so in a child process) turns the avx512 tiles off:
+    the same products to fp32 rounding, from the row kernels."""
+    import os
+    import subprocess
+    import sys
+
+    if "avx512" not in native.kernels()[int(T.Q4_K)]:
+        pytest.skip("this CPU runs no avx512 kernels")
+    code = (
+        "import numpy as np, torch\n"
+        "from shardwise.kernels import BlockWeight, quantize_rows\n"
+        "import shardwise.kernels.block as block\n"
+        "block.PREFILL_ROWS = None\n"
+        "torch.manual_seed(0)\n"
+        "w = torch.randn(48, 512)\n"
+        "out = [BlockWeight.of([(f, quantize_rows(w, f))], 512).linear(torch.randn(9, 512)) for f in ('Q4_K', 'Q5_K', 'Q6_K')]\n"
+        "np.save(__import__('sys').argv[1], torch.stack(out).numpy())\n"
+    )
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        ys = []
+        for flag in ("1", "0"):
+            path = os.path.join(d, f"y{flag}.npy")
+            env = {**os.environ, "SHARDWISE_K_TILES": flag}
+            done = subprocess.run(
+                [sys.executable, "-c", code, path], env=env, capture_output=True, text=True, timeout=120
+            )
+            assert done.returncode == 0, done.stderr[-2000:]
+            ys.append(np.load(path))
+    on, off = ys
+    assert np.abs(on).max() > 1.0  # real products, not zeros
+    # the tiles scale a block's exact integer sum once, the row kernels 8 partial sums: they
+    # round differently somewhere in 1296 outputs, so equal bits would mean the switch did nothing
+    assert not np.array_equal(on, off), "SHARDWISE_K_TILES=0 changed nothing"
+    np.testing.assert_allclose(on, off, rtol=1e-5, atol=1e-4 * np.abs(off).max())
