@@ -17,7 +17,7 @@ setup(
         Extension(
             "shardwise.kernels._native",
             sources=[f"{CSRC}/{name}.c" for name in ("module", "act", "q32", "qk", "norm", "attn", "step", "f32")],
-            depends=[f"{CSRC}/sw.h"],
+            depends=[f"{CSRC}/sw.h", f"{CSRC}/tile16.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function"],
             optional=True,
         )

@@ -32,6 +32,7 @@
 #include <stdlib.h>
 
 #include "sw.h"
+#include "tile16.h"
 
 /* Format ids for the generic kernels below (compile-time constants after inlining). */
 enum { F_Q8_0, F_Q4_0, F_Q4_1, F_Q5_0, F_Q5_1 };
@@ -477,26 +478,9 @@ ALWAYS_INLINE void q8_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
     for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kblocks; b++) {
         const uint8_t *p = w + bs * b;
-        __m512i z[8], t[8], u[8], wk[8];
-        for (int j = 0; j < 8; j++) { /* rows j (low half) and j + 8 (high half), +128 */
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + j * row_bytes + 2));
-            const __m256i hi = _mm256_loadu_si256((const __m256i *)(p + (j + 8) * row_bytes + 2));
-            z[j] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
-        }
-        for (int j = 0; j < 8; j += 2) {
-            t[j] = _mm512_unpacklo_epi32(z[j], z[j + 1]);
-            t[j + 1] = _mm512_unpackhi_epi32(z[j], z[j + 1]);
-        }
-        for (int h = 0; h < 8; h += 4) { /* u[h + c]: dword c (lane 0 of 4), 4 + c (lane 1) of rows h .. h + 3 */
-            u[h + 0] = _mm512_unpacklo_epi64(t[h], t[h + 2]);
-            u[h + 1] = _mm512_unpackhi_epi64(t[h], t[h + 2]);
-            u[h + 2] = _mm512_unpacklo_epi64(t[h + 1], t[h + 3]);
-            u[h + 3] = _mm512_unpackhi_epi64(t[h + 1], t[h + 3]);
-        }
-        for (int c = 0; c < 4; c++) {
-            wk[c] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
-            wk[c + 4] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
-        }
+        __m512i wk[8];
+        sw_tr16x32(p + 2, row_bytes, wk);
+        for (int k = 0; k < 8; k++) wk[k] = _mm512_xor_si512(wk[k], flip); /* +128: u8 */
 #define D16(r) ((short)load_u16(p + (r) * row_bytes))
         const __m512 dw = _mm512_cvtph_ps(_mm256_setr_epi16(D16(0), D16(1), D16(2), D16(3), D16(8), D16(9), D16(10),
                                                             D16(11), D16(4), D16(5), D16(6), D16(7), D16(12), D16(13),

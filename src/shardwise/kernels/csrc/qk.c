@@ -43,6 +43,7 @@
 #include <stdlib.h>
 
 #include "sw.h"
+#include "tile16.h"
 
 enum { Q4K_BYTES = 144, Q5K_BYTES = 176, Q6K_BYTES = 210 };
 enum { K_TILE = 16 }; /* weight rows per tile in the SIMD gemms */
@@ -711,29 +712,6 @@ ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t r
  * import turns them off (benchmarks/bench_k_tiles.py compares both in one run). */
 static int64_t k45_tile_rows = 3, q6_tile_rows = 6;
 
-/* 16 rows' 32 bytes at p, p + stride, ... -> wk[k]: bytes 4k .. 4k + 3 of each row, in lanes
- * 0-3, 8-11, 4-7, 12-15 order. */
-ALWAYS_INLINE void k_tr16x32(const uint8_t *p, size_t stride, __m512i wk[8]) {
-    __m512i z[8], t[8], u[8];
-    for (int j = 0; j < 8; j++) /* rows j (low half) and j + 8 (high half) */
-        z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + j * stride))),
-                                  _mm256_loadu_si256((const __m256i *)(p + (j + 8) * stride)), 1);
-    for (int j = 0; j < 8; j += 2) {
-        t[j] = _mm512_unpacklo_epi32(z[j], z[j + 1]);
-        t[j + 1] = _mm512_unpackhi_epi32(z[j], z[j + 1]);
-    }
-    for (int h = 0; h < 8; h += 4) {
-        u[h + 0] = _mm512_unpacklo_epi64(t[h], t[h + 2]);
-        u[h + 1] = _mm512_unpackhi_epi64(t[h], t[h + 2]);
-        u[h + 2] = _mm512_unpacklo_epi64(t[h + 1], t[h + 3]);
-        u[h + 3] = _mm512_unpackhi_epi64(t[h + 1], t[h + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        wk[c] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
-        wk[c + 4] = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
-    }
-}
-
 /* Byte j of each int32 lane of v (j < 4). */
 ALWAYS_INLINE __m512i k_byte32(__m512i v, int j) {
     return j == 3 ? _mm512_srli_epi32(v, 24) : _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xFF));
@@ -741,30 +719,15 @@ ALWAYS_INLINE __m512i k_byte32(__m512i v, int j) {
 
 ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes, int64_t kblocks, const sw_a256 *xa,
                               int64_t ldx, float *y, int64_t ldy) {
-    static const int lane_row[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
     const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES, qs_off = q5 ? 48 : 16;
     const __m512i nib = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10);
     __m512 acc[16];
     for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kblocks; b++) {
         const uint8_t *p = w + bytes * b;
-        /* headers (d, dmin, 12 bytes of scales: 16 bytes a row): hd[c] lane q <- row lane_row[4q + c],
-         * then a 4 x 4 dword transpose in each 128-bit lane: x[k] lane l = dword k of lane l's row */
-        __m512i hd[4], t[4], x[4];
-        for (int c = 0; c < 4; c++) {
-            __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + lane_row[c] * row_bytes)));
-            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + lane_row[4 + c] * row_bytes)), 1);
-            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + lane_row[8 + c] * row_bytes)), 2);
-            hd[c] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + lane_row[12 + c] * row_bytes)), 3);
-        }
-        t[0] = _mm512_unpacklo_epi32(hd[0], hd[1]);
-        t[1] = _mm512_unpackhi_epi32(hd[0], hd[1]);
-        t[2] = _mm512_unpacklo_epi32(hd[2], hd[3]);
-        t[3] = _mm512_unpackhi_epi32(hd[2], hd[3]);
-        x[0] = _mm512_unpacklo_epi64(t[0], t[2]); /* d | dmin << 16 */
-        x[1] = _mm512_unpackhi_epi64(t[0], t[2]); /* scale bytes 0-3 */
-        x[2] = _mm512_unpacklo_epi64(t[1], t[3]); /* 4-7 */
-        x[3] = _mm512_unpackhi_epi64(t[1], t[3]); /* 8-11 */
+        /* headers (d, dmin, 12 bytes of scales: 16 bytes a row): x[k] lane l = dword k of lane l's row */
+        __m512i x[4]; /* d | dmin << 16, scale bytes 0-3, 4-7, 8-11 */
+        sw_tr16x16(p, row_bytes, x);
         const __m512i m3f = _mm512_set1_epi32(0x3F3F3F3F), m0f = _mm512_set1_epi32(0x0F0F0F0F),
                       m30 = _mm512_set1_epi32(0x30303030);
         const __m512i sc_lo = _mm512_and_si512(x[1], m3f), mn_lo = _mm512_and_si512(x[2], m3f);
@@ -775,12 +738,12 @@ ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes
         const __m512 vd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x[0]));
         const __m512 vdmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x[0], 16)));
         __m512i hk[8];
-        if (q5) k_tr16x32(p + 16, row_bytes, hk);
+        if (q5) sw_tr16x32(p + 16, row_bytes, hk);
         __m512i isum[16];
         for (int i = 0; i < ni; i++) isum[i] = _mm512_setzero_si512();
         for (int pr = 0; pr < 4; pr++) { /* sub-blocks 2 pr (low nibbles), 2 pr + 1 (high) */
             __m512i wk[8], lo[8], hi[8];
-            k_tr16x32(p + qs_off + 32 * pr, row_bytes, wk);
+            sw_tr16x32(p + qs_off + 32 * pr, row_bytes, wk);
             for (int k = 0; k < 8; k++) {
                 lo[k] = _mm512_and_si512(wk[k], nib);
                 hi[k] = _mm512_and_si512(_mm512_srli_epi16(wk[k], 4), nib);
@@ -828,34 +791,20 @@ ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes
 }
 
 /* Q6_K from q6_tile_rows activation rows: as k45_tile16. Per half, the 32 bytes of ql at 0 and at
- * 32 and the 32 of qh are transposed (k_tr16x32); weights t = 0 .. 3 of the half take the low
+ * 32 and the 32 of qh are transposed (sw_tr16x32); weights t = 0 .. 3 of the half take the low
  * or high nibbles and their two high bits, u8 0..63. Per activation row and 32 weights, 8
  * vpdpbusd: lanes 0-3 of the chain are one 16-weight sub-block, 4-7 the next, each times its
  * int8 sub-scale (vpmulld); the -32 through vpdpwssd of each row's (sc[g], sc[g + 1]) with
  * bsum's pairs; the block's integer sum exact (the header's bound), then da d sum. */
 ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t kblocks, const sw_a256 *xa,
                              int64_t ldx, float *y, int64_t ldy) {
-    static const int lane_row[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
     const __m512i nib = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
     __m512 acc[16];
     for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kblocks; b++) {
         const uint8_t *p = w + Q6K_BYTES * b;
-        __m512i hs[4], t[4], x[4]; /* x[k] lane l: sc[4k .. 4k + 3] of lane l's row */
-        for (int c = 0; c < 4; c++) {
-            __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + lane_row[c] * row_bytes + 192)));
-            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + lane_row[4 + c] * row_bytes + 192)), 1);
-            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + lane_row[8 + c] * row_bytes + 192)), 2);
-            hs[c] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + lane_row[12 + c] * row_bytes + 192)), 3);
-        }
-        t[0] = _mm512_unpacklo_epi32(hs[0], hs[1]);
-        t[1] = _mm512_unpackhi_epi32(hs[0], hs[1]);
-        t[2] = _mm512_unpacklo_epi32(hs[2], hs[3]);
-        t[3] = _mm512_unpackhi_epi32(hs[2], hs[3]);
-        x[0] = _mm512_unpacklo_epi64(t[0], t[2]);
-        x[1] = _mm512_unpackhi_epi64(t[0], t[2]);
-        x[2] = _mm512_unpacklo_epi64(t[1], t[3]);
-        x[3] = _mm512_unpackhi_epi64(t[1], t[3]);
+        __m512i x[4]; /* x[k] lane l: sc[4k .. 4k + 3] of lane l's row */
+        sw_tr16x16(p + 192, row_bytes, x);
 #define SC(g) _mm512_srai_epi32(_mm512_slli_epi32(x[(g) / 4], 24 - 8 * ((g) % 4)), 24) /* int8 sc[g], sign-extended */
 #define D16(r) ((short)k_u16(p + (r) * row_bytes + 208))
         const __m512 vd = _mm512_cvtph_ps(_mm256_setr_epi16(D16(0), D16(1), D16(2), D16(3), D16(8), D16(9), D16(10),
@@ -877,9 +826,9 @@ ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
         }
         for (int hf = 0; hf < 2; hf++) {
             __m512i l0[8], l1[8], qh[8];
-            k_tr16x32(p + 64 * hf, row_bytes, l0);
-            k_tr16x32(p + 64 * hf + 32, row_bytes, l1);
-            k_tr16x32(p + 128 + 32 * hf, row_bytes, qh);
+            sw_tr16x32(p + 64 * hf, row_bytes, l0);
+            sw_tr16x32(p + 64 * hf + 32, row_bytes, l1);
+            sw_tr16x32(p + 128 + 32 * hf, row_bytes, qh);
             for (int tq = 0; tq < 4; tq++) { /* weights 128 hf + 32 tq + l: sub-blocks g, g + 1 */
                 const int g = 8 * hf + 2 * tq;
                 __m512i wq[8];
