@@ -158,6 +158,7 @@ ALWAYS_INLINE void rows_avx2(int f, int ni, const uint8_t *w, size_t row_bytes, 
         for (int i = 0; i < ni; i++) acc[i] = _mm256_setzero_ps(), ms[i] = 0.0f;
         for (int64_t b = 0; b < kblocks; b++) {
             const uint8_t *blk = wr + bs * b;
+            sw_prefetch_ahead(wr, row_bytes, r, rows, bs * b, bs);
             __m256i v = decode_avx2(f, blk), u = fmt_has_min(f) ? v : _mm256_sign_epi8(v, v); /* u = |q'| */
             __m256 dw = _mm256_set1_ps(_cvtsh_ss(load_u16(blk)));
             float m = fmt_has_min(f) ? _cvtsh_ss(load_u16(blk + 2)) : 0.0f;
@@ -409,8 +410,10 @@ ALWAYS_INLINE void rows_q8_vnni256(int ni, const uint8_t *w, size_t row_bytes, i
             const uint8_t *wr = w + r * row_bytes;
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             int64_t b = 0;
-            for (; b + 4 <= kblocks; b += 4)
+            for (; b + 4 <= kblocks; b += 4) {
+                sw_prefetch_ahead(wr, row_bytes, r, rows, bs * b, 4 * bs);
                 for (int k = 0; k < 4; k++) acc[k] = q8_block256(wr + bs * (b + k), xa + b + k, acc[k]);
+            }
             for (; b < kblocks; b++) acc[0] = q8_block256(wr + bs * b, xa + b, acc[0]);
             y[r] = hsum8_avx2(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
         }
@@ -421,6 +424,7 @@ ALWAYS_INLINE void rows_q8_vnni256(int ni, const uint8_t *w, size_t row_bytes, i
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t b = 0; b < kblocks; b++) {
             const uint8_t *blk = wr + bs * b;
+            sw_prefetch_ahead(wr, row_bytes, r, rows, bs * b, bs);
             const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2)), u = _mm256_abs_epi8(q); /* u8 |q| */
             const float dw = _cvtsh_ss(load_u16(blk));
             for (int i = 0; i < ni; i++) {

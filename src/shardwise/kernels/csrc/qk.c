@@ -249,6 +249,7 @@ ALWAYS_INLINE void k45_rows_avx2(int q5, int ni, const uint8_t *w, size_t row_by
         for (int i = 0; i < ni; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < kblocks; b++) {
             const uint8_t *blk = wr + bytes * b;
+            sw_prefetch_ahead(wr, row_bytes, r, rows, bytes * b, bytes);
             uint64_t sc, mn;
             k_scales64(blk + 4, &sc, &mn);
             const __m256i scb = _mm256_set1_epi64x((long long)sc);
@@ -319,6 +320,7 @@ ALWAYS_INLINE void q6_rows_avx2(int ni, const uint8_t *w, size_t row_bytes, int6
         __m128 acc = _mm_setzero_ps(); /* lane i: row i */
         for (int64_t b = 0; b < kblocks; b++) {
             const uint8_t *blk = wr + Q6K_BYTES * b;
+            sw_prefetch_ahead(wr, row_bytes, r, rows, Q6K_BYTES * b, Q6K_BYTES);
             const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
             const __m256i sc16 = _mm256_cvtepi8_epi16(sc8); /* int16 sc[0 .. 15] */
             __m256i isum[4];
@@ -488,6 +490,7 @@ ALWAYS_INLINE void k45_rows512(int q5, int ni, const uint8_t *w, size_t row_byte
         for (int i = 0; i < ni; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < kblocks; b++) {
             const uint8_t *blk = wr + bytes * b;
+            sw_prefetch_ahead(wr, row_bytes, r, rows, bytes * b, bytes);
             uint64_t sc, mn;
             k_scales64(blk + 4, &sc, &mn);
             const __m512i scb = _mm512_set1_epi64((long long)sc);
@@ -554,6 +557,7 @@ ALWAYS_INLINE void q6_rows512(int ni, const uint8_t *w, size_t row_bytes, int64_
         __m128 acc[2] = {_mm_setzero_ps(), _mm_setzero_ps()}; /* lane i % 4 of acc[i / 4]: row i */
         for (int64_t b = 0; b < kblocks; b++) {
             const uint8_t *blk = wr + Q6K_BYTES * b;
+            sw_prefetch_ahead(wr, row_bytes, r, rows, Q6K_BYTES * b, Q6K_BYTES);
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
             const __m512i scz = _mm512_castsi256_si512(sc16); /* the upper half is never indexed */
             __m512i isum[8];
@@ -641,6 +645,7 @@ ALWAYS_INLINE void k45_row1_vnni256(int q5, const uint8_t *w, size_t row_bytes, 
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         int64_t b = 0;
         for (; b + 2 <= kblocks; b += 2) {
+            sw_prefetch_ahead(wr, row_bytes, r, rows, bytes * b, 2 * bytes);
             acc0 = k45_block1_vnni256(q5, wr + bytes * b, xa + b, sidx, acc0);
             acc1 = k45_block1_vnni256(q5, wr + bytes * (b + 1), xa + b + 1, sidx, acc1);
         }
@@ -667,6 +672,7 @@ ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t r
         __m128 acc = _mm_setzero_ps();
         for (int64_t b = 0; b < kblocks; b++) {
             const uint8_t *blk = wr + Q6K_BYTES * b;
+            sw_prefetch_ahead(wr, row_bytes, r, rows, Q6K_BYTES * b, Q6K_BYTES);
             const sw_a256 *a = xa + b;
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
             const __m256i c = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), sc16);
