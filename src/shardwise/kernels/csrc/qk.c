@@ -706,9 +706,12 @@ ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t r
  * transposed in registers into 8 zmm, zmm k holding bytes 4k .. 4k + 3 of every row, and split
  * into the two sub-blocks' weights (low and high nibbles; Q5_K's fifth bits from qh, transposed
  * the same way once a block). Per activation row and sub-block, 8 vpdpbusd with its 4 bytes
- * broadcast give the 16 rows' dots, exact; times the rows' sub-scales (vpmulld: |dot| <= 32 *
- * 31 * 127, the block's sum inside int32, as the header says) into one integer sum a row; the
- * mins through vpdpwssd of each row's (mn, mn) with the activation's bsum pairs. Then one fp32
+ * broadcast give the 16 rows' dots, exact, in two chains of 4 (the latency an activation row
+ * waits on halved); times the rows' sub-scales into one integer sum a row: Q4_K's chains each
+ * fit int16 (16 * 15 * 127), so one int16 pair a lane and vpdpwssd by (sc, sc); Q5_K's do not,
+ * so vpmulld (|dot| <= 32 * 31 * 127, the block's sum inside int32, as the header says). The
+ * mins through vpdpwssd of each row's (mn[2j], mn[2j + 1]) with the activation's sums of 32
+ * (k_sums32, once a call for every tile). Then one fp32
  * tail a block for the 16 rows: da (d isum - dmin imin), the portable path's arithmetic. The
  * transposes, the scales and the float work are shared by 16 rows where k45_rows512 pays them
  * per row: about 2.5x fewer instructions at 16 activation rows. The lanes hold the rows in the
@@ -724,13 +727,15 @@ ALWAYS_INLINE __m512i k_byte32(__m512i v, int j) {
 }
 
 ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes, int64_t kblocks, const sw_a256 *xa,
-                              int64_t ldx, float *y, int64_t ldy) {
+                              const int32_t *sums, int64_t ldx, float *y, int64_t ldy, int ahead) {
     const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES, qs_off = q5 ? 48 : 16;
     const __m512i nib = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10);
     __m512 acc[16];
     for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kblocks; b++) {
         const uint8_t *p = w + bytes * b;
+        if (b + SW_TILE_AHEAD < kblocks) sw_prefetch16(p + SW_TILE_AHEAD * bytes, row_bytes, bytes);
+        else if (ahead) sw_prefetch16(p + 16 * row_bytes + (SW_TILE_AHEAD - kblocks) * bytes, row_bytes, bytes);
         /* headers (d, dmin, 12 bytes of scales: 16 bytes a row): x[k] lane l = dword k of lane l's row */
         __m512i x[4]; /* d | dmin << 16, scale bytes 0-3, 4-7, 8-11 */
         sw_tr16x16(p, row_bytes, x);
@@ -760,34 +765,46 @@ ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes
                         hi[k], _mm512_test_epi8_mask(hk[k], _mm512_set1_epi8((char)(1 << (2 * pr + 1)))), hi[k], b4);
                 }
             }
-            const __m512i s0 = k_byte32(pr < 2 ? sc_lo : sc_hi, (2 * pr) & 3);
-            const __m512i s1 = k_byte32(pr < 2 ? sc_lo : sc_hi, (2 * pr + 1) & 3);
+            __m512i s0 = k_byte32(pr < 2 ? sc_lo : sc_hi, (2 * pr) & 3);
+            __m512i s1 = k_byte32(pr < 2 ? sc_lo : sc_hi, (2 * pr + 1) & 3);
+            if (!q5) { /* (sc, sc) as an int16 pair in each row's lane */
+                s0 = _mm512_or_si512(s0, _mm512_slli_epi32(s0, 16));
+                s1 = _mm512_or_si512(s1, _mm512_slli_epi32(s1, 16));
+            }
             for (int i = 0; i < ni; i++) {
                 const int8_t *a = xa[i * ldx + b].q + 64 * pr;
-                __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+                /* four chains of 4 (not two of 8): half the latency an activation row waits on */
+                __m512i d0[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, d1[2] = {d0[0], d0[0]};
                 for (int k = 0; k < 8; k++) {
                     int32_t x0, x1;
                     memcpy(&x0, a + 4 * k, 4);
                     memcpy(&x1, a + 32 + 4 * k, 4);
-                    d0 = _mm512_dpbusd_epi32(d0, lo[k], _mm512_set1_epi32(x0));
-                    d1 = _mm512_dpbusd_epi32(d1, hi[k], _mm512_set1_epi32(x1));
+                    d0[k >> 2] = _mm512_dpbusd_epi32(d0[k >> 2], lo[k], _mm512_set1_epi32(x0));
+                    d1[k >> 2] = _mm512_dpbusd_epi32(d1[k >> 2], hi[k], _mm512_set1_epi32(x1));
                 }
-                isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(d0, s0), _mm512_mullo_epi32(d1, s1)));
+                if (!q5) { /* Q4_K: each chain's |dot| <= 16 * 15 * 127 < 2^15, so the two make one int16 pair a
+                            * lane, and vpdpwssd by (sc, sc) scales and adds them: exact, no vpmulld */
+                    const __mmask32 odd = 0xAAAAAAAA;
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_mask_blend_epi16(odd, d0[0], _mm512_slli_epi32(d0[1], 16)), s0);
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_mask_blend_epi16(odd, d1[0], _mm512_slli_epi32(d1[1], 16)), s1);
+                } else { /* Q5_K's dots reach 16 * 31 * 127: int32 */
+                    isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(d0[0], d0[1]), s0),
+                                                                         _mm512_mullo_epi32(_mm512_add_epi32(d1[0], d1[1]), s1)));
+                }
             }
         }
-        __m512i mw[8]; /* (mn[j], mn[j]) as an int16 pair in each row's lane */
-        for (int j = 0; j < 8; j++) {
-            const __m512i m = k_byte32(j < 4 ? mn_lo : mn_hi, j & 3);
-            mw[j] = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
+        __m512i mw[4]; /* (mn[2j], mn[2j + 1]) as an int16 pair in each row's lane */
+        const __m512i lo8 = _mm512_set1_epi32(0xFF), hi8 = _mm512_set1_epi32(0xFF0000);
+        for (int j = 0; j < 4; j++) {
+            const __m512i m = _mm512_srli_epi32(j < 2 ? mn_lo : mn_hi, 16 * (j & 1));
+            mw[j] = _mm512_or_si512(_mm512_and_si512(m, lo8), _mm512_and_si512(_mm512_slli_epi32(m, 8), hi8));
         }
         for (int i = 0; i < ni; i++) {
             const sw_a256 *a = xa + i * ldx + b;
+            const int32_t *s32 = sums + 4 * (i * ldx + b); /* (sum of sub-block 2j, of 2j + 1) pairs */
             __m512i imin = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) { /* mn[j] (bsum[2j] + bsum[2j + 1]) */
-                int32_t pair;
-                memcpy(&pair, a->bsum + 2 * j, 4);
-                imin = _mm512_dpwssd_epi32(imin, mw[j], _mm512_set1_epi32(pair));
-            }
+            for (int j = 0; j < 4; j++) /* mn[2j] s32[2j] + mn[2j + 1] s32[2j + 1] */
+                imin = _mm512_dpwssd_epi32(imin, mw[j], _mm512_set1_epi32(s32[j]));
             const __m512 tt = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum[i]), vd,
                                               _mm512_mul_ps(_mm512_cvtepi32_ps(imin), vdmin));
             acc[i] = _mm512_fmadd_ps(tt, _mm512_set1_ps(a->d), acc[i]); /* da (d isum - dmin imin) */
@@ -799,16 +816,18 @@ ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes
 /* Q6_K from q6_tile_rows activation rows: as k45_tile16. Per half, the 32 bytes of ql at 0 and at
  * 32 and the 32 of qh are transposed (sw_tr16x32); weights t = 0 .. 3 of the half take the low
  * or high nibbles and their two high bits, u8 0..63. Per activation row and 32 weights, 8
- * vpdpbusd: lanes 0-3 of the chain are one 16-weight sub-block, 4-7 the next, each times its
- * int8 sub-scale (vpmulld); the -32 through vpdpwssd of each row's (sc[g], sc[g + 1]) with
- * bsum's pairs; the block's integer sum exact (the header's bound), then da d sum. */
+ * vpdpbusd: lanes 0-3 of the chain are one 16-weight sub-block, 4-7 the next, each dot times its
+ * int8 sub-scale in fp32 (vcvtdq2ps and an fma: each product exact, below 2^24); the -32
+ * through vpdpwssd of each row's (sc[g], sc[g + 1]) with bsum's pairs; then da d sum. */
 ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t kblocks, const sw_a256 *xa,
-                             int64_t ldx, float *y, int64_t ldy) {
+                             int64_t ldx, float *y, int64_t ldy, int ahead) {
     const __m512i nib = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
     __m512 acc[16];
     for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kblocks; b++) {
         const uint8_t *p = w + Q6K_BYTES * b;
+        if (b + SW_TILE_AHEAD < kblocks) sw_prefetch16(p + SW_TILE_AHEAD * Q6K_BYTES, row_bytes, Q6K_BYTES);
+        else if (ahead) sw_prefetch16(p + 16 * row_bytes + (SW_TILE_AHEAD - kblocks) * Q6K_BYTES, row_bytes, Q6K_BYTES);
         __m512i x[4]; /* x[k] lane l: sc[4k .. 4k + 3] of lane l's row */
         sw_tr16x16(p + 192, row_bytes, x);
 #define SC(g) _mm512_srai_epi32(_mm512_slli_epi32(x[(g) / 4], 24 - 8 * ((g) % 4)), 24) /* int8 sc[g], sign-extended */
@@ -818,6 +837,7 @@ ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
                                                             D16(14), D16(15)));
 #undef D16
         __m512i isum[16], sp[8];
+        __m512 fsum[16];
         for (int g = 0; g < 16; g += 2) /* (sc[g], sc[g + 1]) as an int16 pair in each row's lane */
             sp[g / 2] = _mm512_or_si512(_mm512_and_si512(SC(g), _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(SC(g + 1), 16));
         for (int i = 0; i < ni; i++) { /* -32 sum_g sc[g] bsum[g], by pairs of sub-blocks */
@@ -829,6 +849,7 @@ ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
                 c = _mm512_dpwssd_epi32(c, sp[g / 2], _mm512_set1_epi32(pair));
             }
             isum[i] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(c, 5));
+            fsum[i] = _mm512_cvtepi32_ps(isum[i]);
         }
         for (int hf = 0; hf < 2; hf++) {
             __m512i l0[8], l1[8], qh[8];
@@ -847,7 +868,7 @@ ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
                                                  : _mm512_srli_epi16(qh[k], 2);
                     wq[k] = _mm512_or_si512(lo, _mm512_and_si512(hb, hi2));
                 }
-                const __m512i s0 = SC(g), s1 = SC(g + 1);
+                const __m512 s0 = _mm512_cvtepi32_ps(SC(g)), s1 = _mm512_cvtepi32_ps(SC(g + 1));
                 for (int i = 0; i < ni; i++) {
                     const int8_t *a = xa[i * ldx + b].q + 32 * (g / 2);
                     __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
@@ -858,31 +879,67 @@ ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
                         d0 = _mm512_dpbusd_epi32(d0, wq[k], _mm512_set1_epi32(x0));
                         d1 = _mm512_dpbusd_epi32(d1, wq[k + 4], _mm512_set1_epi32(x1));
                     }
-                    isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(d0, s0), _mm512_mullo_epi32(d1, s1)));
+                    /* sc times the dot in fp32 (vcvtdq2ps and an fma, not vpmulld's two uops and an add):
+                     * each product exact (|dot sc| <= 16 * 63 * 127 * 128 < 2^24) */
+                    fsum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), s0, fsum[i]);
+                    fsum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), s1, fsum[i]);
                 }
             }
         }
 #undef SC
         for (int i = 0; i < ni; i++)
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(vd, _mm512_set1_ps(xa[i * ldx + b].d)), acc[i]);
+            acc[i] = _mm512_fmadd_ps(fsum[i], _mm512_mul_ps(vd, _mm512_set1_ps(xa[i * ldx + b].d)), acc[i]);
     }
     for (int i = 0; i < ni; i++) _mm512_storeu_ps(y + i * ldy, _mm512_shuffle_f32x4(acc[i], acc[i], 0xD8));
 }
 
 /* rows: a multiple of 16; activation rows in runs of up to 16, each run over every tile. */
+/* Q4_K/Q5_K's mins are per 32 weights: each activation block's 8 sums of 32 as 4 int16 pairs
+ * (|sum| <= 32 * 127), once a call for every tile (4 vpdpwssd a block and row, not 8); NULL
+ * where the buffer cannot be had. */
+static const int32_t *k_sums32(const sw_a256 *xa, int64_t n, int64_t kblocks) {
+    static __thread int32_t *buf;
+    static __thread size_t cap;
+    const size_t need = (size_t)(4 * n * kblocks);
+    if (need > cap) {
+        free(buf);
+        cap = need + need / 2 + 64;
+        buf = malloc(cap * sizeof(int32_t));
+        if (!buf) {
+            cap = 0;
+            return NULL;
+        }
+    }
+    for (int64_t j = 0; j < n * kblocks; j++)
+        for (int p = 0; p < 4; p++) {
+            const int16_t *bs = xa[j].bsum + 4 * p;
+            const uint32_t lo = (uint16_t)(bs[0] + bs[1]), hi = (uint16_t)(bs[2] + bs[3]);
+            buf[4 * j + p] = (int32_t)(lo | hi << 16);
+        }
+    return buf;
+}
+
 ALWAYS_INLINE void k_tiles16(int fmt, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                const sw_a256 *xa, int64_t n, float *y, int64_t ldy) {
+    const int32_t *sums = fmt == 6 ? NULL : k_sums32(xa, n, kblocks);
+    if (fmt != 6 && !sums) { /* out of memory for the sums: the row kernels need none */
+        for (int64_t i = 0; i < n; i++)
+            k45_rows512(fmt == 5, 1, w, row_bytes, rows, kblocks, xa + i * kblocks, y + i * ldy, ldy);
+        return;
+    }
     for (int64_t i0 = 0; i0 < n; i0 += 16) {
         const int ni = n - i0 < 16 ? (int)(n - i0) : 16;
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {
             const uint8_t *wt = w + r0 * row_bytes;
+            const int ahead = r0 + 16 < rows;
             const sw_a256 *xi = xa + i0 * kblocks;
+            const int32_t *si = sums ? sums + 4 * i0 * kblocks : NULL;
             float *yi = y + i0 * ldy + r0;
             switch (ni) {
 #define T16(k) \
     case k:                                                                          \
-        if (fmt == 6) q6_tile16(k, wt, row_bytes, kblocks, xi, kblocks, yi, ldy);   \
-        else k45_tile16(fmt == 5, k, wt, row_bytes, kblocks, xi, kblocks, yi, ldy); \
+        if (fmt == 6) q6_tile16(k, wt, row_bytes, kblocks, xi, kblocks, yi, ldy, ahead);   \
+        else k45_tile16(fmt == 5, k, wt, row_bytes, kblocks, xi, si, kblocks, yi, ldy, ahead); \
         break;
                 T16(1) T16(2) T16(3) T16(4) T16(5) T16(6) T16(7) T16(8)
                 T16(9) T16(10) T16(11) T16(12) T16(13) T16(14) T16(15) T16(16)

@@ -14,6 +14,20 @@
 /* The order of the rows in the lanes the transposes leave: lane l holds row sw_lane_row[l]. */
 static const int sw_lane_row[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
+/* A tile reads 16 rows a block at a time: 16 streams, more than the hardware prefetchers follow
+ * well. While it works on block b it asks for block b + SW_TILE_AHEAD of its 16 rows (past the
+ * row's end: the next tile's first blocks). With the K-quant tiles' other changes of the same
+ * commit, 16 activation rows from DRAM against the code before, in one process
+ * (benchmarks/bench_kernel_ab.py, Intel Xeon model 207): Q4_K 118 -> 150 GMAC/s at 8192 x 2048,
+ * 147 -> 164 at 2048 x 8192; Q6_K 78 -> 113 and 100 -> 137 (docs/benchmarks/native-kernels.md). */
+enum { SW_TILE_AHEAD = 2 };
+static inline void sw_prefetch16(const uint8_t *p, size_t stride, size_t bytes) { /* 16 rows' bytes at p */
+    for (int j = 0; j < 16; j++, p += stride) {
+        for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+        __builtin_prefetch(p + bytes - 1, 0, 3);
+    }
+}
+
 /* 16 rows' 32 bytes at p, p + stride, ... -> wk[k]: bytes 4k .. 4k + 3 of each row, the rows in
  * lanes as sw_lane_row (rows j and j + 8 share a zmm, whose unpacks leave them so). */
 SW_TILE16_INLINE void sw_tr16x32(const uint8_t *p, size_t stride, __m512i wk[8]) {
