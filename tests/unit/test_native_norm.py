@@ -48,3 +48,25 @@ def test_without_the_extension_it_is_torchs_rms_norm(monkeypatch):
     monkeypatch.setattr(native, "lib", None)  # a machine where the extension did not build
     x, w = torch.randn(3, 576), torch.randn(576)
     assert torch.equal(rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
+
+
+def test_argmax_equals_torch_argmax():
+    """Greedy sampling's native argmax: the same indices as torch.argmax(dim=-1), ties (the
+    first), NaN (the first NaN), -inf, a row of one, non-contiguous and 1-D/3-D inputs."""
+    from shardwise.kernels.ops import argmax
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 1000)
+    x[1, 7] = x[1, 900] = 50.0  # a tie: the first
+    x[2, :] = float("-inf")
+    x[3, 5] = float("nan")
+    x[3, 9] = float("nan")  # the first NaN
+    x[4, 0] = float("nan")
+    x[5, 999] = float("inf")
+    x[6, :] = 0.0
+    for t in (x, x[:, ::3], x.t().contiguous().t(), x[0], x.view(4, 4, 1000), x[:, :1], x[:0]):
+        got = argmax(t)
+        assert got.dtype == torch.long and got.shape == t.shape[:-1]
+        assert torch.equal(got, t.argmax(dim=-1)), t.shape
+    half = x.to(torch.bfloat16)  # steps aside: torch's own
+    assert torch.equal(argmax(half), half.argmax(dim=-1))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.comm import Communicator
+from shardwise.kernels import ops as kernel_ops
 
 __all__ = ["SamplingParams", "sample", "sample_on_rank0"]
 
@@ -53,7 +54,7 @@ class SamplingParams:
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits: (B, V) -> token ids (B,)."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return kernel_ops.argmax(logits)
     z = logits.float() / params.temperature  # (B, V)
     if params.top_k:
         kth = torch.topk(z, min(params.top_k, z.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)

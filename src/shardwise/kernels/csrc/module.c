@@ -214,6 +214,17 @@ static PyObject *py_glu(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+/* argmax(x, ldx, n, v, out): out (int64) the first index of each row's largest value (norm.c) */
+static PyObject *py_argmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long a[5] = {0};
+    if (nargs != 5) return PyErr_Format(PyExc_TypeError, "argmax takes 5 arguments, got %zd", nargs);
+    if (args_i64(args, nargs, nargs, a, "argmax") < 0) return NULL;
+    if (a[2] < 0 || a[3] < 1 || a[1] < a[3])
+        return PyErr_Format(PyExc_ValueError, "argmax: %lld rows of %lld values, %lld apart", a[2], a[3], a[1]);
+    Py_BEGIN_ALLOW_THREADS sw_argmax((const float *)(uintptr_t)a[0], a[1], a[2], a[3], (int64_t *)(uintptr_t)a[4]);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
 /* f32_gemm(isa, w, ldw, rows, k, x, ldx, n, y, ldy[, transposed]): an fp32 linear (f32.c);
  * transposed: w column-major (w[j * ldw + r] is W[r, j]) */
 static PyObject *py_f32_gemm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -287,6 +298,7 @@ static PyMethodDef methods[] = {
     {"add_rmsnorm", (PyCFunction)(void (*)(void))py_add_rmsnorm, METH_FASTCALL, "add_rmsnorm(isa, x, a, n, k, w, eps, sum, out[, block, q])"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL, "attend(isa, qkv, ldq, B, nq, nkv, hd, groups, cos, sin, ldr, rot, k, v, pos_stride, head_stride, widx, wbase, ridx, rrow, K, mask, ldm, scale, out, ldo[, block, q])"},
     {"glu", (PyCFunction)(void (*)(void))py_glu, METH_FASTCALL, "glu(isa, h, ldh, n, inter, kind, out, ldo[, block, q])"},
+    {"argmax", (PyCFunction)(void (*)(void))py_argmax, METH_FASTCALL, "argmax(x, ldx, n, v, out)"},
     {"f32_gemm", (PyCFunction)(void (*)(void))py_f32_gemm, METH_FASTCALL, "f32_gemm(isa, w, ldw, rows, k, x, ldx, n, y, ldy[, transposed])"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL, "step(header, layers, cos, sin, ldr, rot, mask, ldm, K, wbase, widx, ridx, calls, st) -> 0 done, 1 waiting"},
     {"isas", py_isas, METH_NOARGS, "ISA levels this CPU runs, lowest first"},

@@ -136,6 +136,10 @@ static inline sw_quant_fn sw_quant_for(int64_t block, int64_t isa) {
     return block == 32 ? sw_quant32_table[isa] : block == 256 ? sw_quant256_table[isa] : NULL;
 }
 
+/* out[i]: the first index of the largest value of row i (n rows of v > 0 values, ldx apart; a
+ * NaN is the largest), as torch.argmax (norm.c). */
+void sw_argmax(const float *x, int64_t ldx, int64_t n, int64_t v, int64_t *out);
+
 /* Each source file fills its entries of the tables (called once at import). */
 void sw_register_act(void);
 void sw_register_q32(void);
