@@ -8,6 +8,9 @@ more when the two K-quant files must be made first (96 s and 64 s here) and 10 s
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_native.py --out docs/benchmarks/native.json
 
     .venv/bin/python benchmarks/bench_native.py --table docs/benchmarks/native.json   # the tables again
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_native.py --launches 3 ...      # each figure the
+                                                                 # median of 3 launches (a VM runs a whole
+                                                                 # process fast or slow), about 3x the time
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_native.py --layers 2 --warm 1 --new 3 \\
         --out /tmp/native_small.json                                                 # every part, small
 
@@ -178,27 +181,46 @@ def _shardwise_rank(world, path: str, warm: int, new: int) -> dict:
     return out
 
 
-def shardwise(path: Path, tp: int, warm: int, new: int) -> dict:
-    ranks = launch(_shardwise_rank, tp, args=(str(path), warm, new), timeout_s=1800)
-    return {
-        "ms": {b: max(r["ms"][b] for r in ranks) for b in ranks[0]["ms"]},  # the slowest rank's step
-        "bytes": max(r["bytes"] for r in ranks),
-        "ceiling_ms": max(r["ceiling_ms"] for r in ranks),
-        "argmax": ranks[0]["argmax"],
-        "greedy": ranks[0]["greedy"],
-    }
+def shardwise(path: Path, tp: int, warm: int, new: int, launches: int = 1) -> dict:
+    """`launches` launches of the ranks; each figure the median over them of the slowest rank's."""
+    runs = []
+    for _ in range(launches):
+        ranks = launch(_shardwise_rank, tp, args=(str(path), warm, new), timeout_s=1800)
+        runs.append({
+            "ms": {b: max(r["ms"][b] for r in ranks) for b in ranks[0]["ms"]},  # the slowest rank's step
+            "bytes": max(r["bytes"] for r in ranks),
+            "ceiling_ms": max(r["ceiling_ms"] for r in ranks),
+            "argmax": ranks[0]["argmax"],
+            "greedy": ranks[0]["greedy"],
+        })  # fmt: skip
+    return _median_of(runs)
 
 
-def llama_cpp(python: str, path: Path, threads: int, warm: int, new: int) -> dict:
-    """llama.cpp's decode steps on `path` (benchmarks/llama_cpp_decode.py under `python`)."""
+def _median_of(runs: list[dict]) -> dict:
+    """The first run's answers; its ms (and ceiling) the median over the runs, each run's kept."""
+    out = dict(runs[0])
+    if len(runs) > 1:
+        out["ms"] = {b: statistics.median(r["ms"][b] for r in runs) for b in runs[0]["ms"]}
+        if "ceiling_ms" in out:
+            out["ceiling_ms"] = statistics.median(r["ceiling_ms"] for r in runs)
+        out["launches_ms"] = [r["ms"] for r in runs]
+    return out
+
+
+def llama_cpp(python: str, path: Path, threads: int, warm: int, new: int, launches: int = 1) -> dict:
+    """llama.cpp's decode steps on `path` (benchmarks/llama_cpp_decode.py under `python`), the
+    median of `launches` processes as shardwise()."""
     args = [python, str(LLAMA_SCRIPT), str(path), "--threads", str(threads), "--warm", str(warm), "--new", str(new)]
     args += ["--batches", *map(str, BATCHES), "--prompt", *map(str, PROMPT)]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        raise RuntimeError(
-            f"llama.cpp on {path.name} at {threads} threads: exit {out.returncode}\n{out.stderr[-3000:]}"
-        )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    runs = []
+    for _ in range(launches):
+        out = subprocess.run(args, capture_output=True, text=True, timeout=1800)
+        if out.returncode != 0:
+            raise RuntimeError(
+                f"llama.cpp on {path.name} at {threads} threads: exit {out.returncode}\n{out.stderr[-3000:]}"
+            )
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return _median_of(runs)
 
 
 def main() -> None:
@@ -208,6 +230,9 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     ap.add_argument("--warm", type=int, default=3, help="decode steps left out of each median")
     ap.add_argument("--new", type=int, default=16, help="decode steps in each median")
+    ap.add_argument("--launches", type=int, default=1,
+                    help="launches of each engine and tp/threads; each figure their median (this VM runs a "
+                    "whole process fast or slow)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/native.json"))
     ap.add_argument("--llama-python", default=str(LLAMA_VENV if LLAMA_VENV.exists() else sys.executable),
                     help="an interpreter with llama-cpp-python (default: /tmp/llamacpp/venv's)")  # fmt: skip
@@ -220,6 +245,7 @@ def main() -> None:
     q8 = make_file(q8_file(args.dir, args.layers), args.layers)
     files = {f: (q8 if f == "Q8_0" else quantized(args.llama_python, q8, f)) for f in args.formats}
     result = {"machine": _machine(), "start": _now(), "layers": args.layers, "warm": args.warm, "new": args.new}
+    result["launches"] = args.launches
     result["macs_per_row"] = macs_per_row(args.layers)
     result |= {"command": " ".join(sys.argv), "files_s": time.perf_counter() - t0, "rows": []}
     print(json.dumps(result), flush=True)
@@ -229,12 +255,14 @@ def main() -> None:
                 pass
         row = {"format": fmt, "file": path.name, "file_bytes": path.stat().st_size, "shardwise": {}, "llama": {}}
         for tp in (1, 2):
-            row["shardwise"][str(tp)] = r = shardwise(path, tp, args.warm, args.new)
+            row["shardwise"][str(tp)] = r = shardwise(path, tp, args.warm, args.new, args.launches)
             r["int8_macs_per_s"] = int8_peak(tp, result["machine"]["isa"])
             print(fmt, f"shardwise tp={tp}", {b: round(ms, 1) for b, ms in r["ms"].items()},
                   f"ceiling {r['ceiling_ms']:.1f} ms", flush=True)  # fmt: skip
         for threads in (1, 2):
-            row["llama"][str(threads)] = r = llama_cpp(args.llama_python, path, threads, args.warm, args.new)
+            row["llama"][str(threads)] = r = llama_cpp(
+                args.llama_python, path, threads, args.warm, args.new, args.launches
+            )
             print(fmt, f"llama.cpp {threads} threads", {b: round(ms, 1) for b, ms in r["ms"].items()}, flush=True)
         result["rows"].append(row)
         result["end"] = _now()
@@ -254,6 +282,8 @@ def _same(a: list[int], b: list[int]) -> str:
 
 def report(result: dict) -> str:
     """Markdown: the machine and run, then one table per file and its targets (issue 35)."""
+    n = result.get("launches", 1)
+    launches = f", each figure the median of {n} launches" if n > 1 else ""
     m, s, e = result["machine"], result["start"], result.get("end", result["start"])
     llama_sys = next((r["llama"]["1"]["system"] for r in result["rows"] if "1" in r["llama"]), "?")
     lines = [
@@ -262,7 +292,7 @@ def report(result: dict) -> str:
         f"{s['date']} to {e['date']} ({result.get('wall_s', 0) / 60:.1f} min, "
         f"{result.get('files_s', 0) / 60:.1f} of them making or finding the files); load average "
         f"{' '.join(s['load'])} at the start, {' '.join(e['load'])} at the end",
-        f"{result['layers']} layers; each median of {result['new']} decode steps after {result['warm']}; "
+        f"{result['layers']} layers; each median of {result['new']} decode steps after {result['warm']}{launches}; "
         f"`{result.get('command', '')}`",
     ]
     for r in result["rows"]:
