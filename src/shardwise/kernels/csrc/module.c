@@ -7,6 +7,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <stdlib.h>
+
 #include "sw.h"
 
 sw_gemm_fn sw_gemm_table[SW_NUM_TYPES][SW_NUM_ISA];
@@ -212,6 +214,18 @@ static PyObject *py_glu(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_BEGIN_ALLOW_THREADS f((const float *)(uintptr_t)a[1], a[2], a[3], a[4], (int)a[5], (float *)(uintptr_t)a[6], a[7]);
     if (qf) qf((const float *)(uintptr_t)a[6], a[7], a[3], a[4], (void *)(uintptr_t)a[9]);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+int32_t *sw_scratch_i32(size_t n) {
+    static __thread int32_t *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        free(buf);
+        cap = n + n / 2 + 64;
+        buf = malloc(cap * sizeof(int32_t));
+        if (!buf) cap = 0;
+    }
+    return buf;
 }
 
 /* argmax(x, ldx, n, v, out): out (int64) the first index of each row's largest value (norm.c) */

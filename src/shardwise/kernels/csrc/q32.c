@@ -454,18 +454,8 @@ ALWAYS_INLINE void rows_q8_vnni256(int ni, const uint8_t *w, size_t row_bytes, i
 enum { Q8_TILE_ROWS = 8 };
 
 static const int32_t *q8_corr(const sw_a32 *xa, int64_t n, int64_t kblocks) {
-    static __thread int32_t *buf;
-    static __thread size_t cap;
-    const size_t need = (size_t)(n * kblocks);
-    if (need > cap) {
-        free(buf);
-        cap = need + need / 2 + 64;
-        buf = malloc(cap * sizeof(int32_t));
-        if (!buf) {
-            cap = 0;
-            return NULL;
-        }
-    }
+    int32_t *buf = sw_scratch_i32((size_t)(n * kblocks));
+    if (!buf) return NULL;
     for (int64_t j = 0; j < n * kblocks; j++) {
         int sum = 0;
         for (int t = 0; t < 32; t++) sum += xa[j].q[t];

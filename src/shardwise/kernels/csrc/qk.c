@@ -893,23 +893,12 @@ ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
     for (int i = 0; i < ni; i++) _mm512_storeu_ps(y + i * ldy, _mm512_shuffle_f32x4(acc[i], acc[i], 0xD8));
 }
 
-/* rows: a multiple of 16; activation rows in runs of up to 16, each run over every tile. */
 /* Q4_K/Q5_K's mins are per 32 weights: each activation block's 8 sums of 32 as 4 int16 pairs
  * (|sum| <= 32 * 127), once a call for every tile (4 vpdpwssd a block and row, not 8); NULL
  * where the buffer cannot be had. */
 static const int32_t *k_sums32(const sw_a256 *xa, int64_t n, int64_t kblocks) {
-    static __thread int32_t *buf;
-    static __thread size_t cap;
-    const size_t need = (size_t)(4 * n * kblocks);
-    if (need > cap) {
-        free(buf);
-        cap = need + need / 2 + 64;
-        buf = malloc(cap * sizeof(int32_t));
-        if (!buf) {
-            cap = 0;
-            return NULL;
-        }
-    }
+    int32_t *buf = sw_scratch_i32((size_t)(4 * n * kblocks));
+    if (!buf) return NULL;
     for (int64_t j = 0; j < n * kblocks; j++)
         for (int p = 0; p < 4; p++) {
             const int16_t *bs = xa[j].bsum + 4 * p;
@@ -919,6 +908,7 @@ static const int32_t *k_sums32(const sw_a256 *xa, int64_t n, int64_t kblocks) {
     return buf;
 }
 
+/* rows: a multiple of 16; activation rows in runs of up to 16, each run over every tile. */
 ALWAYS_INLINE void k_tiles16(int fmt, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                const sw_a256 *xa, int64_t n, float *y, int64_t ldy) {
     const int32_t *sums = fmt == 6 ? NULL : k_sums32(xa, n, kblocks);

@@ -140,6 +140,11 @@ static inline sw_quant_fn sw_quant_for(int64_t block, int64_t isa) {
  * NaN is the largest), as torch.argmax (norm.c). */
 void sw_argmax(const float *x, int64_t ldx, int64_t n, int64_t v, int64_t *out);
 
+/* A thread's scratch of at least n int32 (grown, never shrunk; one buffer a thread, for what a
+ * gemm call computes once from its activations for every tile: q32.c's Q8_0 corrections,
+ * qk.c's sums of 32), or NULL where it cannot be had (module.c). */
+int32_t *sw_scratch_i32(size_t n);
+
 /* Each source file fills its entries of the tables (called once at import). */
 void sw_register_act(void);
 void sw_register_q32(void);
