@@ -158,8 +158,9 @@ void sw_register_f32(void);
  * hardware prefetchers do not keep far enough ahead of. While a kernel works on block b of row
  * r it asks for the same bytes of row r + SW_AHEAD_ROWS (2 rows: 4-35 KB ahead at the models'
  * widths). On an Intel Xeon (family 6 model 207) one Q8_0 row through a 17.8 MB weight from
- * DRAM went from 7.6 to 12.7-14.2 GB/s, as fast as a plain sum of the same bytes
- * (docs/benchmarks/native-kernels.md, "Prefetching the next rows"). A hint: no fault, no effect on results. */
+ * DRAM went from 8.6 to 13.2-13.5 GB/s, as fast as a plain sum of the same bytes
+ * (benchmarks/bench_kernel_ab.py; docs/benchmarks/native-kernels.md, "Prefetching the next rows"). A
+ * hint: no fault, no effect on results. */
 enum { SW_AHEAD_ROWS = 2 };
 static inline void sw_prefetch_ahead(const uint8_t *row, size_t row_bytes, int64_t r, int64_t rows, size_t off,
                                      size_t bytes) {
