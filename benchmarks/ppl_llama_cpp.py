@@ -28,13 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 LLAMA_VENV = Path("/tmp/llamacpp/venv/bin/python")
 
 
-def worker(path: str, ids_file: str, out_file: str, context: int) -> None:
+def worker(path: str, ids_file: str, out_file: str, context: int, batch: int) -> None:
     """In llama-cpp-python's interpreter: per-token NLL of every window, to out_file (JSON)."""
     import llama_cpp
     import numpy as np
 
     data = json.loads(Path(ids_file).read_text())  # {"ids": [...], "windows": [[begin, end, first], ...]}
-    llm = llama_cpp.Llama(model_path=path, n_ctx=context, n_batch=context, n_threads=1, logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=context, n_batch=batch, n_threads=1, logits_all=True, verbose=False)
     nll = []
     for begin, end, first in data["windows"]:
         toks = data["ids"][begin:end]
@@ -62,10 +62,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--worker", nargs=3, metavar=("IDS", "OUT", "CONTEXT"), help=argparse.SUPPRESS)
+    ap.add_argument("--llama-batch", type=int, default=0,
+                    help="llama.cpp's n_batch (default: --context; 1 runs every token through its decode path)")  # fmt: skip
+    ap.add_argument("--worker", nargs=4, metavar=("IDS", "OUT", "CONTEXT", "BATCH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(str(args.file), args.worker[0], args.worker[1], int(args.worker[2]))
+        worker(str(args.file), args.worker[0], args.worker[1], int(args.worker[2]), int(args.worker[3]))
         return
 
     import torch
@@ -88,7 +90,9 @@ def main() -> None:
         ids_file, out_file = Path(tmp) / "ids.json", Path(tmp) / "nll.json"
         wins = [[w.begin, w.end, w.first] for w in windows(ids.numel(), args.context)]
         ids_file.write_text(json.dumps({"ids": ids.tolist(), "windows": wins}))
+        batch = args.llama_batch or args.context
         cmd = [args.llama_python, __file__, str(args.file), "--worker", str(ids_file), str(out_file), str(args.context)]
+        cmd.append(str(batch))
         subprocess.run(cmd, check=True, timeout=3600)
         llama = torch.tensor(json.loads(out_file.read_text()), dtype=torch.float64)
     rows = {}
