@@ -734,8 +734,7 @@ ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes
     for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kblocks; b++) {
         const uint8_t *p = w + bytes * b;
-        if (b + SW_TILE_AHEAD < kblocks) sw_prefetch16(p + SW_TILE_AHEAD * bytes, row_bytes, bytes);
-        else if (ahead) sw_prefetch16(p + 16 * row_bytes + (SW_TILE_AHEAD - kblocks) * bytes, row_bytes, bytes);
+        sw_tile_ahead(p, row_bytes, bytes, b, kblocks, ahead);
         /* headers (d, dmin, 12 bytes of scales: 16 bytes a row): x[k] lane l = dword k of lane l's row */
         __m512i x[4]; /* d | dmin << 16, scale bytes 0-3, 4-7, 8-11 */
         sw_tr16x16(p, row_bytes, x);
@@ -826,8 +825,7 @@ ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
     for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kblocks; b++) {
         const uint8_t *p = w + Q6K_BYTES * b;
-        if (b + SW_TILE_AHEAD < kblocks) sw_prefetch16(p + SW_TILE_AHEAD * Q6K_BYTES, row_bytes, Q6K_BYTES);
-        else if (ahead) sw_prefetch16(p + 16 * row_bytes + (SW_TILE_AHEAD - kblocks) * Q6K_BYTES, row_bytes, Q6K_BYTES);
+        sw_tile_ahead(p, row_bytes, Q6K_BYTES, b, kblocks, ahead);
         __m512i x[4]; /* x[k] lane l: sc[4k .. 4k + 3] of lane l's row */
         sw_tr16x16(p + 192, row_bytes, x);
 #define SC(g) _mm512_srai_epi32(_mm512_slli_epi32(x[(g) / 4], 24 - 8 * ((g) % 4)), 24) /* int8 sc[g], sign-extended */
@@ -836,8 +834,8 @@ ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
                                                             D16(11), D16(4), D16(5), D16(6), D16(7), D16(12), D16(13),
                                                             D16(14), D16(15)));
 #undef D16
-        __m512i isum[16], sp[8];
-        __m512 fsum[16];
+        __m512i sp[8];
+        __m512 fsum[16]; /* each row's block sum, fp32 (products below exact) */
         for (int g = 0; g < 16; g += 2) /* (sc[g], sc[g + 1]) as an int16 pair in each row's lane */
             sp[g / 2] = _mm512_or_si512(_mm512_and_si512(SC(g), _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(SC(g + 1), 16));
         for (int i = 0; i < ni; i++) { /* -32 sum_g sc[g] bsum[g], by pairs of sub-blocks */
@@ -848,8 +846,7 @@ ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
                 memcpy(&pair, a->bsum + g, 4);
                 c = _mm512_dpwssd_epi32(c, sp[g / 2], _mm512_set1_epi32(pair));
             }
-            isum[i] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(c, 5));
-            fsum[i] = _mm512_cvtepi32_ps(isum[i]);
+            fsum[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(c, 5)));
         }
         for (int hf = 0; hf < 2; hf++) {
             __m512i l0[8], l1[8], qh[8];

@@ -28,6 +28,13 @@ static inline void sw_prefetch16(const uint8_t *p, size_t stride, size_t bytes) 
     }
 }
 
+/* At block b (p: its bytes in the tile's first row) of a tile of blocks `bytes` long: block
+ * b + SW_TILE_AHEAD of the same 16 rows, or, past the row's end, of the next tile (`next`: one follows). */
+static inline void sw_tile_ahead(const uint8_t *p, size_t stride, size_t bytes, int64_t b, int64_t kblocks, int next) {
+    if (b + SW_TILE_AHEAD < kblocks) sw_prefetch16(p + SW_TILE_AHEAD * bytes, stride, bytes);
+    else if (next) sw_prefetch16(p + 16 * stride + (SW_TILE_AHEAD - kblocks) * (int64_t)bytes, stride, bytes);
+}
+
 /* 16 rows' 32 bytes at p, p + stride, ... -> wk[k]: bytes 4k .. 4k + 3 of each row, the rows in
  * lanes as sw_lane_row (rows j and j + 8 share a zmm, whose unpacks leave them so). */
 SW_TILE16_INLINE void sw_tr16x32(const uint8_t *p, size_t stride, __m512i wk[8]) {
