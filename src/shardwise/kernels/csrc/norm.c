@@ -68,7 +68,8 @@ add_rmsnorm_avx512(SW_ADD_RMSNORM_ARGS) {
 
 /* Greedy sampling's reduction: out[i] = the first index of row i's largest value, a NaN counting
  * as larger than any number (torch.argmax's answer). One pass, plain C on every ISA: a
- * (16, 128256) fp32 batch of logits in 1.7 ms on one thread, torch.argmax 3.6 (Intel Xeon 207). */
+ * (16, 128256) fp32 batch of logits in 1.5 ms on one thread, torch.argmax 3.0 (Intel Xeon 207,
+ * benchmarks/bench_argmax.py). */
 void sw_argmax(const float *x, int64_t ldx, int64_t n, int64_t v, int64_t *out) {
     for (int64_t i = 0; i < n; i++) {
         const float *r = x + i * ldx;
