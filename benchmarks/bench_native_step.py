@@ -10,7 +10,8 @@ and 2, beside llama.cpp on the same GGUF files and the weight-streaming ceiling,
 --models: GGUF files (their own formats) and Hugging Face directories (converted by each
 --quantize; a GGUF file takes none). Each configuration runs in fresh ranks (shardwise.launch,
 one thread each): load, a 32-token prompt, --warm decode steps, then --steps timed ones as
-generate() runs them (decode_step, rank 0's argmax, the token broadcast, tolist), batch 1.
+generate() runs them (decode_step, rank 0's argmax, the token broadcast, tolist), at --batch
+prompts (1 by default; prompt i is the ids + 7 i).
 Per rank, ms per step (medians of wall and thread time; the program's parts as means):
 
     wall, cpu      the whole step
@@ -68,16 +69,17 @@ def _rank(world, opts: dict) -> dict:
     step.ENABLED, step.PROFILE = opts["step"], True
     tp = tp_only(world)
     model, report = load_pretrained(opts["model"], comm=tp, quantize=opts["quantize"])
-    ids = torch.tensor([PROMPT])
+    batch = opts["batch"]
+    ids = torch.tensor([[t + 7 * i for t in PROMPT] for i in range(batch)])  # prompt i = ids + 7 i
     n = opts["warm"] + 2 * opts["steps"] + 1
-    caches = model.new_caches(1, len(PROMPT) + n)
+    caches = model.new_caches(batch, len(PROMPT) + n)
     rows = []
 
     def one(tok: torch.Tensor, pos: int) -> torch.Tensor:
         c0, w0 = time.thread_time(), time.perf_counter()
-        logits = decode_step(model, tok.view(1, 1), None, caches, pos)  # (1, V)
+        logits = decode_step(model, tok.view(batch, 1), None, caches, pos)  # (B, V)
         c1, w1 = time.thread_time(), time.perf_counter()
-        nxt = logits.argmax(-1) if tp.rank == 0 else torch.empty(1, dtype=torch.long)
+        nxt = logits.argmax(-1) if tp.rank == 0 else torch.empty(batch, dtype=torch.long)
         nxt = tp.broadcast(nxt, src=0)
         nxt.tolist()
         c2, w2 = time.thread_time(), time.perf_counter()
@@ -108,7 +110,7 @@ def _rank(world, opts: dict) -> dict:
                 rows.clear()
                 t0, head[0] = times(), 0.0
             tok, pos = one(tok, pos), pos + 1
-            tokens.append(int(tok))
+            tokens.append(tok.tolist())
         t1, head_s = times(), head[0]
         timed = list(rows)
         real_lib = native.lib
@@ -162,12 +164,13 @@ def run(args) -> dict:
             for tp in args.tp:
                 for st in args.step:
                     opts = {"model": model, "quantize": None if q == "none" else q, "step": st == "on",
-                            "warm": args.warm, "steps": args.steps}  # fmt: skip
+                            "warm": args.warm, "steps": args.steps, "batch": args.batch}  # fmt: skip
                     ranks = launch(_rank, tp, args=(opts,), timeout_s=1800)
-                    row = {"model": Path(model).name, "quantize": q, "tp": tp, "step": st, "ranks": ranks}
+                    row = {"model": Path(model).name, "quantize": q, "tp": tp, "step": st, "batch": args.batch,
+                           "ranks": ranks}  # fmt: skip
                     out["shardwise"].append(row)
                     r0 = ranks[0]
-                    print(f"{row['model']} {q} tp={tp} step {st}: {r0['wall']:.2f} ms/token "
+                    print(f"{row['model']} {q} tp={tp} step {st} batch {args.batch}: {r0['wall']:.2f} ms/step "
                           f"(ceiling {max(r['ceiling'] for r in ranks):.2f}){' ' + r0['refused'] if r0['refused'] else ''}",
                           flush=True)  # fmt: skip
         if args.llama and model.endswith(".gguf"):
@@ -186,16 +189,16 @@ def table(res: dict) -> str:
     lines = [f"Machine: {m['model']}, {m['cores']} cores; flags {' '.join(m['flags'])}; torch {m['torch']}; "
              f"kernels: {m['kernels']}. Start {res['start']['date']} (load {' '.join(res['start']['load'])}), "
              f"end {res['end']['date']} (load {' '.join(res['end']['load'])}).", "",
-             "| model | weights | tp | step | wall | cpu | linears | attention | other | allreduce | spin | wait | head | python "
+             "| model | weights | tp | step | batch | wall | cpu | linears | attention | other | allreduce | spin | wait | head | python "
              "| sample+bcast | ops/layer | ceiling | ceiling/wall |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for row in res["shardwise"]:
         r = row["ranks"][0]
         inside = sum(r[k] for k in ("linears", "attention", "other", "allreduce"))
         ceiling = max(x["ceiling"] for x in row["ranks"])
         wall = max(x["wall"] for x in row["ranks"])
         lines.append(
-            f"| {row['model']} | {row['quantize']} | {row['tp']} | {row['step']} | {wall:.2f} | {r['cpu']:.2f} "
+            f"| {row['model']} | {row['quantize']} | {row['tp']} | {row['step']} | {row.get('batch', 1)} | {wall:.2f} | {r['cpu']:.2f} "
             f"| {r['linears']:.2f} | {r['attention']:.2f} | {r['other']:.2f} | {r['allreduce']:.2f} | {r['spin']:.2f} "
             f"| {r['wait']:.2f} | {r.get('head', 0):.2f} "
             f"| {r['fwd_cpu'] - inside - r.get('head', 0):.2f} | {r['sample_bcast']:.2f} | {r['ops_per_layer']:.1f} | {ceiling:.2f} "
@@ -215,6 +218,7 @@ def main() -> None:
     ap.add_argument("--step", nargs="+", default=["on", "off"], choices=["on", "off"])
     ap.add_argument("--warm", type=int, default=4)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1, help="prompts decoded at once (prompt i: the ids + 7 i)")
     ap.add_argument("--llama", action="store_true", help="llama.cpp on each GGUF file at 1 and 2 threads")
     ap.add_argument("--llama-python", default=str(LLAMA_VENV if LLAMA_VENV.exists() else sys.executable))
     ap.add_argument("--out", type=Path)

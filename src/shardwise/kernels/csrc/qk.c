@@ -708,7 +708,9 @@ ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t r
  * the same way once a block). Per activation row and sub-block, 8 vpdpbusd with its 4 bytes
  * broadcast give the 16 rows' dots, exact, in two chains of 4 (the latency an activation row
  * waits on halved); times the rows' sub-scales into one integer sum a row: Q4_K's chains each
- * fit int16 (16 * 15 * 127), so one int16 pair a lane and vpdpwssd by (sc, sc); Q5_K's do not,
+ * fit int16 (16 * 15 * 127), whole in the lane's low half, so one vpdpwssd by (sc, 0) a chain
+ * (against packing two chains into a pair for (sc, sc): 3-4% faster at 16 activation rows,
+ * docs/benchmarks/kernel_ab_q4k_chains_xeon207.txt); Q5_K's do not,
  * so vpmulld (|dot| <= 32 * 31 * 127, the block's sum inside int32, as the header says). The
  * mins through vpdpwssd of each row's (mn[2j], mn[2j + 1]) with the activation's sums of 32
  * (k_sums32, once a call for every tile). Then one fp32
@@ -764,12 +766,9 @@ ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes
                         hi[k], _mm512_test_epi8_mask(hk[k], _mm512_set1_epi8((char)(1 << (2 * pr + 1)))), hi[k], b4);
                 }
             }
-            __m512i s0 = k_byte32(pr < 2 ? sc_lo : sc_hi, (2 * pr) & 3);
-            __m512i s1 = k_byte32(pr < 2 ? sc_lo : sc_hi, (2 * pr + 1) & 3);
-            if (!q5) { /* (sc, sc) as an int16 pair in each row's lane */
-                s0 = _mm512_or_si512(s0, _mm512_slli_epi32(s0, 16));
-                s1 = _mm512_or_si512(s1, _mm512_slli_epi32(s1, 16));
-            }
+            /* each row's sc in its lane: as an int16 pair (sc, 0) for vpdpwssd */
+            const __m512i s0 = k_byte32(pr < 2 ? sc_lo : sc_hi, (2 * pr) & 3);
+            const __m512i s1 = k_byte32(pr < 2 ? sc_lo : sc_hi, (2 * pr + 1) & 3);
             for (int i = 0; i < ni; i++) {
                 const int8_t *a = xa[i * ldx + b].q + 64 * pr;
                 /* four chains of 4 (not two of 8): half the latency an activation row waits on */
@@ -781,11 +780,13 @@ ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes
                     d0[k >> 2] = _mm512_dpbusd_epi32(d0[k >> 2], lo[k], _mm512_set1_epi32(x0));
                     d1[k >> 2] = _mm512_dpbusd_epi32(d1[k >> 2], hi[k], _mm512_set1_epi32(x1));
                 }
-                if (!q5) { /* Q4_K: each chain's |dot| <= 16 * 15 * 127 < 2^15, so the two make one int16 pair a
-                            * lane, and vpdpwssd by (sc, sc) scales and adds them: exact, no vpmulld */
-                    const __mmask32 odd = 0xAAAAAAAA;
-                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_mask_blend_epi16(odd, d0[0], _mm512_slli_epi32(d0[1], 16)), s0);
-                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_mask_blend_epi16(odd, d1[0], _mm512_slli_epi32(d1[1], 16)), s1);
+                if (!q5) { /* Q4_K: each chain's |dot| <= 16 * 15 * 127 < 2^15 sits whole in its lane's low
+                            * int16, and vpdpwssd by (sc, 0) scales and adds it: exact, one instruction a chain
+                            * (no vpmulld, no packing of two chains into a pair) */
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], d0[0], s0);
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], d0[1], s0);
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], d1[0], s1);
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], d1[1], s1);
                 } else { /* Q5_K's dots reach 16 * 31 * 127: int32 */
                     isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(d0[0], d0[1]), s0),
                                                                          _mm512_mullo_epi32(_mm512_add_epi32(d1[0], d1[1]), s1)));
