@@ -266,6 +266,7 @@ def test_the_readme_serve_step_answers_as_shown(tmp_path):
     port = str(free_port())
     argv = [sys.executable, "-m", "shardwise", *shlex.split(command.replace(shown_port, port))[1:]]
     log = tmp_path / "serve.log"
+    segments = set(Path("/dev/shm").glob("mpich_shm_*"))
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -286,3 +287,18 @@ def test_the_readme_serve_step_answers_as_shown(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+    # stopped by SIGTERM, its ranks (MPI here, where mpiexec is found) killed before MPI_Finalize:
+    # the launcher removes the shared-memory segments they made (2 MB each, left at every run before)
+    left = [p.name for p in set(Path("/dev/shm").glob("mpich_shm_*")) - segments if not _mapped(p)]
+    assert left == [], f"the stopped server left MPICH segments: {left}"
+
+
+def _mapped(path: Path) -> bool:
+    """Whether any live process maps the file `path`."""
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            if str(path) in maps.read_text():
+                return True
+        except OSError:
+            continue
+    return False

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import select
 import shutil
 import signal
 import subprocess
@@ -115,7 +116,9 @@ def launch_mpi(
     finally:
         _kill(proc, ranks, grace)
         remove_segments([pid for pid, _ in ranks.values()])  # a rank that died while making its segment
-        remove_orphan_mpich_segments()  # MPICH's own, left by ranks killed before MPI_Finalize
+        # MPICH's own, left by ranks killed before MPI_Finalize (a failed job, or a server
+        # stopped by a signal): the ranks are gone by now (_kill waits), so their segments are unmapped
+        remove_orphan_mpich_segments(min_age_s=ORPHAN_MIN_AGE_S)
         for conn in conns:
             conn.close()
         listener.close()
@@ -172,6 +175,8 @@ def _kill(proc: subprocess.Popen, ranks: dict[int, tuple[int, int]], grace_s: fl
     for _, pidfd in ranks.values():  # NOTE: a pidfd: never a later process that reuses the pid
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # a stopped rank too
+    _wait_exited([pidfd for _, pidfd in ranks.values()], EXIT_WAIT_S)
+    for _, pidfd in ranks.values():
         os.close(pidfd)
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -179,10 +184,32 @@ def _kill(proc: subprocess.Popen, ranks: dict[int, tuple[int, int]], grace_s: fl
     proc.wait(timeout=10)
 
 
+def _wait_exited(pidfds: list[int], timeout_s: float) -> None:
+    """Until every process of `pidfds` has exited (a pidfd reads ready once its process is
+    gone, its memory unmapped), or `timeout_s`. The ranks are not this process's children:
+    no wait(); a SIGKILL takes effect a little after it is sent."""
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    left, deadline = set(pidfds), time.monotonic() + timeout_s
+    while left and time.monotonic() < deadline:
+        for fd, _ in poller.poll(max(1, int(1e3 * (deadline - time.monotonic())))):
+            poller.unregister(fd)
+            left.discard(fd)
+
+
+EXIT_WAIT_S = 5.0
+"""How long the end of a job waits for its killed ranks to be gone (before it looks for their
+MPICH segments)."""
+ORPHAN_MIN_AGE_S = 1.0
+"""A segment this old that no process maps is an orphan: a rank maps the segment it makes
+within milliseconds (so a job starting beside this one keeps its own). At 10 s, a server
+stopped a few seconds after it started (the README's serve step under test: 9 s) left its
+2 MB segment behind at every run."""
 MPICH_SHM_GLOB = "mpich_shm_*"
 
 
-def remove_orphan_mpich_segments(shm_dir: str = "/dev/shm", *, min_age_s: float = 10.0) -> list[str]:
+def remove_orphan_mpich_segments(shm_dir: str = "/dev/shm", *, min_age_s: float = ORPHAN_MIN_AGE_S) -> list[str]:
     """Unlink MPICH's shared-memory segments (/dev/shm/mpich_shm_*) that no process maps and
     that are older than `min_age_s`: what ranks killed before MPI_Finalize leave behind (a
     failed or timed-out job: about 2-4 MB each). A segment of a job starting now is mapped
