@@ -49,28 +49,34 @@ def update_ns() -> dict[str, float]:
     return out
 
 
-def profile_rank(steps: int = 3) -> list[dict[str, float]]:
-    """Seconds of each part of `steps` steps (the first allocates the moments)."""
+def profile_rank(steps: int = 3, fused_wgrad: bool = True) -> list[dict[str, float]]:
+    """Seconds of each part of `steps` steps (the first allocates the moments). fused_wgrad: as
+    shardwise.train runs it (kernels.wgrad: the weight gradients accumulated in their products,
+    their buffers kept between steps); False: autograd's own linear backward."""
     import torch
     import torch.nn.functional as F
 
-    from shardwise.models.decoder import DecoderLM
+    from shardwise.comm import LocalCommunicator
+    from shardwise.kernels import wgrad
+    from shardwise.train.layout import build_model
     from shardwise.train.config import ModelSection, OptimSection
     from shardwise.train.optim import build_optimizer
 
     torch.manual_seed(0)
     cfg = ModelSection(vocab_size=16000, hidden_size=2048, intermediate_size=4096, num_layers=16, num_heads=16,
                        num_kv_heads=4, head_dim=64, tie_embeddings=True).model_config()  # fmt: skip
-    model = DecoderLM(cfg).train()
+    model = build_model(cfg, LocalCommunicator(), init_std=0.02)  # the layers shardwise.train runs
     opt = build_optimizer(model, OptimSection())
+    if fused_wgrad:
+        wgrad.fuse(p for p in model.parameters() if p.dim() == 2)
     ids = torch.randint(0, cfg.vocab_size, (1, 128))
     out = []
     for _ in range(steps):
         t: dict[str, float] = {}
-        model.zero_grad(set_to_none=True)
+        wgrad.release(model.parameters())  # zero_grad(set_to_none=True), the fused path's buffers kept
         for mb in range(2):
             t0 = time.perf_counter()
-            loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+            loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())  # (the head's logits: tp=1, whole)
             t1 = time.perf_counter()
             loss.backward()
             t[f"forward {mb}"], t[f"backward {mb}"] = t1 - t0, time.perf_counter() - t1
@@ -88,12 +94,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true", help="also one rank's share of the 1B tp=2 step")
     ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/adamw.json")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--wgrad", choices=["fused", "autograd", "both"], default="fused",
+                    help="the profile's linear backward: shardwise.train's (kernels.wgrad) or autograd's; both: one after the other in one process")
     a = ap.parse_args()
     start = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()}
     ns = update_ns()
     for k, v in ns.items():
         print(f"AdamW, {k:28s} {v:.2f} ns a parameter", flush=True)
-    prof = profile_rank() if a.profile else []
+    prof = {}
+    if a.profile:
+        modes = ["fused", "autograd"] if a.wgrad == "both" else [a.wgrad]
+        for mode in modes:
+            print(f"one rank's share of the 1B tp=2 step, linear backward: {mode}", flush=True)
+            prof[mode] = profile_rank(a.steps, fused_wgrad=mode == "fused")
     a.out.write_text(json.dumps({"machine": _machine(), "start": start, "command": " ".join(sys.argv),
                                  "update_ns_per_param": ns, "rank_step_s": prof}, indent=1) + "\n")  # fmt: skip
 

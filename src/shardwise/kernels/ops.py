@@ -1,6 +1,7 @@
 """The one function per operation that every layer calls, whatever its weight holds.
 
-    linear(x, w, b)          w: a float Tensor (F.linear), a BlockWeight (block-format
+    linear(x, w, b)          w: a float Tensor (F.linear, or in training kernels.wgrad's
+                             linear that accumulates w.grad itself), a BlockWeight (block-format
                              kernels: shardwise.kernels.block) or a QuantizedWeight (fp16
                              on fbgemm, CUDA int8: shardwise.kernels.packed)
     embedding(ids, w)        rows of a float table, or of a BlockWeight / QuantizedTable
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardwise.kernels import native
+from shardwise.kernels import native, wgrad
 from shardwise.kernels.block import _ACT_BYTES as ACT_BYTES
 from shardwise.kernels.block import offer_blocks
 
@@ -27,8 +28,11 @@ __all__ = ["linear", "embedding", "expert_blocks", "rms_norm", "argmax"]
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x w^T + b for a float weight (F.linear) or a converted one (its kernel)."""
+    """y = x w^T + b for a float weight (F.linear; in training, for a weight the trainer opted in,
+    the linear that accumulates its gradient itself: kernels.wgrad) or a converted one (its kernel)."""
     if isinstance(w, torch.Tensor):
+        if wgrad.fused(w):
+            return wgrad.linear(x, w, bias)
         return F.linear(x, w, bias)
     return w.linear(x, bias)
 

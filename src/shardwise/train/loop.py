@@ -20,6 +20,7 @@ from typing import Protocol
 from tqdm.auto import tqdm
 
 from shardwise.comm import Communicator, ParallelDims, agree
+from shardwise.kernels import wgrad
 from shardwise.layers import ExpertParallelMoE, ParallelMoE
 from shardwise.log import get_logger
 from shardwise.models.meta import materialize
@@ -36,7 +37,7 @@ from shardwise.train.optim import GradNorm, build_optimizer
 from shardwise.train.recompute import apply_recompute
 from shardwise.train.rng import RNGTracker
 from shardwise.train.step import StepStats, Trainer, train_step
-from shardwise.train.sync import ExpertParallelSync, make_grad_sync
+from shardwise.train.sync import DDPSync, ExpertParallelSync, make_grad_sync
 
 __all__ = ["Checkpointing", "TrainResult", "setup", "train", "token_file", "model_config", "plot_losses"]
 
@@ -208,6 +209,8 @@ def setup(world: Communicator, cfg: TrainConfig, *, checkpointer: Checkpointing 
         tr.sync = ExpertParallelSync(model, dp, experts.edp, experts.names, par.bucket_mb)
     else:
         tr.sync = make_grad_sync(model, dp, mode=mode, bucket_mb=par.bucket_mb)
+    if not isinstance(tr.sync, DDPSync):  # DDP's reducer watches AccumulateGrad, which the fused path skips
+        wgrad.fuse(p for p in model.parameters() if p.dim() == 2)  # dW accumulated in the product (kernels.wgrad)
     if stage is not None:
         tr.pipeline = PipelineRunner(
             model,

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Mesh
+from shardwise.kernels import wgrad
 from shardwise.layers import ShardSpec, vocab_parallel_cross_entropy
 from shardwise.models.config import ModelConfig
 from shardwise.pipeline.runtime import PipelineRunner
@@ -115,6 +116,7 @@ def train_step(tr: Trainer) -> StepStats:
     coef = tr.model_cfg.router_aux_loss_coef if tr.model_cfg.num_experts else 0.0
     norm = tr.grad_norm.clip_(cfg.optim.grad_clip)
     tr.optimizer.step()
+    wgrad.release(tr.model.parameters())  # .grad None, as zero_grad; the fused path's buffers kept for the next step
     tr.optimizer.zero_grad(set_to_none=True)
     tr.step += 1
     stats = StepStats(
