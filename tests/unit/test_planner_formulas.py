@@ -294,21 +294,22 @@ def test_counts_match_the_real_sharded_model(name, tp):
 def test_training_step_with_measured_training_terms_by_hand():
     """This host's calibration measures what a training micro-step adds to the matmul
     roofline: the share of the matmul FLOP/s it reaches, its fixed time per layer and per
-    micro-step, and the optimizer update's bytes/s; gradient accumulation reads .grad and
-    the new gradient and writes the sum for every micro-batch after the first."""
+    micro-step, and the optimizer update's bytes/s; gradient accumulation, in the
+    weight-gradient products (kernels.wgrad), reads .grad once more for every micro-batch after
+    the first; the gradient norm and clipping make three passes over the gradients a step."""
     wl = TrainingWorkload(global_batch=2, micro_batch=1, seq_len=128, precision="fp32")  # m = 2
     measured = dict(train_efficiency=0.5, train_layer_overhead_us=300.0, train_step_overhead_us=600.0,
                     optimizer_gbps=10.0)  # fmt: skip
     t = predict_training(BENCH, _cluster(devices=1, **measured), Layout(1, 1, 1), wl)
     flops = 128 * training_flops_per_token(BENCH, 128, recompute=False)  # compute-bound at 128 tokens
     n = stage_params(BENCH, 1)
-    micro = flops / (1e12 * 0.5) + (8 * 300 + 600) * 1e-6 + 3 * n * 4 / 100e9 * (2 - 1) / 2
+    micro = flops / (1e12 * 0.5) + (8 * 300 + 600) * 1e-6 + n * 4 / 100e9 * (2 - 1) / 2
     assert t.forward_s + t.backward_s == pytest.approx(micro, rel=1e-9)
-    assert t.step.compute_s == pytest.approx(2 * micro + 2 * n * 16 / 10e9, rel=1e-9)
+    assert t.step.compute_s == pytest.approx(2 * micro + 2 * n * 16 / 10e9 + 3 * n * 4 / 100e9, rel=1e-9)
     assert t.step.comm_s == 0 and t.step.bubble_s == 0
     # the presets measure none of it: the matmul rate, the decode overheads once per pass
     plain = predict_training(BENCH, _cluster(devices=1), Layout(1, 1, 1), wl)
-    assert plain.forward_s + plain.backward_s == pytest.approx(flops / 1e12 + 3 * n * 4 / 100e9 / 2, rel=1e-9)
+    assert plain.forward_s + plain.backward_s == pytest.approx(flops / 1e12 + n * 4 / 100e9 / 2, rel=1e-9)
     with pytest.raises(PlannerError, match="training 1.5"):
         _cluster(train_efficiency=1.5)
 

@@ -1,5 +1,5 @@
 """kernels.wgrad: the linear whose backward accumulates the weight's gradient itself, against
-autograd's own (F.linear): outputs and every gradient over several micro-batches, batch > 1,
+autograd's own (F.linear, F.embedding): outputs and every gradient over several micro-batches, batch > 1,
 with and without bias, a weight shared with an embedding lookup (tied); the buffer kept from
 step to step written afresh (no stale sum); the paths it must not take; and a whole training
 run (shardwise.train, micro-batches of 2, with and without activation checkpointing) with the
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.comm import LocalCommunicator
-from shardwise.kernels import linear, wgrad
+from shardwise.kernels import embedding, linear, wgrad
 from shardwise.train import full_state, setup, train_step
 from train_helpers import tiny_config, write_tiny_tokens
 
@@ -71,6 +71,24 @@ def test_a_weight_tied_to_an_embedding_gets_both_gradients():
         logits = lin(torch.tanh(h), w)  # (B, T, 24): the same table as the head
         F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
     torch.testing.assert_close(w1.grad, w0.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_an_embedding_lookup_adds_its_rows_into_the_gradient():
+    """Repeated ids, batch > 1; untied (the first write makes .grad, zeroed) and after a step
+    (the kept buffer zeroed, not added to)."""
+    (w0, _), (w1, _) = _params(False), _params(False)
+    wgrad.fuse([w1])
+    ids = torch.tensor([[3, 7, 3, 3], [0, 22, 5, 7]])
+    gy = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(3))
+    for step in range(2):
+        for w, look in ((w0, F.embedding), (w1, embedding)):
+            look(ids + step, w).backward(gy)
+        torch.testing.assert_close(w1.grad, w0.grad, rtol=0, atol=1e-6)
+        kept = w1.grad.data_ptr()
+        wgrad.release([w1])
+        w0.grad = None
+    embedding(ids, w1).backward(gy)
+    assert w1.grad.data_ptr() == kept
 
 
 def test_the_fused_path_is_taken_only_where_it_may():

@@ -40,6 +40,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 def embedding(ids: torch.Tensor, w) -> torch.Tensor:
     """Rows `ids` of a float table (F.embedding) or of a converted one (rows dequantized)."""
     if isinstance(w, torch.Tensor):
+        if wgrad.fused(w):
+            return wgrad.embedding(ids, w)
         return F.embedding(ids, w)
     return w.lookup(ids)
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["fuse", "fused", "linear", "release"]
+__all__ = ["embedding", "fuse", "fused", "linear", "release"]
 
 _FUSED = "_sw_fuse_wgrad"
 _SPARE = "_sw_spare_grad"
@@ -71,6 +71,12 @@ def release(params: Iterable[torch.nn.Parameter]) -> None:
         p.grad = None
 
 
+def _grad_buffer(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The buffer kept for `weight`'s gradient from the last step, if it still fits."""
+    spare = weight.__dict__.pop(_SPARE, None)
+    return spare if spare is not None and spare.shape == weight.shape and spare.dtype == dtype else None
+
+
 def _accumulate(weight: torch.Tensor, gy: torch.Tensor, x: torch.Tensor) -> None:
     """weight.grad += gy^T x; gy (N, out), x (N, in)."""
     weight.__dict__[_SEEN] = True
@@ -78,8 +84,8 @@ def _accumulate(weight: torch.Tensor, gy: torch.Tensor, x: torch.Tensor) -> None
     if g is not None:
         g.addmm_(gy.t(), x)  # (out, in) += (out, N) (N, in), in the product
         return
-    spare = weight.__dict__.pop(_SPARE, None)
-    if spare is not None and spare.shape == weight.shape and spare.dtype == gy.dtype:
+    spare = _grad_buffer(weight, gy.dtype)
+    if spare is not None:
         weight.grad = torch.mm(gy.t(), x, out=spare)
     else:
         weight.grad = torch.mm(gy.t(), x)
@@ -111,3 +117,33 @@ class _Linear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) -> (..., out), W.grad accumulated by the backward itself (see the module)."""
     return _Linear.apply(x, weight, bias)
+
+
+class _Embedding(torch.autograd.Function):
+    """Rows `ids` of W; backward: dY's rows added into W.grad (index_add_), no gradient returned
+    for W. Autograd's own makes a zeroed table-sized tensor each micro-batch (131 MB on the 1B
+    shape's rank) and then adds it into .grad; a tied head (this module's linear) has already
+    made .grad by then, so the rows go straight in."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.weight = weight  # the Parameter itself (see _Linear)
+        return F.embedding(ids, weight)  # (..., D)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        (ids,), weight = ctx.saved_tensors, ctx.weight
+        weight.__dict__[_SEEN] = True
+        g = weight.grad
+        if g is None:
+            g = _grad_buffer(weight, gy.dtype)
+            g = g.zero_() if g is not None else torch.zeros(weight.shape, dtype=gy.dtype, device=gy.device)
+            weight.grad = g
+        g.index_add_(0, ids.reshape(-1), gy.reshape(-1, gy.shape[-1]))
+        return None, None
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape) of `weight` -> (*ids.shape, D), W.grad accumulated by the backward itself."""
+    return _Embedding.apply(ids, weight)

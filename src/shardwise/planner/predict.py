@@ -446,11 +446,14 @@ def _micro_batch(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: Trainin
         flops = forwards * layer_flops + heads * head_flops + extra
         return max(flops / flops_s, reads * streamed / dev.bytes_per_s(busy)) + forwards * overhead
 
-    # gradient accumulation: every micro-batch after the first adds its gradients into .grad
-    # (reads both, writes the sum), a memory-bound pass over the stage's gradients
+    # gradient accumulation: every micro-batch after the first adds its gradients into .grad.
+    # shardwise.train adds them within the weight-gradient products (kernels.wgrad): one more
+    # read of .grad; under DDP (dp > 1 on one stage, dense: torch's reducer watches autograd's
+    # own accumulation) a pass of its own that reads both and writes the sum
     m = wl.global_batch // (wl.micro_batch * dp)
     grads = stage_params(cfg, tp, pp, stage, layers=layers, **moe) * prec.grad_bytes
-    accumulate = 3 * grads / dev.bytes_per_s(busy) * (m - 1) / m
+    ddp = dp > 1 and pp == 1 and not cfg.num_experts and not wl.distributed_optimizer
+    accumulate = (3 if ddp else 1) * grads / dev.bytes_per_s(busy) * (m - 1) / m
     fwd_c, bwd_c = compute(1, 1, 1), compute(passes - 1, 2, 2, redo) + accumulate
     kw = dict(batch=wl.micro_batch, tokens=wl.seq_len, width=width, layers=layers, last=last)
     fwd = tp_forward_collectives(cfg, tp, first=first, logit_rows=0, **kw)
@@ -472,7 +475,7 @@ def predict_training(
     """One optimizer step: m micro-batches through the pipeline (`schedule`; at pp > 1 the
     default is 1F1B with the runtime's balanced layer split), then the data-parallel gradient
     all-reduce (not overlapped), the tied embedding's all-reduce between the first and last
-    stage, and the optimizer update (memory-bound).
+    stage, the gradient norm and clipping, and the optimizer update (both memory-bound).
 
     The pipeline part is the schedule's makespan (shardwise.pipeline.simulate, every action
     timed as the busiest rank's forward or backward, each send/receive as one stage-to-stage
@@ -530,8 +533,13 @@ def predict_training(
     state = sum(state_bytes(cfg, tp, pp, stage, layers=layers, width=prec.weight_bytes, optimizer=wl.optimizer,
                             dp=dp, ep_dp=layout.ep_dp, distributed_optimizer=wl.distributed_optimizer))  # fmt: skip
     optimizer_s = 2 * state / dev.optimizer_bytes_per_s(tp * pp * dp > 1)  # read and write every byte once
+    # the gradient norm shardwise.train takes every step (each gradient read once) and the clipping
+    # by it (read and written): three passes over this rank's gradients (the distributed
+    # optimizer's: its 1/dp slice, in fp32)
+    held = replicated / dp * 4 if dp > 1 and wl.distributed_optimizer else n_params * prec.grad_bytes
+    norm_s = 3 * held / dev.bytes_per_s(tp * pp * dp > 1)
     comm_s = sum(c.seconds for c in per_step)
-    compute_s = m * (f.compute_s + b.compute_s) + optimizer_s
+    compute_s = m * (f.compute_s + b.compute_s) + optimizer_s + norm_s
     own = m * (f.comm_s + b.comm_s) + sum(c.seconds for c in per_step if c.group == "pp")
     step = Timing(compute_s, comm_s, max(0.0, pipeline_s - m * (f.compute_s + b.compute_s) - own))
     tokens_step = wl.global_batch * wl.seq_len
