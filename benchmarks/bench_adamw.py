@@ -58,8 +58,8 @@ def profile_rank(steps: int = 3, fused_wgrad: bool = True) -> list[dict[str, flo
 
     from shardwise.comm import LocalCommunicator
     from shardwise.kernels import wgrad
-    from shardwise.train.layout import build_model
     from shardwise.train.config import ModelSection, OptimSection
+    from shardwise.train.layout import build_model
     from shardwise.train.optim import build_optimizer
 
     torch.manual_seed(0)
@@ -95,8 +95,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also one rank's share of the 1B tp=2 step")
     ap.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/adamw.json")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--wgrad", choices=["fused", "autograd", "both"], default="fused",
-                    help="the profile's linear backward: shardwise.train's (kernels.wgrad) or autograd's; both: one after the other in one process")
+    ap.add_argument(
+        "--wgrad",
+        choices=["fused", "autograd", "both"],
+        default="fused",
+        help="the profile's linear backward: shardwise.train's (kernels.wgrad) or autograd's; both: one after the other in one process",
+    )
     a = ap.parse_args()
     start = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()}
     ns = update_ns()

@@ -53,7 +53,9 @@ def main() -> None:
     bench_links.TRAIN_SHAPE = a.shape
     a.dir.mkdir(parents=True, exist_ok=True)
     config = bench_links._train_config(a.dir, [], a.steps + 1)
-    print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load", *(f"{x:.2f}" for x in __import__("os").getloadavg()))
+    print(
+        time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load", *(f"{x:.2f}" for x in __import__("os").getloadavg())
+    )
     res = launch(rank, 2, args=(str(config), a.steps, a.rows), backend="gloo", timeout_s=600)
     for r, (times, _) in enumerate(res):
         print(f"rank {r}: (wall s, thread s) a step, the last profiled: {times}")
