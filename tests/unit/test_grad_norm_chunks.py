@@ -1,4 +1,4 @@
-"""train.optim._sum_of_squares (GradNorm's per-parameter sum, a chunk of rows at a time in
+"""train.optim.sum_of_squares (GradNorm's per-parameter sum and the distributed optimizer's, a chunk of rows at a time in
 fp64) against the whole-tensor formula: 0-d, 1-d, 2-d and 3-d gradients, row and column
 masks, chunks smaller than a row, of a few rows, and larger than the tensor."""
 
@@ -34,7 +34,7 @@ def test_chunked_sum_of_squares_matches_the_whole_tensor(monkeypatch, chunk, sha
         mask = torch.arange(shape[dim]) % 3 != 1  # some rows (or columns) are another rank's
     elif masked is not None and not shape:
         mask, dim = torch.tensor([False]), 0  # a 0-d gradient on a rank that does not own it
-    got = optim._sum_of_squares(g, mask, dim or 0)
+    got = optim.sum_of_squares(g, mask, dim or 0)
     want = _whole(g, mask, dim or 0)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

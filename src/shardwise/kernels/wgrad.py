@@ -62,13 +62,13 @@ def fused(weight: torch.Tensor) -> bool:
 
 
 def release(params: Iterable[torch.nn.Parameter]) -> None:
-    """After the optimizer step, in place of zero_grad(set_to_none=True) for opted-in
-    parameters: `.grad` becomes None (as zero_grad leaves it: what the optimizer and the next
-    step see is unchanged), its buffer kept for the next step's first micro-batch to write."""
+    """After the optimizer step, before zero_grad(set_to_none=True): a gradient the fused path
+    made becomes None (as zero_grad leaves it: what the optimizer and the next step see is
+    unchanged), its buffer kept for the next step's first micro-batch to write."""
     for p in params:
-        if p.grad is not None and p.__dict__.pop(_SEEN, False):
+        if p.__dict__.pop(_SEEN, False) and p.grad is not None:
             p.__dict__[_SPARE] = p.grad.detach()
-        p.grad = None
+            p.grad = None  # the rest: the optimizer's zero_grad
 
 
 def _grad_buffer(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -84,11 +84,7 @@ def _accumulate(weight: torch.Tensor, gy: torch.Tensor, x: torch.Tensor) -> None
     if g is not None:
         g.addmm_(gy.t(), x)  # (out, in) += (out, N) (N, in), in the product
         return
-    spare = _grad_buffer(weight, gy.dtype)
-    if spare is not None:
-        weight.grad = torch.mm(gy.t(), x, out=spare)
-    else:
-        weight.grad = torch.mm(gy.t(), x)
+    weight.grad = torch.mm(gy.t(), x, out=_grad_buffer(weight, gy.dtype))  # the kept buffer, or a new one
 
 
 class _Linear(torch.autograd.Function):

@@ -47,7 +47,7 @@ from shardwise.comm import Communicator
 from shardwise.layers import ShardSpec, split_sizes
 from shardwise.train.config import OptimSection
 from shardwise.train.layout import owned_mask
-from shardwise.train.optim import fused_ok
+from shardwise.train.optim import fused_ok, sum_of_squares
 from shardwise.train.sync import GradSync
 
 __all__ = ["DistributedOptimizer", "MOMENTS", "DTYPES", "autocast", "bytes_per_param", "check_dtype", "held_bytes"]
@@ -78,15 +78,6 @@ def _overlap(a: int, b: int, c: int, d: int) -> tuple[int, int]:
     """[a, b) ∩ [c, d) as (start, end), empty as (x, x)."""
     lo, hi = max(a, c), min(b, d)
     return (lo, max(lo, hi))
-
-
-def _masked_sum_of_squares(x: torch.Tensor, mask: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
-    """sum(x[mask] ** 2) in fp64, a chunk at a time (no slice-sized fp64 temporaries)."""
-    total = torch.zeros((), dtype=torch.float64, device=x.device)
-    for i in range(0, x.numel(), chunk):
-        sq = x[i : i + chunk].double().square_()
-        total += sq.masked_fill_(~mask[i : i + chunk], 0.0).sum()
-    return total
 
 
 class _Space:
@@ -323,7 +314,7 @@ class DistributedOptimizer(GradSync):
     # ---- GradNorm ------------------------------------------------------------------------
     def norm(self) -> torch.Tensor:
         """The unsharded gradient's L2 norm from the slices (collective), a 0-d fp32 tensor."""
-        sums = [_masked_sum_of_squares(s.grad, m).view(1) for s, m in zip(self.spaces, self.counted, strict=True)]
+        sums = [sum_of_squares(s.grad, m).view(1) for s, m in zip(self.spaces, self.counted, strict=True)]
         dense = self.spaces[0].comm.all_reduce(sums[0]) if self.shard else sums[0]
         total = dense
         if len(sums) > 1:

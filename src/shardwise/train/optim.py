@@ -62,21 +62,24 @@ _CHUNK = 1 << 20
 rank) was two fresh tensors of twice its size each step, 4 s of a 14 s step there."""
 
 
-def _sum_of_squares(g: torch.Tensor, mask: torch.Tensor | None, dim: int) -> torch.Tensor:
+def sum_of_squares(g: torch.Tensor, mask: torch.Tensor | None = None, dim: int = 0) -> torch.Tensor:
     """sum(g ** 2) in fp64 over the entries whose index along `dim` the bool `mask` keeps
-    (all where mask is None), a chunk of dim-0 rows at a time: no gradient-sized temporaries."""
+    (all where mask is None; the rest count 0, whatever they hold), a chunk of dim-0 rows at a
+    time: no gradient-sized fp64 temporaries. GradNorm's rows or columns of a tp shard, and the
+    distributed optimizer's flat slices (1-D, a mask per element)."""
     if g.dim() == 0:
-        return g.double().square() * (mask.any() if mask is not None else 1.0)
+        keep = mask is None or bool(mask.any())
+        return g.double().square() if keep else torch.zeros((), dtype=torch.float64, device=g.device)
     if mask is not None and dim != 0:  # columns kept: the same rows, a column mask broadcast
         shape = [1] * g.dim()
         shape[dim] = -1
-        cols = mask.view(shape)
-    total = torch.zeros((), dtype=torch.float64)
+        drop_cols = ~mask.view(shape)
+    total = torch.zeros((), dtype=torch.float64, device=g.device)
     rows = max(1, _CHUNK // max(1, g[0].numel()))
     for r in range(0, g.shape[0], rows):
         sq = g[r : r + rows].double().square_()
         if mask is not None:
-            sq *= mask[r : r + rows].view([-1] + [1] * (g.dim() - 1)) if dim == 0 else cols
+            sq.masked_fill_(~mask[r : r + rows].view([-1] + [1] * (g.dim() - 1)) if dim == 0 else drop_cols, 0.0)
         total += sq.sum()
     return total
 
@@ -115,7 +118,7 @@ class GradNorm:
         for p, mask, dim, counted, is_expert in self.items:
             if p.grad is None or not counted:
                 continue
-            sq = _sum_of_squares(p.grad.detach(), mask, dim)
+            sq = sum_of_squares(p.grad.detach(), mask, dim)
             if is_expert:
                 expert += sq
             else:
