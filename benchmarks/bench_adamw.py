@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -112,8 +113,12 @@ def main() -> None:
         for mode in modes:
             print(f"one rank's share of the 1B tp=2 step, linear backward: {mode}", flush=True)
             prof[mode] = profile_rank(a.steps, fused_wgrad=mode == "fused")
+    # the process's peak resident memory (with --wgrad both: the larger of the two; run one mode a process to compare)
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"peak resident memory {peak_gib:.2f} GiB", flush=True)
     a.out.write_text(json.dumps({"machine": _machine(), "start": start, "command": " ".join(sys.argv),
-                                 "update_ns_per_param": ns, "rank_step_s": prof}, indent=1) + "\n")  # fmt: skip
+                                 "update_ns_per_param": ns, "rank_step_s": prof, "peak_rss_gib": peak_gib},
+                                indent=1) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":
