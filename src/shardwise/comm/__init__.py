@@ -22,6 +22,7 @@ from shardwise.comm.regions import (
     scatter_to_sequence,
 )
 from shardwise.comm.shm import ShmCommunicator, intra_host
+from shardwise.comm.tcp import TcpCommunicator, across_hosts
 
 __all__ = [
     "AllToAll",
@@ -41,6 +42,8 @@ __all__ = [
     "tp_only",
     "ShmCommunicator",
     "intra_host",
+    "TcpCommunicator",
+    "across_hosts",
     "copy_to_region",
     "gather_from_region",
     "reduce_from_region",

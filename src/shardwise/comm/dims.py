@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from shardwise.comm.communicator import Communicator, LocalCommunicator
 from shardwise.comm.shm import intra_host, shm_mode
+from shardwise.comm.tcp import across_hosts, tcp_mode
 
 __all__ = ["ParallelDims", "Mesh", "tp_only"]
 
@@ -110,18 +111,21 @@ class ParallelDims:
         ]
         return pairs + middle
 
-    def build(self, world: Communicator, *, shm_allreduce: str | None = None) -> Mesh:
+    def build(self, world: Communicator, *, shm_allreduce: str | None = None, tcp: str | None = None) -> Mesh:
         """Create the tp, dp and pp communicators. Collective: every rank must call it.
 
         At pp == 1 the pp communicator is this rank alone (a size-1 group, no split).
         shm_allreduce (auto, on, off; None: SHARDWISE_SHM_ALLREDUCE, default auto): whether
         a tp group whose ranks share a host all-reduces through shared memory
-        (shardwise.comm.shm)."""
+        (shardwise.comm.shm). tcp (auto, on, off; None: SHARDWISE_TCP_COLLECTIVES, default
+        auto): whether a tp group whose ranks are on several hosts runs its collectives over
+        direct TCP connections (shardwise.comm.tcp)."""
         if world.size != self.world_size:
             raise ValueError(f"communicator has {world.size} ranks but ParallelDims.world_size={self.world_size}")
         self._check_rank(world.rank)
         mode = shm_mode() if shm_allreduce is None else shm_allreduce
         tp = intra_host(world.split(self.tp_groups(), name="tp"), parent=world, mode=mode)
+        tp = across_hosts(tp, parent=world, mode=tcp_mode() if tcp is None else tcp)
         dp = world.split(self.dp_groups(), name="dp")
         # pp == 1: this rank alone, without creating world_size one-rank groups
         if self.pp == 1:

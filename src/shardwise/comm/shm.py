@@ -45,6 +45,7 @@ from shardwise.comm.communicator import Communicator, ReduceOp
 from shardwise.comm.hang import proc_state
 from shardwise.comm.mpi import _peer_failure
 from shardwise.comm.shm_segment import DATA, FAILED, PID, PREFIX, SHM_DIR, Segment, host_key, supported
+from shardwise.comm.wrapped import Wrapped, take_place
 from shardwise.log import get_logger
 
 __all__ = ["ShmCommunicator", "NativeAllReduce", "intra_host", "shm_mode", "MODE_ENV", "MODES"]
@@ -77,18 +78,15 @@ def shm_mode(environ: dict[str, str] | None = None) -> str:
     return mode
 
 
-class ShmCommunicator(Communicator):
+class ShmCommunicator(Wrapped):
     """`inner` with its all-reduces (up to max_bytes, on CPU) through a shared-memory segment."""
 
     def __init__(self, inner: Communicator, segment: Segment, *, period: int = PERIOD) -> None:
         if period < 4 or period % 2:
             raise ValueError(f"period {period} must be even and >= 4")
-        self.inner, self.seg, self.period = inner, segment, period
-        self.name, self.rank, self.size = inner.name, inner.rank, inner.size
-        self.stats, self.backend, self.timeout_s = inner.stats, inner.backend, inner.timeout_s
-        self.members, self.wire, self.p2p_check = inner.members, inner.wire, inner.p2p_check
+        super().__init__(inner)
+        self.seg, self.period = segment, period
         self.max_bytes = segment.slot_bytes
-        self.attach_board(inner._board)
         self._calls = 0
         self._mine = segment.line(self.rank)
         self._peers = [(p, segment.line(p)) for p in range(self.size) if p != self.rank]
@@ -200,20 +198,11 @@ class ShmCommunicator(Communicator):
             slots = self._slots[torch.float32] = self.seg.slots(torch.float32)  # (2, size, per)
         return NativeAllReduce(self, slots)
 
-    # ---- everything else: the wrapped communicator's ------------------------------------------
-    def __getattr__(self, name: str):
-        # only for what this class lacks (a backend's own handle: .group, .comm): the wrapped one's
-        if name == "inner":  # not set yet (during construction, or unpickling)
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
+    # ---- the all-gather and the broadcast through the segment; the rest: the wrapped one's ------
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if not self._fits(t):
             return self.inner._all_gather(t, dim)
         return torch.cat(self._exchange(t), dim)  # every rank's slot, in rank order: a copy each
-
-    def _reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return self.inner._reduce_scatter(t, dim)
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         if not (self._fits(t) and t.is_contiguous()):
@@ -221,44 +210,7 @@ class ShmCommunicator(Communicator):
         rows = self._exchange(t)  # NOTE: every rank posts (the protocol's seq); only src's slot is read
         return t.copy_(rows[src])  # in place, as the backends' broadcast
 
-    def _all_to_all(self, t: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
-        return self.inner._all_to_all(t, send_sizes, recv_sizes)
-
-    def _all_reduce_async(self, t: torch.Tensor) -> torch.futures.Future:
-        return self.inner._all_reduce_async(t)
-
-    def _barrier(self) -> None:
-        self.inner._barrier()
-
-    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        self.inner._send(t, dst, tag)
-
-    def _recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
-        self.inner._recv(buf, src, tag)
-
-    def split(self, groups: list[list[int]], name: str) -> Communicator:
-        return self.inner.split(groups, name)
-
-    @property
-    def device(self) -> torch.device:
-        return self.inner.device
-
-    @property
-    def process_group(self):
-        return self.inner.process_group
-
-    def close_splits(self) -> None:
-        self.inner.close_splits()
-
-    def _release(self) -> None:
-        self._unmap()
-        self.inner._release()
-
-    def close(self) -> None:
-        self._unmap()
-        self.inner.close()
-
-    def _unmap(self) -> None:
+    def _drop(self) -> None:
         self._broken = self._broken or "its group was closed"
         self._rows.clear()
         self._slots.clear()
@@ -363,9 +315,7 @@ def intra_host(
         if mode == "on" and why and comm.rank == 0:
             log.warning("group %r keeps %s's all-reduce (%s=on): %s", comm.name, comm.backend, MODE_ENV, why)
         return comm
-    if parent is not None and parent._splits and comm in parent._splits:
-        parent._splits[parent._splits.index(comm)] = wrapped
-    return wrapped
+    return take_place(wrapped, comm, parent)
 
 
 def _setup(comm: Communicator, max_bytes: int, period: int) -> tuple[ShmCommunicator | None, str]:
