@@ -90,7 +90,8 @@ class Predictor:
     """The planner's figures for each layout and rate, from this host's calibration
     (shardwise.bench.calibrate, `plan --cluster this-host`): the namespace hosts as
     Calibration.hosts describes them. Inside a host, the shared-memory all-reduce over gloo (what
-    a tp group there uses by default); between hosts, gloo across the calibrated veth link, its
+    a tp group there uses by default); between hosts, the calibrated veth link (the tp group's
+    collectives over direct TCP, shardwise.comm.tcp; point-to-point over gloo), its
     per-message costs measured, its transfers at the link's rate beyond the token bucket
     (netns.bucket_bytes); the devices at this host's rates with every core busy where both
     ranks compute at once (one machine: the hosts share its cores)."""

@@ -252,8 +252,8 @@ def test_a_host_cut_off_during_decode_is_named_and_its_rank_exits():
             seen.append(line)
             if "spans hosts" in line:
                 break
-        _wait_for_text(procs[0], 120)  # loaded and decoding: the first tokens streamed (450 take 9-11 s)
-        time.sleep(0.5)
+        # loaded and decoding: the first tokens streamed (450 take 1-1.5 s over the tcp collectives)
+        _wait_for_text(procs[0], 120)
         cluster.cut(1)
         _, err = procs[0].communicate(timeout=60)
         err = "".join(seen) + err

@@ -47,11 +47,12 @@ def test_no_note(cpu_without_mpi, monkeypatch, capsys, name, world_size, environ
     assert capsys.readouterr().err == ""
 
 
-def test_torchrun_rank0_notes(cpu_without_mpi, monkeypatch, capsys):
+def test_torchrun_rank0_takes_gloo_without_a_note(cpu_without_mpi, monkeypatch, capsys):
+    # under torchrun MPI is no option (its ranks are not mpiexec's): nothing to suggest
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert env.resolve_backend("auto", world_size=2) == "gloo"
-    assert "backend auto is using gloo" in capsys.readouterr().err
+    assert capsys.readouterr().err == ""
 
 
 def test_mpi_installed_no_note(monkeypatch, capsys):
@@ -77,3 +78,18 @@ def test_mpi4py_without_mpiexec_names_it(cpu_without_mpi, monkeypatch, capsys):
     monkeypatch.setattr(mpi, "find_mpiexec", no_mpiexec)
     assert env.resolve_backend("auto", world_size=3) == "gloo"
     assert "no mpiexec was found" in capsys.readouterr().err
+
+
+def test_under_torchrun_auto_is_gloo_even_where_mpi_is_installed(monkeypatch, capsys):
+    import torch
+
+    from shardwise.launch import mpi
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "mpi4py", type(sys)("mpi4py"))
+    monkeypatch.setattr(mpi, "find_mpiexec", lambda: "/usr/bin/mpiexec")
+    monkeypatch.setattr(env, "_noted", False)
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert env.resolve_backend("auto", world_size=2, environ=torchrun) == "gloo"
+    assert env.resolve_backend("auto", world_size=2, environ={}) == "mpi"
+    assert capsys.readouterr().err == ""

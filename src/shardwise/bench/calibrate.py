@@ -31,7 +31,7 @@ starts ranks). Measured (shardwise.bench.measure):
   for the burst that precedes it in the step it predicts;
 - the same for the two other paths a job's collectives take (shardwise.bench.hostlinks):
   "shm", the shared-memory all-reduce of a tp group inside one host (the default there), and
-  "veth", gloo across a link between two hosts made as network namespaces (root only), with
+  "veth", tcp collectives (gloo point-to-point) across a link between two hosts made as network namespaces (root only), with
   one point-to-point message's time on each. `cluster()` puts the shared-memory all-reduce
   over gloo between this host's devices; `hosts()` describes several such hosts joined by
   veth links of a given rate (what benchmarks/bench_links.py runs).
@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 14
+VERSION = 15
 """Bumped when the measurements change meaning: a cache of another version is measured again
 (6: the quantized linear kernels; 7: the shared-memory and veth paths, point-to-point times;
 8: the native decode step's fixed costs, and each path's collectives inside a decode step;
@@ -82,7 +82,8 @@ hosts, and the cache-resident streaming rate; 10: the after-compute probe at 256
 11: across hosts, pp=2's decode step and its message between the stages; 12: the veth's
 probes the median of 3 launches, not the fastest of 2; 13: int8 on CPU measured as what runs it,
 the Q8_0 block kernel, not fbgemm's, and the GGUF block formats a file is computed in; 14: the
-AdamW update as shardwise.train runs it, torch's fused kernel)."""
+AdamW update as shardwise.train runs it, torch's fused kernel; 15: across hosts, the
+collectives over direct TCP connections, shardwise.comm.tcp, as a tp group there runs them)."""
 QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Rows of the quantized kernel probe: one sequence decoding up to a short prompt."""
 
@@ -255,13 +256,13 @@ class Calibration:
               link: str = "gloo", shm: bool = True) -> Cluster:  # fmt: skip
         """`nodes` hosts of `per_node` devices like this one's, joined by links of `rate_gbps`
         (GB/s; None: the veth's own speed) with a token bucket of `bucket_bytes` (tc's tbf;
-        0 for a line rate): between hosts, gloo across the calibrated veth link, shaped
+        0 for a line rate): between hosts, tcp across the calibrated veth link, shaped
         (specs.Link.shaped); inside a host, intra_link. NOTE: the devices keep this host's rates
         with every core busy, as the namespace hosts of one machine share its cores."""
         one = self.cluster(link, shm=shm)
         inter = self.link("veth")
         if rate_gbps is not None:
-            inter = inter.shaped(rate_gbps, bucket_bytes, name=f"gloo across a link of {rate_gbps * 8:g} Gbit/s")
+            inter = inter.shaped(rate_gbps, bucket_bytes, name=f"tcp across a link of {rate_gbps * 8:g} Gbit/s")
         return replace(
             one, name=f"{nodes} hosts like this one", devices=nodes * per_node, devices_per_node=per_node, inter=inter
         )

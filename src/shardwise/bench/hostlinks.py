@@ -1,5 +1,5 @@
 """The two paths a job's collectives take besides gloo over loopback, measured for the planner:
-the shared-memory all-reduce of a group inside one host, and gloo across a link between hosts.
+the shared-memory all-reduce of a group inside one host, and a tp group's collectives across a link between hosts.
 
     links, unavailable = measure_paths(flops=86e9)   # {"shm": {...}, "veth": {...}}, {path: why}
 
@@ -16,9 +16,11 @@ between, priced from none of the above):
 - "shm": 2 local ranks, their world wrapped by shardwise.comm.shm (what a tp group inside one
   host uses by default); every other operation is the gloo link's.
 - "veth": 2 hosts made as network namespaces (shardwise.bench.netns, unshaped: root only),
-  one rank on each, gloo over the veth link between them, each host pinned to a core of its
-  own (netns.make_hosts(pin=True), as benchmarks/bench_links.py runs them). The planner adds a
-  link's rate on top (specs.Link.shaped): these are the costs a message pays whatever the rate.
+  one rank on each, over the veth link between them, each host pinned to a core of its own
+  (netns.make_hosts(pin=True), as benchmarks/bench_links.py runs them): the collectives over
+  direct TCP connections (shardwise.comm.tcp, what a tp group across hosts runs by default),
+  point-to-point and pp=2's step over gloo. The planner adds a link's rate on top
+  (specs.Link.shaped): these are the costs a message pays whatever the rate.
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ def path_rank(world: Communicator, opts: dict) -> dict:
         from shardwise.comm.shm import intra_host
 
         comm = intra_host(world, mode="on")
+    elif opts.get("tcp", "auto") != "off":  # across hosts: what a tp group there runs (shardwise.comm.tcp)
+        from shardwise.comm.tcp import across_hosts
+
+        comm = across_hosts(world, mode=opts.get("tcp", "auto"))
     from shardwise.bench.measure import decode_step_rank, pipeline_step_rank
 
     idle = idle_all_reduces(comm, SIZES, opts.get("repeats", 50))
@@ -239,7 +245,7 @@ def measure_paths(
         unavailable["shm"] = "no shared-memory all-reduce on this machine (shardwise.comm.shm_segment.supported)"
     why = netns.unavailable()
     if why is None:
-        log("calibrating: gloo across a veth link between two namespace hosts")
+        log("calibrating: across a veth link between two namespace hosts (tcp collectives, gloo point-to-point)")
         quiet()
         try:
             links["veth"] = _record(_veth(flops, veth_launches))

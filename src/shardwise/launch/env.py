@@ -14,8 +14,9 @@ from dataclasses import dataclass
 __all__ = ["ExternalRank", "external_rank", "gloo_fallback_note", "host_label", "resolve_backend"]
 
 
-def resolve_backend(name: str, *, world_size: int = 1) -> str:
-    """`auto`: NCCL when CUDA is available, else MPI when mpi4py and mpiexec are, else gloo.
+def resolve_backend(name: str, *, world_size: int = 1, environ: dict[str, str] | None = None) -> str:
+    """`auto`: NCCL when CUDA is available, else MPI when mpi4py and mpiexec are, else gloo;
+    under torchrun (its rendezvous is torch.distributed's), NCCL or gloo.
 
     When `auto` falls back to gloo for more than one rank, one line on stderr says why and
     how to get MPI (`gloo_fallback_note`), once per command: by the process that starts the
@@ -27,6 +28,9 @@ def resolve_backend(name: str, *, world_size: int = 1) -> str:
 
     if torch.cuda.is_available():
         return "nccl"
+    ext = external_rank(environ)
+    if ext is not None and ext.launcher == "torchrun":
+        return "gloo"  # NOTE: MPI here would make each rank a world of its own
     try:
         import mpi4py  # noqa: F401
     except ImportError:

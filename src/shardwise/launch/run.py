@@ -110,6 +110,11 @@ def run_job(
         from shardwise.comm.mpi import init_mpi
 
         comm = init_mpi(timeout_s)
+        if comm.size != ext.world_size:
+            raise LaunchError(
+                f"{ext.launcher} started {ext.world_size} ranks but MPI sees a world of {comm.size}: "
+                f"MPI needs ranks started by mpiexec; under {ext.launcher} use --backend gloo"
+            )
         _check_hosts(comm, ext, tp or world_size, allow_cross_host_tp)
         return _run(fn, comm, args, ext)
     if ext.master_addr is None or ext.master_port is None:
