@@ -93,7 +93,8 @@ def parity_case(world) -> dict:
 
 
 def decode_case(world) -> dict:
-    """Greedy tokens of the built-in model with the tp group over direct TCP and over gloo."""
+    """Greedy tokens of the built-in model with the tp group over direct TCP (the native decode
+    step stopping at each all-reduce) and over gloo (the per-op path: no segment, no handle)."""
     from shardwise.engine import generate
     from shardwise.hf import load_pretrained
 
@@ -101,15 +102,24 @@ def decode_case(world) -> dict:
     prompts = [[1, 17, 42, 99, 7], [3, 250, 8]]
     out = {}
     with importlib.resources.as_file(root) as path:
-        for mode in ("on", "off"):
-            tp = ParallelDims(world_size=world.size, tp=world.size).build(world, shm_allreduce="off", tcp=mode).tp
+        for mode in ("on", "off", "q8"):
+            tp = (
+                ParallelDims(world_size=world.size, tp=world.size)
+                .build(world, shm_allreduce="off", tcp="off" if mode == "off" else "on")
+                .tp
+            )
+            tp.wire = "q8" if mode == "q8" else "fp32"  # q8: the native step (fp32 only) is refused
             model, _ = load_pretrained(path, comm=tp)
             with torch.no_grad():
                 res = generate(model, prompts, comm=tp, max_new_tokens=12)
+            programs = [e.program for e in model.__dict__.get("_step_programs", {}).values() if e]
             out[mode] = {
                 "tokens": res.tokens,
                 "tcp": isinstance(tp, TcpCommunicator),
                 "calls": getattr(tp, "_calls", 0),
+                # the native decode step ran, stopping at each all-reduce for the tcp exchange
+                "native": [(p.external, p.waits) for p in programs],
+                "comm": res.comm_per_step,
             }
             world.close_splits()
     return out

@@ -26,9 +26,13 @@ def test_every_collective_equals_gloo_and_the_plain_sum(rank_pool, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_decode_gives_the_same_tokens_over_tcp_and_gloo(rank_pool, world_size):
     for r in rank_pool.run(decode_case, world_size):
-        on, off = r["on"], r["off"]
+        on, off, q8 = r["on"], r["off"], r["q8"]
+        assert q8["tcp"] and q8["native"] == [] and q8["calls"] > 0, "an encoded wire keeps the step op by op"
         assert on["tcp"] and not off["tcp"] and on["calls"] > 0
         assert on["tokens"] == off["tokens"] and all(len(t) == 12 for t in on["tokens"])
+        assert on["native"] and all(external and waits > 0 for external, waits in on["native"]), on["native"]
+        assert off["native"] == [], "over gloo the decode step has no native all-reduce"
+        assert on["comm"] == off["comm"], "the native step's all-reduces count as the per-op path's"
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

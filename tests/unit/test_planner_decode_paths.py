@@ -197,3 +197,21 @@ def test_the_veths_probes_are_the_median_launch_not_the_fastest():
     rec = _record(m)
     assert rec["launches"] == 3 and rec["per_launch"]["idle_4k_us"] == pytest.approx([500.0, 2200.0, 600.0])
     assert rec["decode_hop"]["hop_us"] == 300.0 and rec["points"][0]["latency_us"] == pytest.approx(600.0)
+
+
+def test_across_hosts_over_tcp_decode_runs_the_native_step_unless_the_wire_is_encoded():
+    # calibration v15: the veth's native decode probe ran (the step hands each all-reduce to comm.tcp)
+    veth = {**VETH, "native_all_reduce": {"bytes": 256.0, "us": 150.0}}
+    cal = dataclasses.replace(CAL, links={**CAL.links, "veth": veth})
+    cfg, across = _cfg(), cal.hosts(2, 1, rate_gbps=1.25, bucket_bytes=125_000)
+    assert native_step_runs(cfg, across, 2, tokens=1, batch=1, width=4, quantize=None)
+    p = predict_inference(cfg, across, Layout(2, 1, 1), **KW)
+    ar = next(c for c in p.collectives if c.op == "all_reduce")
+    extra = (cfg.hidden_size * 4 - 256) / 1e9
+    assert ar.seconds == pytest.approx(ar.calls * (150e-6 + extra), rel=1e-3)  # the native step's all-reduce
+    # --comm-dtype q8: the native step all-reduces fp32 only, so the layers run op by op
+    q8 = predict_inference(cfg, across, Layout(2, 1, 1), **KW, comm_dtype="q8")
+    op_by_op = predict_inference(cfg, CAL.hosts(2, 1, rate_gbps=1.25, bucket_bytes=125_000), Layout(2, 1, 1), **KW)
+    fixed = (80.0 - 10.0) * cfg.num_layers + (100.0 - 60.0)
+    assert q8.decode.compute_s == pytest.approx(op_by_op.decode.compute_s, rel=1e-6)
+    assert q8.decode.compute_s - p.decode.compute_s == pytest.approx(fixed * 1e-6, rel=0.05)

@@ -7,8 +7,8 @@ Each path gets what shardwise.bench.calibrate records for a backend: all-reduce 
 ranks by size (bench.comm's probe), what a small one costs more inside a step, after a burst
 of compute (measure.after_compute_rank), one point-to-point message's time (send_probe), and
 each collective's time per call inside a real decode step (measure.decode_step_rank: op by op,
-and for the shared memory inside the native step too, where its all-reduces are C calls; across
-hosts with the q8 wire too, its all-reduces an all_to_all and an all_gather of 8-bit blocks),
+and inside the native step too, where the shared memory's all-reduces are C calls and the tcp
+path's are the step handing each back to Python; across hosts with the q8 wire too, its all-reduces an all_to_all and an all_gather of 8-bit blocks),
 and across hosts the message of pp=2's decode step (measure.pipeline_step_rank: the two stages
 take turns, so the hidden state's send and the token's broadcast are a ping-pong with compute
 between, priced from none of the above):
@@ -85,9 +85,10 @@ def path_rank(world: Communicator, opts: dict) -> dict:
     # the same step with no collectives (each rank its own size-1 group, both at once): its compute
     decode = {"alone": decode_step_rank(world.split([[0], [1]], "alone"), {"native": False})}
     decode["per_op"] = decode_step_rank(comm, {"native": False})
-    if opts.get("shm"):
-        decode["native"] = decode_step_rank(comm, {})
-    else:  # across hosts: with the tp all-reduces as 8-bit blocks too (--comm-dtype q8), and pp=2's step
+    decode["native"] = decode_step_rank(comm, {})  # across hosts too: the step stops at each for comm.tcp
+    if not opts.get(
+        "shm"
+    ):  # across hosts: with the tp all-reduces as 8-bit blocks too (--comm-dtype q8), and pp=2's step
         decode["q8"] = decode_step_rank(comm, {"native": False, "wire": "q8"})
         decode["pp"] = pipeline_step_rank(world, {})
     return {"idle": idle, "after": after, "after_big": after_big, "send_us": send_probe(world), "decode": decode}

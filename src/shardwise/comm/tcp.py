@@ -220,6 +220,11 @@ class TcpCommunicator(Wrapped):
                 self._fail(f"tcp {op} #{call} waited {self.timeout_s:g}s for {late}, which never arrived")
             select.select([self.socks[p] for p in into], [self.socks[p] for p in out], [], _TICK_S)
 
+    def native_all_reduce(self) -> TcpNativeAllReduce | None:
+        """The native decode step's handle (shardwise.kernels.step): the step stops at each of
+        its all-reduces and this runs it; None after a failure."""
+        return None if self._broken is not None else TcpNativeAllReduce(self)
+
     def _check(self, peer: int, op: str, call: int, code: int, nbytes: int) -> None:
         their_call, their_code, their_bytes = _HEADER.unpack(self._headers[peer])
         if (their_call, their_code, their_bytes) != (call, code, nbytes):
@@ -242,6 +247,32 @@ class TcpCommunicator(Wrapped):
         self._broken = self._broken or "its group was closed"
         for s in self.socks.values():
             s.close()
+
+
+class TcpNativeAllReduce:
+    """A TcpCommunicator as the native decode step uses it (kernels.step.StepProgram, external):
+    the step returns at each all-reduce, and `reduce` runs it as one of the communicator's own
+    (counted, timed out, named on failure)."""
+
+    external = True
+
+    def __init__(self, comm: TcpCommunicator) -> None:
+        self.comm, self.rank, self.size = comm, comm.rank, comm.size
+
+    def calls(self) -> int:
+        """0 (the step numbers none of these calls itself); raises once the group failed."""
+        if self.comm._broken is not None:
+            raise RuntimeError(f"tcp all_reduce is unusable after an earlier failure: {self.comm._broken}")
+        return 0
+
+    def done(self, calls: int, nbytes: int, seconds: float) -> None:
+        """Nothing: every call went through `reduce`, counted there."""
+
+    def reduce(self, y: torch.Tensor) -> None:
+        self.comm.all_reduce_(y)
+
+    def fault_injected(self) -> bool:
+        return False  # NOTE: every call goes through the communicator, which checks the board's fault
 
 
 def _advance(views: list[memoryview], n: int) -> bool:

@@ -18,7 +18,9 @@ summation order (tests/multiproc/test_native_step.py, tests/unit/test_step_progr
 A layer is described as data (`LayerSpec`); shardwise.models.step reads them off a model.
 A peer that has not arrived at an all-reduce within a short spin (SPIN_NS) hands control back
 here: the communicator waits for it (its timeout, its peer checks, its diagnosis of a stuck
-rank), counted as one of its all-reduces, and the step resumes where it stopped.
+rank), counted as one of its all-reduces, and the step resumes where it stopped. A tp group
+across hosts (shardwise.comm.tcp: no segment) stops the step at every all-reduce, runs it
+over its connections, and resumes: the layers stay native, the exchange is Python's.
 SHARDWISE_NATIVE_STEP=0 (or `off()` in code) turns the program off everywhere.
 """
 
@@ -61,7 +63,7 @@ them handed to Python (wall time, outside the rest)."""
 _H = (
     "isa nlayers B hidden x hn qa qkv att oa y up g ga words mine npeers "
     + " ".join(f"peer{i}" for i in range(8))
-    + " slots slot_floats rank size period spin_ns profile"
+    + " slots slot_floats rank size period spin_ns profile external"
 ).split()
 H = {name: i for i, name in enumerate(_H)}
 _PART = 5  # type, weight, row bytes, rows, kblocks
@@ -217,9 +219,11 @@ class StepProgram:
             words += w
             widths = {k: max(widths[k], need_w[k]) for k in widths}
         ar = allreduce
+        external = ar is not None and getattr(ar, "external", False)  # Python runs each (comm.tcp)
         if ar is not None:
             need(ar.size - 1 <= 8, f"a tp group of {ar.size} ranks (at most 9 here)")
-            need(ar.slot_floats >= B * hid, f"an all-reduce slot of {ar.slot_floats} floats for {B} x {hid}")
+            if not external:
+                need(ar.slot_floats >= B * hid, f"an all-reduce slot of {ar.slot_floats} floats for {B} x {hid}")
 
         def acts(width: int) -> torch.Tensor:  # room for either activation block format
             return torch.empty(B * max(width // b * _ACT_BYTES[b] for b in (32, 256)) + 64, dtype=torch.uint8)
@@ -236,20 +240,21 @@ class StepProgram:
         for name, t in self._bufs.items():
             head[H[name]] = t.data_ptr()
         head[H["size"]], head[H["spin_ns"]], head[H["profile"]] = 1 if ar is None else ar.size, SPIN_NS, int(PROFILE)
-        if ar is not None:
+        head[H["external"]] = int(external)
+        if ar is not None and not external:
             head[H["words"]], head[H["mine"]], head[H["slots"]] = ar.words, ar.mine, ar.slots
             head[H["slot_floats"]], head[H["rank"]], head[H["period"]] = ar.slot_floats, ar.rank, ar.period
             head[H["npeers"]] = len(ar.peers)
             for j, line in enumerate(ar.peers):
                 head[H["peer0"] + j] = line
-        self.specs, self.allreduce, self.batch, self.hidden = specs, ar, B, hid
+        self.specs, self.allreduce, self.batch, self.hidden, self.external = specs, ar, B, hid, external
         self.head = array.array("q", head)
         self.layers = array.array("q", words)
         self.st = array.array("q", [0] * _ST)
         self.times = dict.fromkeys(TIMES, 0)  # ns over every step run, with PROFILE (all-reduces: always)
         self._layout_key: tuple | None = None
         self._addrs = (self.head.buffer_info()[0], self.layers.buffer_info()[0], self.st.buffer_info()[0])
-        self.waits = 0  # all-reduces whose late peers were waited for in Python
+        self.waits = 0  # all-reduces whose late peers were waited for in Python (external: every one)
         self.nbytes = B * hid * 4  # one all-reduce's payload
 
     def set_layout(self, lay: DecodeLayout) -> None:
@@ -283,7 +288,10 @@ class StepProgram:
             times["allreduce"] += st[4]
             st[4] = 0
             t0 = time.perf_counter_ns()
-            ar.wait(st[3], self.nbytes)
+            if self.external:
+                ar.reduce(self._bufs["y"])  # the step stopped at it: y (B, hid), reduced in place
+            else:
+                ar.wait(st[3], self.nbytes)
             times["wait"] += time.perf_counter_ns() - t0
             noted = st[2] + 1
             self.waits += 1

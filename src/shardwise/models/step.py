@@ -99,6 +99,7 @@ class _Entry:
             kv += (weakref.ref(cache.k), weakref.ref(cache.v))
         ar = None
         if group.size > 1:
+            step.need(group.wire == "fp32", f"the tp group's {group.wire} wire (the per-op path encodes it)")
             ar = group.native_all_reduce()
             step.need(ar is not None, f"a tp group ({group.backend}) without the shared-memory all-reduce")
         self.program = step.StepProgram(specs, hidden=model.cfg.hidden_size, batch=batch, allreduce=ar)

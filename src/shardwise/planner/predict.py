@@ -167,7 +167,8 @@ def native_step_runs(cfg: ModelConfig, cluster: Cluster, tp: int, *, tokens: int
     MLP, no experts, no parallel residual) on fp32 or a file's own block formats (no
     `--quantize`), with the device's native fixed costs measured, and at tp > 1 the group's
     all-reduces on a link whose native all-reduce was measured (the shared memory inside a
-    host; across hosts the step is refused and runs op by op)."""
+    host; across hosts, the tcp collectives the step hands each all-reduce to), fp32 on the
+    wire (_forward's caller's part)."""
     plain = (cfg.norm == "rms" and not cfg.norm_offset and not cfg.qk_norm and not cfg.sandwich_norm
              and not cfg.post_norm and cfg.gated_mlp and cfg.act in ("silu", "gelu_tanh") and not cfg.num_experts
              and not cfg.parallel_residual)  # fmt: skip
@@ -345,15 +346,20 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
 
 def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int, tokens: int, context: float,
              width: int, dtype: str, busy: bool | None = None, expert_parallel: bool = False,
-             quantize: str | None = None, comm_dtype: str = "fp32") -> tuple[Timing, list[Collective], list[float]]:  # fmt: skip
+             quantize: str | None = None, comm_dtype: str = "fp32",
+             native: bool | None = None) -> tuple[Timing, list[Collective], list[float]]:  # fmt: skip
     """One forward of `tokens` new tokens per sequence through every stage, one stage after the
     other (the runtime's inference split, pipeline.stage.inference_layout): its timing, its
     collectives, and each stage's own time (compute and collectives). busy: every device
     computes at once (default: the tp ranks of a stage, when tp > 1). comm_dtype: the tp
-    all-reduces' wire format (tp_wire)."""
+    all-reduces' wire format (tp_wire); an encoded one keeps the step op by op (the native step
+    all-reduces fp32). native: whether the layers run as one native call (None: native_step_runs)."""
     busy = tp > 1 if busy is None else busy
     split = inference_layout(cfg, pp).layers
-    native = native_step_runs(cfg, cluster, tp, tokens=tokens, batch=batch, width=width, quantize=quantize)
+    if native is None:
+        native = comm_dtype in ("fp32", "auto") and native_step_runs(
+            cfg, cluster, tp, tokens=tokens, batch=batch, width=width, quantize=quantize
+        )
     dev = cluster.device
     step_s = (dev.native_step_overhead_us if native else dev.step_overhead_us) * 1e-6
     compute, raw, per_stage = step_s, [], []
@@ -368,6 +374,9 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
         raw.append((Collective("broadcast", "tp" if pp == 1 else "world", 1, 8 * batch), tp * pp, tp * pp))
     burst = mean_burst_s(compute, sum(c.calls for c, _, _ in raw))
     wire = tp_wire(comm_dtype, cluster, tp, batch * tokens * cfg.hidden_size, burst, width=width)
+    if native and tp > 1 and wire != "fp32":  # auto chose an encoded wire: the step runs op by op
+        return _forward(cfg, cluster, tp, pp, batch=batch, tokens=tokens, context=context, width=width, dtype=dtype,
+                        busy=busy, expert_parallel=expert_parallel, quantize=quantize, comm_dtype=wire, native=False)  # fmt: skip
     decode = ("native" if native else "per_op") if tokens == 1 else ""
     timed = [_timed(c, cluster, size, span, burst, wire=wire if c.group == "tp" else "fp32", width=width,
                     decode=decode) for c, size, span in raw]  # fmt: skip

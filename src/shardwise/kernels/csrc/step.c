@@ -10,7 +10,8 @@
  *
  * An all-reduce whose peers have not arrived within the header's spin budget returns
  * SW_STEP_WAIT with the resume point in `st`: Python then waits through the communicator
- * (its timeout, peer checks and diagnosis) and calls again to finish. */
+ * (its timeout, peer checks and diagnosis) and calls again to finish. A tp group without the
+ * segment (across hosts: H_EXTERNAL) returns at every all-reduce, and Python runs it. */
 #include <sched.h>
 #include <stdlib.h>
 #include <time.h>
@@ -24,6 +25,8 @@ enum {
     H_WORDS, H_MINE, H_NPEERS, H_PEERS, /* H_PEERS .. H_PEERS + 7: the peers' seq word indices */
     H_SLOTS = H_PEERS + 8, H_SLOT_FLOATS, H_RANK, H_SIZE, H_PERIOD, H_SPIN_NS,
     H_PROFILE, /* nonzero: time the step's parts into st[5..8] */
+    H_EXTERNAL, /* nonzero: every all-reduce is Python's (a tp group over TCP, shardwise/comm/tcp.py):
+                 * the step returns SW_STEP_WAIT at each, and the next call resumes with y reduced */
     SW_STEP_HEADER
 };
 
@@ -154,6 +157,14 @@ static void ar_sum(const int64_t *H, float *y, int64_t n, int64_t seq) {
 /* A reduce of y (n floats): post, spin, sum. 1 = done, 0 = wait (posted; st says where). */
 static int reduce_or_wait(const int64_t *H, const sw_step_args *a, int64_t *st, float *y, int64_t n, int64_t phase,
                           int64_t layer) {
+    if (H[H_EXTERNAL]) { /* Python reduces y in place (st[3] = -1: no seq), then calls again: done */
+        if (st[1] != phase) {
+            st[0] = layer, st[1] = phase, st[3] = -1;
+            return 0;
+        }
+        st[2] += 1, st[1] = 0;
+        return 1;
+    }
     const int64_t seq = seq_of(H, a->calls + st[2] + 1);
     const int64_t t0 = now_ns();
     if (st[1] != phase) ar_post(H, y, n, seq); /* not yet posted: a resume has posted already */
@@ -238,7 +249,7 @@ const char *sw_step_check(const int64_t *H, const int64_t *layers) {
     if (H[H_B] < 1 || H[H_HIDDEN] < 1 || H[H_NLAYERS] < 0) return "bad sizes";
     if (!sw_rmsnorm_table[isa] || !sw_add_rmsnorm_table[isa] || !sw_attend_table[isa] || !sw_glu_table[isa])
         return "no norm, attention or gated-activation kernel for this ISA";
-    if (H[H_SIZE] > 1 && (H[H_NPEERS] != H[H_SIZE] - 1 || H[H_NPEERS] > 8 || H[H_PERIOD] < 4 || !H[H_WORDS] ||
+    if (H[H_SIZE] > 1 && !H[H_EXTERNAL] && (H[H_NPEERS] != H[H_SIZE] - 1 || H[H_NPEERS] > 8 || H[H_PERIOD] < 4 || !H[H_WORDS] ||
                           !H[H_SLOTS] || H[H_SLOT_FLOATS] < H[H_B] * H[H_HIDDEN]))
         return "bad all-reduce segment";
     for (int64_t l = 0; l < H[H_NLAYERS]; l++) {
