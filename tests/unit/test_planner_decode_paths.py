@@ -71,7 +71,13 @@ def test_the_decode_probes_records():
                           "native": {"native": True, "step_us": 1.0, "ops": {"all_reduce": {**op, "us": 2.0}}}})  # fmt: skip
     # the burst: the step's time less its collectives', over them: (1 us - 9 x 8 us) floored at 0
     assert rec == {"decode": [{"op": "all_reduce", "bytes": 256.0, "us": 8.0, "burst_us": 0.0, "spill_us": 0.0}],
-                   "native_all_reduce": {"bytes": 256.0, "us": 2.0}}  # fmt: skip
+                   "native_all_reduce": {"bytes": 256.0, "us": 2.0, "spill_us": 0.0}}  # fmt: skip
+    # with the step alone measured: the native step's time beyond its calls and that, per call, on its all-reduce
+    native = {"native": True, "step_us": 100.0, "ops": {"all_reduce": {**op, "us": 2.0}}}
+    rec = _decode_record({"alone": {"step_us": 46.0}, "native": native})
+    assert rec["native_all_reduce"] == pytest.approx(
+        {"bytes": 256.0, "us": 2.0 + 4.0, "spill_us": 4.0}
+    )  # (100 - 18 - 46) / 9
     refused = {"native": False, "step_us": 1.0, "ops": {"all_reduce": op}}  # the native step did not run
     assert "native_all_reduce" not in _decode_record({"native": refused})
     with pytest.raises(PlannerError, match="decode figures"):

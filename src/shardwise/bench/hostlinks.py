@@ -131,7 +131,8 @@ def _decode_record(decode: dict) -> dict:
     its calls; each call's time includes its share of what the step's compute took beyond
     that, "spill_us"), with the q8 wire's ops as "q8 all_to_all", "q8
     all_gather", "q8 broadcast" where measured; "native_all_reduce": {"bytes",
-    "us"} of the all-reduces inside the native step, where it ran; "decode_hop": {"bytes",
+    "us", "spill_us"} of the all-reduces inside the native step, where it ran (its spill as the
+    per-op path's, over the native step); "decode_hop": {"bytes",
     "hop_us", "step_us", "alone_us"} of pp=2's decode step (measure.pipeline_step_rank: one
     message between two stages that take turns), where measured."""
     from shardwise.planner.wire import CODEC_US
@@ -162,7 +163,15 @@ def _decode_record(decode: dict) -> dict:
         out["decode_hop"] = {k: pp[k] for k in ("bytes", "hop_us", "step_us", "alone_us")}
     native = decode.get("native")
     if native and native["native"] and "all_reduce" in native["ops"]:
-        out["native_all_reduce"] = {k: native["ops"]["all_reduce"][k] for k in ("bytes", "us")}
+        # as the per-op path's: what the step took beyond its calls and the same step alone (the
+        # ranks resuming after each wait, and each wait for the slower rank's compute), shared
+        # among its calls and added to the all-reduce's
+        ops, alone = native["ops"], decode.get("alone", {}).get("step_us")
+        calls = sum(v["calls"] for v in ops.values())
+        inside = sum(v["calls"] * v["us"] for v in ops.values())
+        spill = 0.0 if alone is None else max(0.0, native["step_us"] - inside - alone) / max(calls, 1)
+        ar = ops["all_reduce"]
+        out["native_all_reduce"] = {"bytes": ar["bytes"], "us": ar["us"] + spill, "spill_us": spill}
     return out
 
 
