@@ -197,9 +197,15 @@ def fails_mid_collective(world, how: str, bad: int, out_dir: str) -> None:
     writes its CollectiveError and how long it waited to out_dir/<rank>."""
     tp = ParallelDims(world_size=world.size, tp=world.size).build(world, shm_allreduce="on").tp
     assert isinstance(tp, ShmCommunicator)
+    fail_mid_collective(tp, world.rank, how, bad, out_dir)
+
+
+def fail_mid_collective(tp, rank: int, how: str, bad: int, out_dir: str) -> None:
+    """Five all-reduces on `tp`, then rank `bad` fails as `how` says while the others are in
+    the sixth; each other rank writes its CollectiveError and its wait to out_dir/<rank>."""
     for _ in range(5):
         tp.all_reduce(torch.ones(4))
-    if world.rank == bad:
+    if rank == bad:
         time.sleep(0.3)  # the others are already waiting
         if how == "raise":
             raise ValueError(f"boom on rank {bad}")
@@ -211,9 +217,9 @@ def fails_mid_collective(world, how: str, bad: int, out_dir: str) -> None:
         tp.all_reduce(torch.ones(4))
     except CollectiveError as e:
         record = {"error": str(e), "waited": time.monotonic() - start}
-        Path(out_dir, str(world.rank)).write_text(json.dumps(record))
+        Path(out_dir, str(rank)).write_text(json.dumps(record))
         raise
-    raise AssertionError(f"rank {world.rank}: the all-reduce completed without rank {bad}")
+    raise AssertionError(f"rank {rank}: the all-reduce completed without rank {bad}")
 
 
 def dies_holding_a_segment(world, out_dir: str) -> None:

@@ -6,13 +6,11 @@ rank that fails, dies or never arrives mid-collective, and ranks out of step (la
 from __future__ import annotations
 
 import importlib.resources
-import json
-import os
-import time
 from pathlib import Path
 
 import torch
 
+from cases.shm import fail_mid_collective
 from shardwise.comm import CollectiveError, ParallelDims
 from shardwise.comm.tcp import SPLIT_BYTES, TcpCommunicator, across_hosts
 
@@ -181,22 +179,7 @@ def fails_mid_collective(world, how: str, bad: int, out_dir: str) -> None:
     CollectiveError and how long it waited to out_dir/<rank>."""
     tp = ParallelDims(world_size=world.size, tp=world.size).build(world, shm_allreduce="off", tcp="on").tp
     assert isinstance(tp, TcpCommunicator)
-    for _ in range(5):
-        tp.all_reduce(torch.ones(4))
-    if world.rank == bad:
-        time.sleep(0.3)  # the others are already waiting
-        if how == "raise":
-            raise ValueError(f"boom on rank {bad}")
-        if how == "exit":
-            os._exit(7)
-        time.sleep(120)  # stuck outside any collective
-    start = time.monotonic()
-    try:
-        tp.all_reduce(torch.ones(4))
-    except CollectiveError as e:
-        Path(out_dir, str(world.rank)).write_text(json.dumps({"error": str(e), "waited": time.monotonic() - start}))
-        raise
-    raise AssertionError(f"rank {world.rank}: the all-reduce completed without rank {bad}")
+    fail_mid_collective(tp, world.rank, how, bad, out_dir)
 
 
 def out_of_step(world, out_dir: str) -> None:
