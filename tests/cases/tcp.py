@@ -14,7 +14,15 @@ from cases.shm import fail_mid_collective
 from shardwise.comm import CollectiveError, ParallelDims
 from shardwise.comm.tcp import SPLIT_BYTES, TcpCommunicator, across_hosts
 
-__all__ = ["parity_case", "decode_case", "mlp_grad_case", "other_host_case", "fails_mid_collective", "out_of_step"]
+__all__ = [
+    "parity_case",
+    "decode_case",
+    "mlp_grad_case",
+    "other_host_case",
+    "cannot_listen_case",
+    "fails_mid_collective",
+    "out_of_step",
+]
 
 
 def _groups(world) -> tuple[TcpCommunicator, object]:
@@ -192,3 +200,27 @@ def out_of_step(world, out_dir: str) -> None:
         Path(out_dir, str(world.rank)).write_text(str(e))
         raise
     raise AssertionError(f"rank {world.rank}: ranks out of step were not caught")
+
+
+def cannot_listen_case(world) -> tuple[str, list[float]]:
+    """Every rank says it is on a host of its own and listens where SHARDWISE_TCP_ADDR says:
+    127.0.0.1, but the last rank an address this machine does not have. Every rank keeps the
+    wrapped communicator alike (and it works)."""
+    import os
+
+    from shardwise.comm import tcp
+
+    real, before = tcp.host_key, os.environ.get(tcp.ADDR_ENV)
+    tcp.host_key = lambda: real() + world.rank  # every rank a host of its own
+    os.environ[tcp.ADDR_ENV] = "192.0.2.1" if world.rank == world.size - 1 else "127.0.0.1"  # TEST-NET-1
+    try:
+        group = across_hosts(world.split([list(range(world.size))], name="tp"), parent=world, mode="auto")
+    finally:
+        tcp.host_key = real
+        if before is None:
+            del os.environ[tcp.ADDR_ENV]
+        else:
+            os.environ[tcp.ADDR_ENV] = before
+    out = type(group).__name__, group.all_reduce(torch.ones(3)).tolist()
+    world.close_splits()
+    return out

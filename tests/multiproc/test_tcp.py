@@ -12,7 +12,15 @@ import re
 
 import pytest
 
-from cases.tcp import decode_case, fails_mid_collective, mlp_grad_case, other_host_case, out_of_step, parity_case
+from cases.tcp import (
+    cannot_listen_case,
+    decode_case,
+    fails_mid_collective,
+    mlp_grad_case,
+    other_host_case,
+    out_of_step,
+    parity_case,
+)
 from shardwise.comm.tcp import tcp_mode
 from shardwise.launch import RankFailedError, launch
 
@@ -42,6 +50,10 @@ def test_a_tensor_parallel_mlp_trains_the_same_over_tcp(rank_pool, world_size):
 
 def test_a_group_across_hosts_takes_the_tcp_path_by_default(rank_pool):
     assert rank_pool.run(other_host_case, 3) == [("TcpCommunicator", [3.0, 3.0, 3.0])] * 3
+
+
+def test_a_rank_that_cannot_listen_keeps_every_rank_on_gloo(rank_pool):
+    assert rank_pool.run(cannot_listen_case, 2) == [("TorchDistCommunicator", [2.0, 2.0, 2.0])] * 2
 
 
 @pytest.mark.parametrize("how", ["raise", pytest.param("exit", marks=pytest.mark.full)])
