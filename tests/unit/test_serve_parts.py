@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -13,7 +14,7 @@ from shardwise.engine.slots import StepBatch
 from shardwise.engine.text import DEFAULT_MODEL, load_tokenizer
 from shardwise.serve.metrics import Metrics
 from shardwise.serve.scheduler import EngineDown, Output, QueueFull, Scheduler, Sequence
-from shardwise.serve.step import decode, encode
+from shardwise.serve.step import Kind, decode, encode
 from shardwise.serve.text import FALLBACK_TEMPLATE, ChatTemplate, TextStream
 
 
@@ -33,6 +34,11 @@ def test_step_round_trip():
     header, payload = encode(StepBatch.build([(3, 10, [7]), (0, 0, [1, 2, 3, 4]), (5, 2, [9, 8])], tables=tables))
     assert header.tolist() == [1, 3, 4, 3 * 3 + 3 * 4 + 3 * 2, 2]
     assert torch.equal(decode(header, payload).tables, tables)
+    # a step whose rows all decode greedily travels as GREEDY_STEP (engine.argmax on every rank)
+    assert not decode(header, payload).greedy
+    greedy = StepBatch.build([(3, 10, [7])], tables=tables[:1])
+    header, payload = encode(dataclasses.replace(greedy, greedy=True))
+    assert header[0] == Kind.GREEDY_STEP and decode(header, payload).greedy
 
 
 def _seq(prompt, max_tokens=3, stop=(), outs=None):
@@ -67,6 +73,20 @@ def test_scheduler_admits_batches_and_frees_slots():
     sched.submit(c)
     sched.cancel(c)  # a client that leaves while queued never takes a slot
     assert sched.next_batch() is None
+
+
+def test_a_greedy_steps_tokens_come_chosen():
+    sched = Scheduler(num_slots=2, max_queue=2, metrics=Metrics(tp=1, slots=2), max_step_tokens=8)
+    a, a_out = _seq([1, 2], max_tokens=2)
+    sched.submit(a)
+    sched.next_batch()
+    assert sched.finish_step(torch.tensor([5])) == 1 and a_out == [Output(token=5)]  # (B,): the tokens themselves
+    sampled, _ = _seq([3])
+    sampled.sampling = SamplingParams(temperature=1.0, seed=1)
+    sched.submit(sampled)
+    sched.next_batch()
+    with pytest.raises(RuntimeError, match="samples, but its step's tokens were chosen greedily"):
+        sched.finish_step(torch.tensor([6, 7]))
 
 
 def test_scheduler_failure_reaches_every_request_and_refuses_new_ones():

@@ -325,8 +325,8 @@ its step is fixed costs and collectives, as a small model's decode step is."""
 def decode_step_rank(world: Communicator, opts: dict) -> dict:
     """A decode step as `shardwise generate` runs it, tp over `world` (DECODE_CONFIG, random
     weights, batch 1): the layers (one native call where shardwise.kernels.step runs, op by op
-    elsewhere, or with opts["native"] False), the LM head with its logits' all-gather, rank 0's
-    argmax and the token broadcast. Per step, the median wall time, and per collective op the
+    elsewhere, or with opts["native"] False), the LM head and the greedy choice as generate
+    makes it (shardwise.engine.argmax: each rank's best, one all-gather of them). Per step, the median wall time, and per collective op the
     mean wall time of one call inside it over every step (shardwise's accounting: a native
     step's all-reduces are counted too, their spin for the peer included), with its calls a step:
 
@@ -344,6 +344,7 @@ def decode_step_rank(world: Communicator, opts: dict) -> dict:
     import contextlib
     import statistics
 
+    from shardwise.engine.argmax import split_logits, vocab_parallel_argmax
     from shardwise.engine.generate import decode_step
     from shardwise.hf.families import FAMILIES
     from shardwise.kernels import step as native_step
@@ -368,9 +369,9 @@ def decode_step_rank(world: Communicator, opts: dict) -> dict:
         for i in range(warmup + steps):
             before = {k: (c.calls, c.bytes, c.seconds) for k, c in world.stats.counts.items()}
             t0 = time.perf_counter()
-            logits = decode_step(model, tok.view(1, 1), None, caches, i)  # (1, V)
-            nxt = logits.argmax(-1) if world.rank == 0 else torch.empty(1, dtype=torch.long)
-            tok = world.broadcast(nxt, src=0)
+            with split_logits(model) as head:  # greedy, as generate: each rank's best, one all-gather
+                logits = decode_step(model, tok.view(1, 1), None, caches, i)  # (1, V / tp)
+            tok = vocab_parallel_argmax(logits, head) if head is not None else logits.argmax(-1)
             wall = time.perf_counter() - t0
             if i < warmup:
                 continue

@@ -2,7 +2,9 @@
 
 Every rank of the group runs this same code on the same prompts. Each step is a full
 sharded forward (its collectives are inside the model's layers), then rank 0 samples
-the next tokens and broadcasts them, so every rank takes the same decisions.
+the next tokens and broadcasts them, so every rank takes the same decisions. Greedy
+decoding over a vocab-parallel head leaves the logits split instead: every rank takes its
+shard's best and one all-gather of those gives every rank the same token (engine.argmax).
 
     prefill      prompts (B, L), left-padded  -> KV caches filled, first new token
     decode_step  last tokens (B, 1)           -> next token, one KV slot per step
@@ -13,6 +15,7 @@ rank; each forward passes stage to stage and the sampled tokens reach every rank
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardwise.comm import Communicator
+from shardwise.engine.argmax import split_head, split_logits, vocab_parallel_argmax
 from shardwise.engine.pipeline import StageForward
 from shardwise.engine.sampling import SamplingParams, sample_on_rank0
 from shardwise.models.decoder import DecoderLM
@@ -107,11 +111,15 @@ def generate(
     if stages is None:  # one stage: the whole model on this tp group
         caches = model.new_caches(B, L + max_new_tokens)
         gen = sampling.generator() if comm.rank == 0 else None
+        split = sampling.greedy and split_head(model) is not None  # greedy: the logits stay split (engine.argmax)
 
         def forward(x, m, start):
-            return prefill(model, x, m, caches) if start == 0 else decode_step(model, x, m, caches, start)
+            with split_logits(model) if split else contextlib.nullcontext():
+                return prefill(model, x, m, caches) if start == 0 else decode_step(model, x, m, caches, start)
 
         def choose(logits):
+            if split:
+                return vocab_parallel_argmax(logits, split_head(model))
             return sample_on_rank0(logits, sampling, gen, comm)
     else:
         caches = stages.new_caches(B, L + max_new_tokens)

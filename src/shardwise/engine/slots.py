@@ -49,6 +49,8 @@ class StepBatch:
     tables: torch.Tensor | None = None
     """(B, W) each row's KV blocks, for a paged cache (engine/paged.py; slots are then
     sequence ids); None for the slot cache."""
+    greedy: bool = False
+    """Every row decodes greedily: the step's logits may stay split by vocabulary (engine.argmax)."""
 
     @staticmethod
     def build(

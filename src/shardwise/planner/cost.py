@@ -25,6 +25,7 @@ from shardwise.planner.footprint import (
 )
 
 __all__ = [
+    "ARGMAX_BYTES",
     "Collective",
     "layer_flops_per_token",
     "layers_flops_per_token",
@@ -217,6 +218,10 @@ def p2p_messages_per_step(pp: int, micro_batches: int, virtual_stages: int = 1) 
     return 2 * micro_batches * (pp * virtual_stages - 1)
 
 
+ARGMAX_BYTES = 16
+"""A sequence's share of the greedy choice's all-gather (engine.argmax): its best value and index, two float64."""
+
+
 def p2p_bytes_per_message(micro_batch: int, seq: int, hidden: int, width: int) -> int:
     """One stage-boundary tensor: (micro_batch, seq, hidden) values of `width` bytes."""
     return micro_batch * seq * hidden * width
@@ -224,13 +229,15 @@ def p2p_bytes_per_message(micro_batch: int, seq: int, hidden: int, width: int) -
 
 def tp_forward_collectives(
     cfg: ModelConfig, tp: int, *, batch: int, tokens: int, width: int, layers: int, first: bool, last: bool,
-    logit_rows: int = 1,
+    logit_rows: int = 1, argmax: bool = False,
 ) -> list[Collective]:  # fmt: skip
     """The tensor-parallel collectives of one forward of `layers` layers on one rank, as
     shardwise's layers issue them: 2 all-reduces per layer (after attention's and the MLP's
     row-parallel matmul) of (batch, tokens, hidden), 1 for the vocab-parallel embedding
     (first stage), and 1 all-gather of the logits of `logit_rows` positions (last stage;
-    0 when the logits stay split, as for the vocab-parallel loss in training)."""
+    0 when the logits stay split, as for the vocab-parallel loss in training). argmax: greedy
+    decoding with the logits left split (shardwise.engine.argmax): that all-gather carries
+    each rank's best (value, index) instead, 16 bytes a sequence."""
     if tp == 1:
         return []
     act = batch * tokens * cfg.hidden_size * width
@@ -238,7 +245,8 @@ def tp_forward_collectives(
     out = [Collective("all_reduce", "tp", calls, calls * act)] if calls else []
     if last and logit_rows:
         rows = padded_size(cfg.vocab_size, tp) // tp
-        out.append(Collective("all_gather", "tp", 1, batch * logit_rows * rows * width))
+        each = ARGMAX_BYTES if argmax else logit_rows * rows * width
+        out.append(Collective("all_gather", "tp", 1, batch * each))
     return out
 
 

@@ -336,7 +336,7 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
     t = max(flops / rate, nbytes / dev.stream_bytes_per_s(node_bytes, busy)) + quantized_s + fixed * per_layer * 1e-6
     raw = []
     kw = dict(batch=batch, tokens=tokens, width=width, layers=layers, first=first, last=last)
-    for c in tp_forward_collectives(cfg, tp, **kw):
+    for c in tp_forward_collectives(cfg, tp, argmax=pp == 1, **kw):  # pp == 1: greedy, the logits split
         raw.append((c, tp, tp))
     if not last:  # the hidden states of every sequence to the next stage
         act = batch * tokens * cfg.hidden_size * width
@@ -370,8 +370,8 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
         compute += t
         raw += r
         per_stage.append((t, r))
-    if tp > 1 or pp > 1:  # the sampled tokens (int64) reach every rank of the job
-        raw.append((Collective("broadcast", "tp" if pp == 1 else "world", 1, 8 * batch), tp * pp, tp * pp))
+    if pp > 1:  # the sampled tokens (int64) reach every rank of the job (pp == 1: each rank chose them alike)
+        raw.append((Collective("broadcast", "world", 1, 8 * batch), tp * pp, tp * pp))
     burst = mean_burst_s(compute, sum(c.calls for c, _, _ in raw))
     wire = tp_wire(comm_dtype, cluster, tp, batch * tokens * cfg.hidden_size, burst, width=width)
     if native and tp > 1 and wire != "fp32":  # auto chose an encoded wire: the step runs op by op
@@ -398,7 +398,9 @@ def predict_inference(cfg: ModelConfig, cluster: Cluster, layout: Layout, *, bat
     sequence's next token comes after its group's pass through every stage, or after g of the
     slowest stage's steps, whichever is longer (every device then computes at once).
     quantize: the weights' format (`--quantize`; None: `width` bytes, like the activations).
-    comm_dtype: the tp all-reduces' wire format (`--comm-dtype`; tp_wire), fp32 by default."""
+    comm_dtype: the tp all-reduces' wire format (`--comm-dtype`; tp_wire), fp32 by default.
+    Greedy decoding: at pp == 1 the logits stay split and one all-gather of each rank's best
+    chooses the token (shardwise.engine.argmax; a sampled request gathers them)."""
     tp, pp = layout.tp, layout.pp
     kw = dict(width=width, dtype=dtype, expert_parallel=layout.expert_parallel, quantize=quantize,
               comm_dtype=comm_dtype)  # fmt: skip

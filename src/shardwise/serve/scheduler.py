@@ -249,12 +249,16 @@ class Scheduler:
 
     def finish_step(self, logits: torch.Tensor, rows: list[Sequence] | None = None) -> int:
         """logits: (B, V) of the step built by next_batch (or of the step of `rows`, built
-        earlier: pp > 1) -> number of new tokens delivered."""
-        tokens = logits.argmax(dim=-1).tolist()  # greedy rows; sampled rows are replaced below
+        earlier: pp > 1), or the step's tokens (B,) when every row is greedy and they were
+        chosen already (engine.argmax) -> number of new tokens delivered."""
+        chosen = logits.dim() == 1
+        tokens = (logits if chosen else logits.argmax(dim=-1)).tolist()  # greedy rows; sampled replaced below
         delivered = 0
         with self.cond:
             for b, seq in enumerate(self._rows if rows is None else rows):
                 if not seq.sampling.greedy:
+                    if chosen:
+                        raise RuntimeError(f"sequence {seq.id} samples, but its step's tokens were chosen greedily")
                     row = logits[b : b + 1].float().cpu()  # (1, V): the generator lives on the CPU
                     tokens[b] = int(sample(row, seq.sampling, seq.generator)[0])
                 seq.cached += len(seq.feed)

@@ -11,7 +11,9 @@ for the slot cache.
 A NOOP step (idle heartbeat) has no payload; every rank then joins a barrier, so a
 dead or stuck rank is noticed even when no request is running. STOP ends the workers'
 loop. Only token ids and slot bookkeeping travel: sampling happens on rank 0, and the
-sampled token reaches the other ranks as an input id of the next step.
+sampled token reaches the other ranks as an input id of the next step. A GREEDY_STEP (every
+row greedy) is a STEP whose tokens every rank chooses alike from one all-gather of each
+rank's best (shardwise.engine.argmax), its logits never gathered.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class Kind(IntEnum):
     NOOP = 0
     STEP = 1
     STOP = 2
+    GREEDY_STEP = 3
+    """A STEP whose rows all decode greedily: every rank takes its vocabulary shard's best and
+    one all-gather chooses the tokens (shardwise.engine.argmax), no logits gathered."""
 
 
 def encode(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,22 +48,24 @@ def encode(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         W = batch.tables.shape[1]
         parts.append(batch.tables.reshape(-1))
     payload = torch.cat(parts)
-    header = torch.tensor([Kind.STEP, B, T, payload.numel(), W], dtype=torch.long, device=payload.device)
+    kind = Kind.GREEDY_STEP if batch.greedy else Kind.STEP
+    header = torch.tensor([kind, B, T, payload.numel(), W], dtype=torch.long, device=payload.device)
     return header, payload
 
 
 def decode(header: torch.Tensor, payload: torch.Tensor) -> StepBatch:
     """The inverse of encode."""
-    _, B, T, n, W = (int(x) for x in header.tolist())
+    kind, B, T, n, W = (int(x) for x in header[:HEADER_LEN].tolist())
     if payload.numel() != n or n != 3 * B + B * T + B * W:
         raise ValueError(f"step payload of {payload.numel()} ints does not match its header {header.tolist()}")
     slots, past, n_new, ids, tables = payload.split([B, B, B, B * T, B * W])
-    return StepBatch(slots=slots, past=past, n_new=n_new, ids=ids.view(B, T), tables=tables.view(B, W) if W else None)
+    return StepBatch(slots=slots, past=past, n_new=n_new, ids=ids.view(B, T), tables=tables.view(B, W) if W else None,
+                     greedy=kind == Kind.GREEDY_STEP)  # fmt: skip
 
 
 def send_step(comm: Communicator, kind: Kind, batch: StepBatch | None = None, device=None) -> None:
     """Rank 0: broadcast one step (a STEP carries its batch)."""
-    if kind == Kind.STEP:
+    if kind in (Kind.STEP, Kind.GREEDY_STEP):
         if batch is None:
             raise ValueError("a STEP needs its batch")
         header, payload = encode(batch)
@@ -72,7 +79,7 @@ def recv_step(comm: Communicator, device=None) -> tuple[Kind, StepBatch | None]:
     """Other ranks: receive the next step."""
     header = comm.broadcast(torch.empty(HEADER_LEN, dtype=torch.long, device=device), src=0)
     kind = Kind(int(header[0]))
-    if kind != Kind.STEP:
+    if kind not in (Kind.STEP, Kind.GREEDY_STEP):
         return kind, None
     payload = comm.broadcast(torch.empty(int(header[3]), dtype=torch.long, device=device), src=0)
     return kind, decode(header, payload)

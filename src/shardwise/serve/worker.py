@@ -19,6 +19,7 @@ errors for DRAIN_S, and raises: the launcher then takes every rank down and the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.comm import Communicator, ParallelDims, tp_only
+from shardwise.engine.argmax import split_head, split_logits, vocab_parallel_argmax
 from shardwise.engine.paged import BlockTables, PagedCaches, blocks_for, kept_window
 from shardwise.engine.pipeline import StageForward
 from shardwise.engine.slots import StepBatch
@@ -151,8 +153,17 @@ class _Engine:
         self.device = self.caches.layers[0].k.device
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """One step of the whole model (pp 1) -> logits (B, V) on every rank."""
+        """One step of the whole model (pp 1) -> logits (B, V) on every rank; a greedy batch
+        -> its tokens (B,) on every rank, the logits left split (shardwise.engine.argmax)."""
+        if batch.greedy:
+            with split_logits(self.model) as head:
+                local = self.caches.forward(self.model, batch)  # (B, V / tp)
+            return vocab_parallel_argmax(local, head)
         return self.caches.forward(self.model, batch)
+
+    def splits(self) -> bool:
+        """Whether a greedy step can leave the logits split (a vocab-parallel head, pp 1)."""
+        return self.stages is None and split_head(self.model) is not None
 
 
 def window_text(cfg, block_size: int) -> str:
@@ -265,7 +276,7 @@ def lead_until_failure(scheduler: Scheduler, lead: Callable[[], None]) -> None:
 
 def _lead(world, engine: _Engine, scheduler: Scheduler, metrics: Metrics, fault, http_thread) -> None:
     """Rank 0's engine loop; returns never, raises when a step or the HTTP server fails."""
-    tp, device = engine.tp, engine.device
+    tp, device, split = engine.tp, engine.device, engine.splits()
     while True:
         if not http_thread.is_alive():
             raise RuntimeError("the HTTP server stopped")
@@ -278,9 +289,11 @@ def _lead(world, engine: _Engine, scheduler: Scheduler, metrics: Metrics, fault,
                 metrics.heartbeat(tp.stats.snapshot())
             continue
         t0 = time.perf_counter()
+        if split and all(seq.sampling.greedy for seq in scheduler.rows()):
+            batch = dataclasses.replace(batch, greedy=True)
         send_step(world, Kind.STEP, batch)
         fault.step()
-        logits = engine.forward(batch)  # (B, V)
+        logits = engine.forward(batch)  # (B, V); a greedy batch: its tokens (B,)
         new_tokens = scheduler.finish_step(logits)
         metrics.step(time.perf_counter() - t0, batch.slots.numel(), new_tokens, tp.stats.snapshot())
 
