@@ -1,6 +1,6 @@
 """The calibration's two host paths (shardwise.bench.hostlinks): the shared-memory all-reduce
-inside a host and gloo across a veth link between namespace hosts, measured for real, and the
-planner's hosts built from them. Skipped, with the reason, where namespaces cannot be made."""
+inside a host and a tp group's collectives across a veth link between namespace hosts (direct
+TCP, shardwise.comm.tcp), measured for real, and the planner's hosts built from them. Skipped, with the reason, where namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -27,16 +27,19 @@ def test_shared_memory_and_veth_paths_are_measured_and_make_hosts_for_the_planne
         assert [p["size_bytes"] for p in rec["after_compute_big"]] == [262144] * 3, name
         assert rec["after_compute"] and all(p["burst_us"] > 0 and p["extra_us"] >= 0 for p in rec["after_compute"])
     # each path's decode step: its collectives with the step's spill; across hosts the q8 wire's too
+    # (greedy: the choice's all-gather, no token broadcast; engine.argmax)
     ops = {name: {d["op"]: d for d in rec["decode"]} for name, rec in links.items()}
-    assert {"all_reduce", "all_gather", "broadcast"} <= set(ops["shm"])
+    assert {"all_reduce", "all_gather"} <= set(ops["shm"]) and "broadcast" not in ops["shm"]
     assert {"q8 all_to_all", "q8 all_gather"} <= set(ops["veth"]), ops["veth"]
+    # the native decode step ran on both paths (across hosts it hands each all-reduce to comm.tcp)
+    assert all(links[n]["native_all_reduce"]["us"] > 0 for n in ("shm", "veth")), links
     assert all(d["us"] > 0 and d["burst_us"] > 0 and d["spill_us"] >= 0 for o in ops.values() for d in o.values())
     # across hosts, pp=2's decode step: one message between the stages (measure.pipeline_step_rank)
     hop = links["veth"]["decode_hop"]
     assert links["veth"]["launches"] == 2 and len(links["veth"]["per_launch"]["decode_pp_step_us"]) == 2
     assert hop["hop_us"] > 0 and hop["step_us"] > hop["alone_us"] > 0 and "decode_hop" not in links["shm"], hop
-    # a 4 KiB all-reduce through shared memory is faster than gloo's across the link
-    assert links["shm"]["points"][0]["latency_us"] < links["veth"]["points"][0]["latency_us"], links
+    # NOTE: no order between the two paths' 4 KiB all-reduces: over direct TCP the link's (tens of
+    # us) may beat the shared memory's on a loaded machine (CI, 2026-12-07: 172 against 186 us)
     gloo = {**links["veth"], "send_us": None}  # any gloo link will do for the cluster's other operations
     cal = Calibration(host="h", torch="0", devices=2, memory_gib=16.0, gemm_tflops={"float32": 0.05}, mem_gbps=10.0,
                       layer_overhead_us=100.0, step_overhead_us=100.0, links={"gloo": gloo, **links})  # fmt: skip
