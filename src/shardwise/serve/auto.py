@@ -55,6 +55,10 @@ class AutoEngine:
         """One step of the one sequence -> logits (1, V) on every rank."""
         return self.steps.forward(batch)
 
+    def splits(self) -> bool:
+        """False: its steps gather the logits, greedy or not (engine.argmax is the native models')."""
+        return False
+
 
 def serve_auto_rank(world: Communicator, opts: ServeOptions) -> None:
     setup_logging(world.rank, world.size)
