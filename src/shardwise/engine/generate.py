@@ -111,15 +111,15 @@ def generate(
     if stages is None:  # one stage: the whole model on this tp group
         caches = model.new_caches(B, L + max_new_tokens)
         gen = sampling.generator() if comm.rank == 0 else None
-        split = sampling.greedy and split_head(model) is not None  # greedy: the logits stay split (engine.argmax)
+        head = split_head(model) if sampling.greedy else None  # greedy: the logits stay split (engine.argmax)
 
         def forward(x, m, start):
-            with split_logits(model) if split else contextlib.nullcontext():
+            with split_logits(model) if head is not None else contextlib.nullcontext():
                 return prefill(model, x, m, caches) if start == 0 else decode_step(model, x, m, caches, start)
 
         def choose(logits):
-            if split:
-                return vocab_parallel_argmax(logits, split_head(model))
+            if head is not None:
+                return vocab_parallel_argmax(logits, head)
             return sample_on_rank0(logits, sampling, gen, comm)
     else:
         caches = stages.new_caches(B, L + max_new_tokens)
