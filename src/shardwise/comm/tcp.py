@@ -9,9 +9,9 @@ all-reduce and the barrier stay the wrapped communicator's.
 
 Why: gloo hands every operation to a worker thread, which hands the socket to its I/O loop
 thread and back; on a small host (a VM's core or two) each hand-off is a sleep and a wake, and
-a 1 KiB all-reduce between two hosts cost gloo 0.25-0.4 ms in the median and 1.2-1.8 ms on
-average (a tail of several ms), where the same exchange over one socket from the calling
-thread took 20-60 us (docs/benchmarks/links.md, "Collectives over direct TCP"). A decode
+a 1 KiB all-reduce between two namespace hosts cost gloo 1.3-2.6 ms on average (a tail of
+several ms), and 43-214 us this way (benchmarks/veth_tail.py; docs/benchmarks/links.md,
+"Collectives over direct TCP"). A decode
 step makes two all-reduces a layer: across hosts, that is the step.
 
 Each call sends every peer a 24-byte header (the call's number, the operation, the payload's
