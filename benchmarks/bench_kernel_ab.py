@@ -67,8 +67,11 @@ def main() -> None:
         copies = max(2, -(-args.cold_mib * 2**20 // w.nbytes)) if label == "cold" else 1
         pool = np.tile(w, (copies, 1)) if copies > 1 else w
         x = torch.randn(max(ns), k)
-        xq = torch.empty(max(ns) * kb * (native.A32_BYTES if block == 32 else native.A256_BYTES), dtype=torch.uint8)
-        native.quantize(block, isa, x.data_ptr(), k, max(ns), k, xq.data_ptr())
+        xqs = []  # each build's own activation blocks (their layout may differ between builds)
+        for mod in mods:
+            xq = torch.empty(max(ns) * kb * (mod.A32_BYTES if block == 32 else mod.A256_BYTES), dtype=torch.uint8)
+            mod.quantize(block, isa, x.data_ptr(), k, max(ns), k, xq.data_ptr())
+            xqs.append(xq)
         y = torch.empty(max(ns), rows)
         calls = 3 if label == "hot" else 1
         best = {(m, n): float("inf") for m in range(len(mods)) for n in ns}
@@ -78,7 +81,7 @@ def main() -> None:
                     t0 = time.thread_time_ns()
                     for c in range(copies):
                         for _ in range(calls):
-                            mod.gemm(t, isa, pool.ctypes.data + c * w.nbytes, w.shape[1], rows, kb, xq.data_ptr(), n,
+                            mod.gemm(t, isa, pool.ctypes.data + c * w.nbytes, w.shape[1], rows, kb, xqs[mi].data_ptr(), n,
                                      y.data_ptr(), rows)  # fmt: skip
                     best[mi, n] = min(best[mi, n], (time.thread_time_ns() - t0) / 1e3 / (copies * calls))
         for mi, name in enumerate(names):

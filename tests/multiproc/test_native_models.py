@@ -27,11 +27,12 @@ SHARDED_TOL = 2e-2
 twin to fp32 rounding (tests/unit/test_block_weight.py), but the order of the sharded sums
 moves an activation by ~1e-5, which can flip the rounding of its 8-bit block downstream:
 measured 1e-3 to 6e-3 (dequantized, the same comparison is 1e-6: test_gguf_models.py)."""
-REFERENCE_TOL = {32: 0.08, 256: 0.2}
+REFERENCE_TOL = {32: 0.08, 256: 0.12}
 """Max |native - transformers| / |transformers| by block length: the cost of quantizing
-activations to 8 bits per block (one scale per 32, or per 256 for the K-quants) on this
-random-weight model (measured 2-6% and 10-15%); on the real SmolLM2 Q4_1 it is +0.5% of
-perplexity (docs/benchmarks/native-kernels.md)."""
+activations to 8 bits per block (one scale per 32, or per 256 with a sub-scale per 32 for the
+K-quants, csrc/sw.h) on this random-weight model (measured 2.9-3.7% and 2.1-6.8%; the K-quants
+were 10-15% with one scale per 256); on the real SmolLM2 Q4_1 it is +0.5% of perplexity
+(docs/benchmarks/native-kernels.md)."""
 CASES = {1: ("Q8_0", "Q4_K", "Q6_K"), 2: ("Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"), 3: ("Q8_0", "Q4_1", "Q5_0")}
 
 

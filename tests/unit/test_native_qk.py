@@ -33,7 +33,7 @@ FORMATS = {  # name: (ggml type, bytes per block, where d is, where dmin is or N
 ISAS = ["portable", "avx2", "avx512"]
 RTOL = 2e-6  # (measured worst 1.6e-7) of sum |d sc q| |x| + |dmin mn| |x|: fp32 scaling and summation only (the integer dots are exact)
 ROWS, KB, PAD, OFF = 64, 5, 1, 1  # the weight matrix: ROWS x (OFF + KB + PAD) blocks (+ 3 bytes), used from block OFF
-A256 = 292  # sw_a256: d (fp32), bsum[16] (int16), q[256] (int8)
+A256 = 316  # sw_a256: d (fp32), bsum[16] (int16), m[8], m16[16] (uint8), q[256] (int8)
 
 
 def _isa(name: str) -> int:
@@ -82,8 +82,9 @@ def _quantize_x(x: np.ndarray, kb: int) -> tuple[np.ndarray, np.ndarray]:
     native.quantize(256, 0, x.ctypes.data, x.shape[1], n, kb * 256, buf.ctypes.data + 2)
     blocks = buf[2 : 2 + n * kb * A256].reshape(n * kb, A256)
     d = blocks[:, 0:4].copy().view(np.float32).astype(np.float64)  # (n * kb, 1)
-    q = blocks[:, 36:].view(np.int8).astype(np.float64)
-    return buf, (d * q).reshape(n, kb * 256)
+    m = np.repeat(blocks[:, 36:44].astype(np.float64), 32, axis=1)  # (n * kb, 256): each sub-block's m
+    q = blocks[:, 60:].view(np.int8).astype(np.float64)
+    return buf, (d * m * q).reshape(n, kb * 256)
 
 
 def _dequantized(fmt: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -140,6 +141,44 @@ def test_gemm_against_reference(fmt: str, kind: str, isa_name: str) -> None:
                 if err.size:
                     worst = max(worst, float((err / np.maximum(scale, 1e-30)).max()))
     assert worst < RTOL
+
+
+def test_activation_block_layout() -> None:
+    """The sizes and the sub-scale range Python assumes (kernels.block) are the extension's."""
+    from shardwise.kernels.block import _ACT_BYTES, A256_M
+
+    assert (A256, _ACT_BYTES[32], A256_M) == (native.A256_BYTES, native.A32_BYTES, native.A256_M)
+    assert _ACT_BYTES[256] == A256
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+def test_activation_blocks_against_fake_quantize(isa_name: str) -> None:
+    """sw_a256 on each ISA: the values d m[j] q are kernels.block.fake_quantize's, bit for bit;
+    m in 1 .. A256_M with A256_M on the block's largest sub-block; bsum m times the sums of 16;
+    a sub-block far below the block's outlier keeps its own levels (the point of m)."""
+    from shardwise.kernels.block import A256_M, fake_quantize
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, 4 * 256)).astype(np.float32)
+    x[:, 5] = 300.0  # an outlier channel in sub-block 0 of block 0
+    x[:, 256:512] = 0.0  # an all-zero block
+    x[3, 512:768] *= 1e-3  # a small block: its own scale
+    buf = np.zeros(x.shape[0] * 4 * A256, dtype=np.uint8)
+    native.quantize(256, _isa(isa_name), x.ctypes.data, x.shape[1], x.shape[0], x.shape[1], buf.ctypes.data)
+    blocks = buf.reshape(-1, A256)
+    d = blocks[:, 0:4].copy().view(np.float32)  # (blocks, 1)
+    bsum = blocks[:, 4:36].copy().view(np.int16)  # (blocks, 16)
+    m, m16 = blocks[:, 36:44].astype(np.int64), blocks[:, 44:60].astype(np.int64)
+    q = blocks[:, 60:].view(np.int8).astype(np.int64)
+    assert ((m >= 1) & (m <= A256_M)).all() and (m16 == np.repeat(m, 2, axis=1)).all()
+    live = d[:, 0] > 0
+    assert (m[live].max(axis=1) == A256_M).all()
+    np.testing.assert_array_equal(bsum, np.repeat(m, 2, axis=1) * q.reshape(-1, 16, 16).sum(-1))
+    values = (d * np.repeat(m, 32, axis=1).astype(np.float32)) * q.astype(np.float32)
+    want = fake_quantize(torch.from_numpy(x), 256).numpy().reshape(-1, 256)
+    np.testing.assert_array_equal(values, want)
+    assert m[0, 0] == A256_M and (m[0, 1:] == 1).all(), m[0]  # block 0: the outlier's sub-block, then small ones
+    assert np.abs(q[0, 32:]).max() >= 2  # ... which still get levels of their own
 
 
 @pytest.mark.parametrize("isa_name", ISAS)

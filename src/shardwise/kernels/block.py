@@ -48,8 +48,10 @@ GGML_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "
 """The block formats computed as stored, by their ggml type ids (csrc/sw.h)."""
 NATIVE_FORMATS = tuple(GGML_IDS)
 FLOAT_FORMATS = ("F32", "F16", "BF16")
-_ACT_BYTES = {32: 40, 256: 292}
+_ACT_BYTES = {32: 40, 256: 316}
 """Bytes of one activation block (sw_a32, sw_a256)."""
+A256_M = 8
+"""sw_a256's sub-scales m_j run 1 .. A256_M (csrc/sw.h's SW_A256_M)."""
 PREFILL_ROWS: int | None = (
     int(os.environ["SHARDWISE_PREFILL_ROWS"]) if os.environ.get("SHARDWISE_PREFILL_ROWS") else None
 )
@@ -87,9 +89,20 @@ def _fmt(name: str) -> Format:
 
 
 def fake_quantize(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x (n, k) float32 -> the activation blocks' values (n, k): d * round(x / d) per block,
-    d = amax / 127: what every kernel multiplies by (csrc/act.c, bit for bit)."""
+    """x (n, k) float32 -> the activation blocks' values (n, k), what every kernel multiplies by
+    (csrc/act.c, sw.h). Blocks of 32: d * round(x / d), d = amax / 127. Blocks of 256 (the
+    K-quants'): each 32 of them (sub-block j) with the scale s_j = d * m_j, d = amax / (127 M),
+    m_j = ceil(M amax_j / amax) in 1 .. M (M = A256_M): s_j * round(x / s_j)."""
     n, k = x.shape
+    if block == 256:
+        xb = x.reshape(n, k // 256, 8, 32)
+        sub = xb.abs().amax(-1, keepdim=True)  # (n, k / 256, 8, 1)
+        amax = sub.amax(-2, keepdim=True)  # (n, k / 256, 1, 1)
+        d = amax / float(127 * A256_M)
+        m = torch.where(amax > 0, torch.ceil(A256_M * sub / torch.where(amax > 0, amax, 1.0)), 1.0).clamp(1, A256_M)
+        s = d * m
+        q = torch.round(xb * torch.where(s > 0, 1.0 / s, torch.zeros_like(s)))
+        return (q * s).reshape(n, k)
     xb = x.reshape(n, k // block, block)
     d = xb.abs().amax(-1, keepdim=True) / 127.0
     q = torch.round(xb * torch.where(d > 0, 1.0 / d, torch.zeros_like(d)))

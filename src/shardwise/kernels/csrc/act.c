@@ -32,25 +32,43 @@ static void quant32_portable(const float *x, int64_t ldx, int64_t n, int64_t k, 
     }
 }
 
+/* sw_a256's scales from its sub-blocks' amax (sw.h): d, m, m16; each sub-block's 1 / (d m[j]) in
+ * id. Scalar in every variant, so that every ISA quantizes alike. */
+static inline void a256_scales(const float amax8[8], sw_a256 *o, float id[8]) {
+    float amax = 0.0f;
+    for (int j = 0; j < 8; j++) amax = fmaxf(amax, amax8[j]);
+    const float d = amax / (127.0f * SW_A256_M);
+    for (int j = 0; j < 8; j++) {
+        int m = amax > 0.0f ? (int)ceilf((float)SW_A256_M * amax8[j] / amax) : 1;
+        m = m < 1 ? 1 : m > SW_A256_M ? SW_A256_M : m;
+        const float s = d * (float)m;
+        o->m[j] = o->m16[2 * j] = o->m16[2 * j + 1] = (uint8_t)m;
+        id[j] = s > 0.0f ? 1.0f / s : 0.0f;
+    }
+    o->d = d;
+}
+
 static void quant256_portable(const float *x, int64_t ldx, int64_t n, int64_t k, void *out) {
     sw_a256 *o = (sw_a256 *)out;
     for (int64_t i = 0; i < n; i++) {
         const float *r = x + i * ldx;
         for (int64_t b = 0; b < k / 256; b++, o++) {
             const float *v = r + 256 * b;
-            float amax = 0.0f, d, id;
-            for (int j = 0; j < 256; j++) amax = fmaxf(amax, fabsf(v[j]));
-            block_scale(amax, &d, &id);
+            float amax8[8], id[8];
+            for (int j = 0; j < 8; j++) {
+                amax8[j] = 0.0f;
+                for (int l = 0; l < 32; l++) amax8[j] = fmaxf(amax8[j], fabsf(v[32 * j + l]));
+            }
+            a256_scales(amax8, o, id);
             for (int g = 0; g < 16; g++) {
                 int sum = 0;
                 for (int j = 16 * g; j < 16 * g + 16; j++) {
-                    int q = (int)nearbyintf(v[j] * id);
+                    int q = (int)nearbyintf(v[j] * id[g / 2]);
                     o->q[j] = (int8_t)q;
                     sum += q;
                 }
-                o->bsum[g] = (int16_t)sum;
+                o->bsum[g] = (int16_t)(o->m[g / 2] * sum);
             }
-            o->d = d;
         }
     }
 }
@@ -114,18 +132,16 @@ static void quant256_avx2(const float *x, int64_t ldx, int64_t n, int64_t k, voi
     for (int64_t i = 0; i < n; i++) {
         const float *r = x + i * ldx;
         for (int64_t b = 0; b < k / 256; b++, o++) {
-            float d, id;
-            block_scale(amax_avx2(r + 256 * b, 256), &d, &id);
-            __m256 vid = _mm256_set1_ps(id);
+            float amax8[8], id[8];
+            for (int j = 0; j < 8; j++) amax8[j] = amax_avx2(r + 256 * b + 32 * j, 32);
+            a256_scales(amax8, o, id);
             for (int g = 0; g < 8; g++) {
-                int sum = quant_run32_avx2(r + 256 * b + 32 * g, vid, o->q + 32 * g);
-                (void)sum;
+                (void)quant_run32_avx2(r + 256 * b + 32 * g, _mm256_set1_ps(id[g]), o->q + 32 * g);
                 int s0 = 0, s1 = 0;
                 for (int j = 0; j < 16; j++) s0 += o->q[32 * g + j], s1 += o->q[32 * g + 16 + j];
-                o->bsum[2 * g] = (int16_t)s0;
-                o->bsum[2 * g + 1] = (int16_t)s1;
+                o->bsum[2 * g] = (int16_t)(o->m[g] * s0);
+                o->bsum[2 * g + 1] = (int16_t)(o->m[g] * s1);
             }
-            o->d = d;
         }
     }
 }
@@ -167,11 +183,12 @@ static void quant256_avx512(const float *x, int64_t ldx, int64_t n, int64_t k, v
     for (int64_t i = 0; i < n; i++) {
         const float *r = x + i * ldx;
         for (int64_t b = 0; b < k / 256; b++, o++) {
-            float d, id;
-            block_scale(amax_avx512(r + 256 * b, 256), &d, &id);
-            __m512 vid = _mm512_set1_ps(id);
-            for (int g = 0; g < 16; g++) o->bsum[g] = (int16_t)quant_run16_avx512(r + 256 * b + 16 * g, vid, o->q + 16 * g);
-            o->d = d;
+            float amax8[8], id[8];
+            for (int j = 0; j < 8; j++) amax8[j] = amax_avx512(r + 256 * b + 32 * j, 32);
+            a256_scales(amax8, o, id);
+            for (int g = 0; g < 16; g++)
+                o->bsum[g] = (int16_t)(o->m[g / 2] * quant_run16_avx512(r + 256 * b + 16 * g, _mm512_set1_ps(id[g / 2]),
+                                                                        o->q + 16 * g));
         }
     }
 }

@@ -336,6 +336,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddObject(m, "ISA_NAMES", names);
     PyModule_AddIntConstant(m, "A32_BYTES", (long)sizeof(sw_a32));
     PyModule_AddIntConstant(m, "A256_BYTES", (long)sizeof(sw_a256));
+    PyModule_AddIntConstant(m, "A256_M", SW_A256_M);
     PyModule_AddIntConstant(m, "STEP_HEADER_WORDS", sw_step_header_words());
     PyModule_AddIntConstant(m, "STEP_LAYER_WORDS", sw_step_layer_words());
     PyModule_AddIntConstant(m, "STEP_LIN_WORDS", sw_step_lin_words());

@@ -14,12 +14,16 @@
  *        and high 2 bits (qh[32 h + l] >> 2 t) & 3. 16 sub-blocks of 16.
  *                                                          w = d * sc[g] * (q - 32)
  *
- * Against an activation block (da, bsum[16], qa[256]) the dot is, exactly in integers
- * but for the final scaling:
- *   Q4_K/Q5_K: da * (d * sum_j sc[j] * (q_j . qa_j) - dmin * sum_j mn[j] * (bsum[2j] + bsum[2j+1]))
- *   Q6_K:      da * d * sum_g sc[g] * (q_g . qa_g - 32 * bsum[g])
- * Integer bounds: |q_j . qa_j| <= 32 * 31 * 127 (Q5_K); a block's sum <= 8 * 63 * 126k, and
- * for Q6_K 16 * 128 * 16 * 63 * 127: both well inside int32.
+ * Against an activation block (da, m[8], bsum[16], qa[256]; sw.h: sub-block j of 32 has the scale
+ * da m[j], and bsum holds m times the sums of 16) the dot is, exactly in integers but for the
+ * final scaling:
+ *   Q4_K/Q5_K: da * (d * sum_j sc[j] m[j] * (q_j . qa_j) - dmin * sum_j mn[j] * (bsum[2j] + bsum[2j+1]))
+ *   Q6_K:      da * d * sum_g sc[g] * (m[g / 2] * (q_g . qa_g) - 32 * bsum[g])
+ * The weights' sub-scale times the activation's, sc[j] m[j], is one int16 multiplier where the
+ * code before multiplied by sc[j] alone (<= 63 * 8 for Q4_K/Q5_K, 128 * 8 for Q6_K).
+ * Integer bounds (SW_A256_M 8): |q_j . qa_j| <= 32 * 31 * 127 (Q5_K); a block's sum <= 256 * 31
+ * * 127 * 63 * 8, and for Q6_K 256 * 32 * 127 * 128 * 8 (its unsigned dot and -32 term each
+ * below 2^31 too): inside int32.
  *
  * Variants (registered into sw_gemm_table / sw_dequant_table):
  *   portable  plain C: each block unpacked to bytes, integer dots per sub-block.
@@ -116,7 +120,7 @@ static void gemm_k45_portable(const uint8_t *w, size_t row_bytes, int64_t rows, 
                 for (int j = 0; j < 8; j++) {
                     int32_t dot = 0;
                     for (int l = 0; l < 32; l++) dot += q[32 * j + l] * a->q[32 * j + l];
-                    isum += sc[j] * dot;
+                    isum += sc[j] * a->m[j] * dot;
                     imin += mn[j] * (a->bsum[2 * j] + a->bsum[2 * j + 1]);
                 }
                 y[i * ldy + r] += a->d * (d * (float)isum - dmin * (float)imin);
@@ -152,7 +156,7 @@ static void gemm_q6_k_portable(const uint8_t *w, size_t row_bytes, int64_t rows,
                 for (int g = 0; g < 16; g++) {
                     int32_t dot = 0;
                     for (int l = 0; l < 16; l++) dot += q[16 * g + l] * a->q[16 * g + l];
-                    isum += sc[g] * dot;
+                    isum += sc[g] * a->m16[g] * dot;
                 }
                 y[i * ldy + r] += a->d * d * (float)isum;
             }
@@ -237,9 +241,23 @@ ALWAYS_INLINE __m256i k45_sub_avx2(int q5, int j, __m256i v, __m256i hk) {
     return q;
 }
 
+/* int16 sc[j] * m[j], j < 8, in both 128-bit lanes: a weight block's sub-scales (8 bytes of
+ * a 64-bit word) times an activation block's (sw.h). */
+static inline __m256i k_sm16(uint64_t sc, const uint8_t *m) {
+    const __m128i p = _mm_mullo_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)),
+                                      _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m)));
+    return _mm256_broadcastsi128_si256(p);
+}
+
+/* int16 sc[g] * m16[g], g < 16: Q6_K's sub-scales times the activation block's. */
+static inline __m256i q6_sm16(const uint8_t *blk, const sw_a256 *a) {
+    return _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))),
+                              _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)a->m16)));
+}
+
 /* ni (<= 4) activation rows against every weight row: per block, sub-block j's weights are
  * decoded once and dotted with the ni rows (maddubs: u8 weights x s8 activations, then madd
- * by the sub-scale as int16: the 8 int32 lanes hold exact partial sums of sc[j] * dot_j). */
+ * by sc[j] m[j] as int16: the 8 int32 lanes hold exact partial sums of sc[j] m[j] dot_j). */
 ALWAYS_INLINE void k45_rows_avx2(int q5, int ni, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                  const sw_a256 *xa, float *y, int64_t ldy) {
     const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES, qs_off = q5 ? 48 : 16;
@@ -252,17 +270,20 @@ ALWAYS_INLINE void k45_rows_avx2(int q5, int ni, const uint8_t *w, size_t row_by
             sw_prefetch_ahead(wr, row_bytes, r, rows, bytes * b, bytes);
             uint64_t sc, mn;
             k_scales64(blk + 4, &sc, &mn);
-            const __m256i scb = _mm256_set1_epi64x((long long)sc);
             __m256i hk = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-            __m256i isum[4];
-            for (int i = 0; i < ni; i++) isum[i] = _mm256_setzero_si256();
+            __m256i isum[4], sm[4];
+            for (int i = 0; i < ni; i++) {
+                isum[i] = _mm256_setzero_si256();
+                sm[i] = k_sm16(sc, xa[i * kblocks + b].m);
+            }
             for (int k = 0; k < 4; k++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + qs_off + 32 * k));
                 for (int j = 2 * k; j < 2 * k + 2; j++) {
                     const __m256i q = k45_sub_avx2(q5, j, v, hk);
-                    const __m256i s = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x8000 | j)));
+                    const __m256i sel = _mm256_set1_epi16((short)((2 * j + 1) << 8 | 2 * j));
                     for (int i = 0; i < ni; i++) {
                         const __m256i a = _mm256_loadu_si256((const __m256i *)(xa[i * kblocks + b].q + 32 * j));
+                        const __m256i s = _mm256_shuffle_epi8(sm[i], sel);
                         isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), s));
                     }
                 }
@@ -304,7 +325,8 @@ static inline __m128i k_total4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
 }
 
 /* Q6_K: the same shape; weights as u8 0..63 and the -32 through bsum: each row's integer sum
- * starts at -32 * sum_g sc[g] * bsum[g] (madd of bsum and the int16 scales). The lanes hold
+ * starts at -32 * sum_g sc[g] * bsum[g] (madd of bsum, m times the sums already, and the int16
+ * scales); the dots go in times sc[g] m16[g]. The lanes hold
  * the unsigned dot and the offset apart, which cancel, so a block's lanes are summed in
  * integers (4 rows at once) and its total scaled as the portable path does:
  * y += da * d * (float)isum. */
@@ -321,29 +343,30 @@ ALWAYS_INLINE void q6_rows_avx2(int ni, const uint8_t *w, size_t row_bytes, int6
         for (int64_t b = 0; b < kblocks; b++) {
             const uint8_t *blk = wr + Q6K_BYTES * b;
             sw_prefetch_ahead(wr, row_bytes, r, rows, Q6K_BYTES * b, Q6K_BYTES);
-            const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-            const __m256i sc16 = _mm256_cvtepi8_epi16(sc8); /* int16 sc[0 .. 15] */
-            __m256i isum[4];
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))); /* int16 sc[0 .. 15] */
+            __m256i isum[4], sm[4];
             float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             for (int i = 0; i < 4; i++) isum[i] = _mm256_setzero_si256();
             for (int i = 0; i < ni; i++) {
                 const sw_a256 *a = xa + i * kblocks + b;
                 const __m256i c = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), sc16);
                 isum[i] = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(c, 5));
+                sm[i] = q6_sm16(blk, a); /* int16 sc[g] m16[g] */
                 da[i] = a->d;
             }
             for (int hf = 0; hf < 2; hf++) {
                 const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf));
                 const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf + 32));
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hf));
-                const __m256i sh = _mm256_broadcastsi128_si256(hf ? _mm256_extracti128_si256(sc16, 1)
-                                                                  : _mm256_castsi256_si128(sc16));
+                __m256i sh[4];
+                for (int i = 0; i < ni; i++)
+                    sh[i] = _mm256_broadcastsi128_si256(hf ? _mm256_extracti128_si256(sm[i], 1) : _mm256_castsi256_si128(sm[i]));
                 for (int t = 0; t < 4; t++) {
                     const __m256i q = q6_sub_avx2(t, ql0, ql1, qh);
-                    const __m256i s = _mm256_shuffle_epi8(sh, sidx[t]);
                     for (int i = 0; i < ni; i++) {
                         const int8_t *a = xa[i * kblocks + b].q + 128 * hf + 32 * t;
                         const __m256i av = _mm256_loadu_si256((const __m256i *)a);
+                        const __m256i s = _mm256_shuffle_epi8(sh[i], sidx[t]);
                         isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, av), s));
                     }
                 }
@@ -476,14 +499,15 @@ ALWAYS_INLINE void k45_rows512(int q5, int ni, const uint8_t *w, size_t row_byte
     const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES, qs_off = q5 ? 48 : 16;
     /* vpackssdw of the dots of zmm 2p and 2p + 1 holds, per 128-bit lane c, 4 int16 of
      * sub-block 4p + c / 2 then 4 of 4p + 2 + c / 2: their scales, from a broadcast 64-bit word */
-    __m512i sidx[2];
+    __m512i sidx[2]; /* byte indices of int16 element e of sc[j] m[j]: 2e, 2e + 1 */
+#define K_E16(e) ((short)((2 * (e) + 1) << 8 | 2 * (e)))
     for (int p = 0; p < 2; p++) {
-        const __m128i lo = _mm_setr_epi16(0x8000 | 4 * p, 0x8000 | 4 * p, 0x8000 | 4 * p, 0x8000 | 4 * p,
-                                          0x8000 | (4 * p + 2), 0x8000 | (4 * p + 2), 0x8000 | (4 * p + 2),
-                                          0x8000 | (4 * p + 2));
-        const __m128i hi = _mm_add_epi16(lo, _mm_set1_epi16(1));
+        const short e0 = K_E16(4 * p), e2 = K_E16(4 * p + 2), e1 = K_E16(4 * p + 1), e3 = K_E16(4 * p + 3);
+        const __m128i lo = _mm_setr_epi16(e0, e0, e0, e0, e2, e2, e2, e2);
+        const __m128i hi = _mm_setr_epi16(e1, e1, e1, e1, e3, e3, e3, e3);
         sidx[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_setr_m128i(lo, lo)), _mm256_setr_m128i(hi, hi), 1);
     }
+#undef K_E16
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *wr = w + r * row_bytes;
         __m256 acc[8];
@@ -493,20 +517,21 @@ ALWAYS_INLINE void k45_rows512(int q5, int ni, const uint8_t *w, size_t row_byte
             sw_prefetch_ahead(wr, row_bytes, r, rows, bytes * b, bytes);
             uint64_t sc, mn;
             k_scales64(blk + 4, &sc, &mn);
-            const __m512i scb = _mm512_set1_epi64((long long)sc);
             const __m512i h =
                 q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16))) : _mm512_setzero_si512();
-            __m512i isum[8];
-            for (int i = 0; i < ni; i++) isum[i] = _mm512_setzero_si512();
+            __m512i isum[8], sm[8];
+            for (int i = 0; i < ni; i++) {
+                isum[i] = _mm512_setzero_si512();
+                sm[i] = _mm512_broadcast_i64x4(k_sm16(sc, xa[i * kblocks + b].m)); /* int16 sc[j] m[j] */
+            }
             for (int p = 0; p < 2; p++) {
                 const __m512i q0 = k45_sub512(q5, 2 * p, blk + qs_off, h);
                 const __m512i q1 = k45_sub512(q5, 2 * p + 1, blk + qs_off, h);
-                const __m512i s = _mm512_shuffle_epi8(scb, sidx[p]);
                 for (int i = 0; i < ni; i++) {
                     const int8_t *a = xa[i * kblocks + b].q + 128 * p;
                     const __m512i d0 = _mm512_dpbusd_epi32(zero, q0, _mm512_loadu_si512((const void *)a));
                     const __m512i d1 = _mm512_dpbusd_epi32(zero, q1, _mm512_loadu_si512((const void *)(a + 64)));
-                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_packs_epi32(d0, d1), s);
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_packs_epi32(d0, d1), _mm512_shuffle_epi8(sm[i], sidx[p]));
                 }
             }
             const __m256i mn16 = k_pairs16(mn);
@@ -559,24 +584,23 @@ ALWAYS_INLINE void q6_rows512(int ni, const uint8_t *w, size_t row_bytes, int64_
             const uint8_t *blk = wr + Q6K_BYTES * b;
             sw_prefetch_ahead(wr, row_bytes, r, rows, Q6K_BYTES * b, Q6K_BYTES);
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            const __m512i scz = _mm512_castsi256_si512(sc16); /* the upper half is never indexed */
-            __m512i isum[8];
+            __m512i isum[8], sm[8];
             float da[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
             for (int i = 0; i < ni; i++) { /* -32 * sum_g sc[g] * bsum[g] */
                 const sw_a256 *a = xa + i * kblocks + b;
                 const __m256i c = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), sc16);
                 isum[i] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(c, 5)));
+                sm[i] = _mm512_castsi256_si512(q6_sm16(blk, a)); /* int16 sc[g] m16[g]; the upper half never indexed */
                 da[i] = a->d;
             }
             for (int hf = 0; hf < 2; hf++) {
                 __m512i lo, hi;
                 q6_half512(blk, hf, &lo, &hi);
-                const __m512i s = _mm512_permutexvar_epi16(sidx[hf], scz);
                 for (int i = 0; i < ni; i++) {
                     const int8_t *a = xa[i * kblocks + b].q + 128 * hf;
                     const __m512i d0 = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512((const void *)a));
                     const __m512i d1 = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512((const void *)(a + 64)));
-                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_packs_epi32(d0, d1), s);
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_packs_epi32(d0, d1), _mm512_permutexvar_epi16(sidx[hf], sm[i]));
                 }
             }
             __m256i h[8];
@@ -608,7 +632,7 @@ ALWAYS_INLINE __m256 k45_block1_vnni256(int q5, const uint8_t *blk, const sw_a25
     const int qs_off = q5 ? 48 : 16;
     uint64_t sc, mn;
     k_scales64(blk + 4, &sc, &mn);
-    const __m256i scb = _mm256_set1_epi64x((long long)sc);
+    const __m256i sm = k_sm16(sc, a->m); /* int16 sc[j] m[j] */
     __m256i hk = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : zero;
     __m256i isum = zero;
     for (int k = 0; k < 4; k++) {
@@ -616,7 +640,7 @@ ALWAYS_INLINE __m256 k45_block1_vnni256(int q5, const uint8_t *blk, const sw_a25
         const __m256i q0 = k45_sub_avx2(q5, 2 * k, v, hk), q1 = k45_sub_avx2(q5, 2 * k + 1, v, hk);
         const __m256i d0 = _mm256_dpbusd_epi32(zero, q0, _mm256_loadu_si256((const __m256i *)(a->q + 64 * k)));
         const __m256i d1 = _mm256_dpbusd_epi32(zero, q1, _mm256_loadu_si256((const __m256i *)(a->q + 64 * k + 32)));
-        isum = _mm256_dpwssd_epi32(isum, _mm256_packs_epi32(d0, d1), _mm256_shuffle_epi8(scb, sidx[k]));
+        isum = _mm256_dpwssd_epi32(isum, _mm256_packs_epi32(d0, d1), _mm256_shuffle_epi8(sm, sidx[k]));
         if (q5) hk = _mm256_srli_epi16(hk, 2);
     }
     const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), k_pairs16(mn));
@@ -634,9 +658,9 @@ ALWAYS_INLINE __m256 k45_block1_vnni256(int q5, const uint8_t *blk, const sw_a25
 ALWAYS_INLINE void k45_row1_vnni256(int q5, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                     const sw_a256 *xa, float *y) {
     const int bytes = q5 ? Q5K_BYTES : Q4K_BYTES;
-    __m256i sidx[4]; /* vpackssdw of sub-blocks 2k, 2k + 1 holds per 128-bit lane 4 int16 of each: sc[2k] x4, sc[2k+1] x4 */
-    for (int k = 0; k < 4; k++) {
-        const short lo = (short)(0x8000 | 2 * k), hi = (short)(0x8000 | (2 * k + 1));
+    __m256i sidx[4]; /* vpackssdw of sub-blocks 2k, 2k + 1 holds per 128-bit lane 4 int16 of each: sc m [2k] x4, [2k+1] x4 */
+    for (int k = 0; k < 4; k++) { /* byte indices of int16 elements 2k, 2k + 1 */
+        const short lo = (short)((4 * k + 1) << 8 | 4 * k), hi = (short)((4 * k + 3) << 8 | (4 * k + 2));
         const __m128i l = _mm_setr_epi16(lo, lo, lo, lo, hi, hi, hi, hi);
         sidx[k] = _mm256_setr_m128i(l, l);
     }
@@ -676,6 +700,7 @@ ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t r
             const sw_a256 *a = xa + b;
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
             const __m256i c = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), sc16);
+            const __m256i sm = q6_sm16(blk, a); /* int16 sc[g] m16[g] */
             __m256i isum = _mm256_sub_epi32(zero, _mm256_slli_epi32(c, 5)); /* -32 sum_g sc[g] bsum[g] */
             for (int hf = 0; hf < 2; hf++) {
                 const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf));
@@ -688,7 +713,7 @@ ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t r
                     const __m256i d1 = _mm256_dpbusd_epi32(zero, q6_sub_avx2(2 * u + 1, ql0, ql1, qh),
                                                            _mm256_loadu_si256((const __m256i *)(x + 32)));
                     isum = _mm256_dpwssd_epi32(isum, _mm256_packs_epi32(d0, d1),
-                                               _mm256_permutexvar_epi16(pidx[2 * hf + u], sc16));
+                                               _mm256_permutexvar_epi16(pidx[2 * hf + u], sm));
                 }
             }
             __m128i t = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
@@ -707,13 +732,13 @@ ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t r
  * into the two sub-blocks' weights (low and high nibbles; Q5_K's fifth bits from qh, transposed
  * the same way once a block). Per activation row and sub-block, 8 vpdpbusd with its 4 bytes
  * broadcast give the 16 rows' dots, exact, in two chains of 4 (the latency an activation row
- * waits on halved); times the rows' sub-scales into one integer sum a row: Q4_K's chains each
+ * waits on halved); times the rows' sub-scales (times the activation's m, vpmullw) into one integer sum a row: Q4_K's chains each
  * fit int16 (16 * 15 * 127), whole in the lane's low half, so one vpdpwssd by (sc, 0) a chain
  * (against packing two chains into a pair for (sc, sc): 3-4% faster at 16 activation rows,
  * docs/benchmarks/kernel_ab_q4k_chains_xeon207.txt); Q5_K's do not,
  * so vpmulld (|dot| <= 32 * 31 * 127, the block's sum inside int32, as the header says). The
  * mins through vpdpwssd of each row's (mn[2j], mn[2j + 1]) with the activation's sums of 32
- * (k_sums32, once a call for every tile). Then one fp32
+ * (k_tile_act, once a call for every tile). Then one fp32
  * tail a block for the 16 rows: da (d isum - dmin imin), the portable path's arithmetic. The
  * transposes, the scales and the float work are shared by 16 rows where k45_rows512 pays them
  * per row: about 2.5x fewer instructions at 16 activation rows. The lanes hold the rows in the
@@ -722,6 +747,7 @@ ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t r
 /* The fewest activation rows that take the tiles; SHARDWISE_K_TILES=0 in the environment at
  * import turns them off (benchmarks/bench_k_tiles.py compares both in one run). */
 static int64_t k45_tile_rows = 3, q6_tile_rows = 6;
+enum { K_TILE_ACT = 12 }; /* int32 a block in k_tile_act's table */
 
 /* Byte j of each int32 lane of v (j < 4). */
 ALWAYS_INLINE __m512i k_byte32(__m512i v, int j) {
@@ -771,6 +797,10 @@ ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes
             const __m512i s1 = k_byte32(pr < 2 ? sc_lo : sc_hi, (2 * pr + 1) & 3);
             for (int i = 0; i < ni; i++) {
                 const int8_t *a = xa[i * ldx + b].q + 64 * pr;
+                /* (sc m, 0): times the activation's sub-scales, (m, m) from k_tile_act (sc m <= 63 * 8) */
+                const int32_t *mm = sums + K_TILE_ACT * (i * ldx + b) + 4;
+                const __m512i s0m = _mm512_mullo_epi16(s0, _mm512_set1_epi32(mm[2 * pr]));
+                const __m512i s1m = _mm512_mullo_epi16(s1, _mm512_set1_epi32(mm[2 * pr + 1]));
                 /* four chains of 4 (not two of 8): half the latency an activation row waits on */
                 __m512i d0[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, d1[2] = {d0[0], d0[0]};
                 for (int k = 0; k < 8; k++) {
@@ -783,13 +813,13 @@ ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes
                 if (!q5) { /* Q4_K: each chain's |dot| <= 16 * 15 * 127 < 2^15 sits whole in its lane's low
                             * int16, and vpdpwssd by (sc, 0) scales and adds it: exact, one instruction a chain
                             * (no vpmulld, no packing of two chains into a pair) */
-                    isum[i] = _mm512_dpwssd_epi32(isum[i], d0[0], s0);
-                    isum[i] = _mm512_dpwssd_epi32(isum[i], d0[1], s0);
-                    isum[i] = _mm512_dpwssd_epi32(isum[i], d1[0], s1);
-                    isum[i] = _mm512_dpwssd_epi32(isum[i], d1[1], s1);
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], d0[0], s0m);
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], d0[1], s0m);
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], d1[0], s1m);
+                    isum[i] = _mm512_dpwssd_epi32(isum[i], d1[1], s1m);
                 } else { /* Q5_K's dots reach 16 * 31 * 127: int32 */
-                    isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(d0[0], d0[1]), s0),
-                                                                         _mm512_mullo_epi32(_mm512_add_epi32(d1[0], d1[1]), s1)));
+                    isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(d0[0], d0[1]), s0m),
+                                                                         _mm512_mullo_epi32(_mm512_add_epi32(d1[0], d1[1]), s1m)));
                 }
             }
         }
@@ -801,7 +831,7 @@ ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes
         }
         for (int i = 0; i < ni; i++) {
             const sw_a256 *a = xa + i * ldx + b;
-            const int32_t *s32 = sums + 4 * (i * ldx + b); /* (sum of sub-block 2j, of 2j + 1) pairs */
+            const int32_t *s32 = sums + K_TILE_ACT * (i * ldx + b); /* (sum of sub-block 2j, of 2j + 1) pairs */
             __m512i imin = _mm512_setzero_si512();
             for (int j = 0; j < 4; j++) /* mn[2j] s32[2j] + mn[2j + 1] s32[2j + 1] */
                 imin = _mm512_dpwssd_epi32(imin, mw[j], _mm512_set1_epi32(s32[j]));
@@ -820,7 +850,7 @@ ALWAYS_INLINE void k45_tile16(int q5, int ni, const uint8_t *w, size_t row_bytes
  * int8 sub-scale in fp32 (vcvtdq2ps and an fma: each product exact, below 2^24); the -32
  * through vpdpwssd of each row's (sc[g], sc[g + 1]) with bsum's pairs; then da d sum. */
 ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t kblocks, const sw_a256 *xa,
-                             int64_t ldx, float *y, int64_t ldy, int ahead) {
+                             const int32_t *act, int64_t ldx, float *y, int64_t ldy, int ahead) {
     const __m512i nib = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
     __m512 acc[16];
     for (int i = 0; i < ni; i++) acc[i] = _mm512_setzero_ps();
@@ -869,6 +899,8 @@ ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
                 const __m512 s0 = _mm512_cvtepi32_ps(SC(g)), s1 = _mm512_cvtepi32_ps(SC(g + 1));
                 for (int i = 0; i < ni; i++) {
                     const int8_t *a = xa[i * ldx + b].q + 32 * (g / 2);
+                    float m; /* the activation's sub-scale of these 32 weights, as a float (k_tile_act) */
+                    memcpy(&m, act + K_TILE_ACT * (i * ldx + b) + 4 + g / 2, 4);
                     __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
                     for (int k = 0; k < 4; k++) {
                         int32_t x0, x1;
@@ -878,9 +910,9 @@ ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
                         d1 = _mm512_dpbusd_epi32(d1, wq[k + 4], _mm512_set1_epi32(x1));
                     }
                     /* sc times the dot in fp32 (vcvtdq2ps and an fma, not vpmulld's two uops and an add):
-                     * each product exact (|dot sc| <= 16 * 63 * 127 * 128 < 2^24) */
-                    fsum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), s0, fsum[i]);
-                    fsum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), s1, fsum[i]);
+                     * each product exact (|dot sc| <= 16 * 63 * 127 * 128 < 2^24), then their sum times m */
+                    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), s0, _mm512_mul_ps(_mm512_cvtepi32_ps(d1), s1));
+                    fsum[i] = _mm512_fmadd_ps(t, _mm512_set1_ps(m), fsum[i]);
                 }
             }
         }
@@ -891,28 +923,39 @@ ALWAYS_INLINE void q6_tile16(int ni, const uint8_t *w, size_t row_bytes, int64_t
     for (int i = 0; i < ni; i++) _mm512_storeu_ps(y + i * ldy, _mm512_shuffle_f32x4(acc[i], acc[i], 0xD8));
 }
 
-/* Q4_K/Q5_K's mins are per 32 weights: each activation block's 8 sums of 32 as 4 int16 pairs
- * (|sum| <= 32 * 127), once a call for every tile (4 vpdpwssd a block and row, not 8); NULL
- * where the buffer cannot be had. */
-static const int32_t *k_sums32(const sw_a256 *xa, int64_t n, int64_t kblocks) {
-    int32_t *buf = sw_scratch_i32((size_t)(4 * n * kblocks));
+/* Per activation block, once a call for every tile, K_TILE_ACT int32: [0, 4) its 8 sums of 32
+ * as 4 int16 pairs (Q4_K/Q5_K's mins are per 32 weights: 4 vpdpwssd a block and row, not 8;
+ * |m sum| <= 8 * 32 * 127), [4, 12) its sub-scales m[j]: as int16 pairs (m, m) for Q4_K/Q5_K
+ * (a broadcast load, then vpmullw), as floats for Q6_K. NULL where the buffer cannot be had. */
+static const int32_t *k_tile_act(int fmt, const sw_a256 *xa, int64_t n, int64_t kblocks) {
+    int32_t *buf = sw_scratch_i32((size_t)(K_TILE_ACT * n * kblocks));
     if (!buf) return NULL;
-    for (int64_t j = 0; j < n * kblocks; j++)
+    for (int64_t j = 0; j < n * kblocks; j++) {
+        int32_t *o = buf + K_TILE_ACT * j;
         for (int p = 0; p < 4; p++) {
             const int16_t *bs = xa[j].bsum + 4 * p;
             const uint32_t lo = (uint16_t)(bs[0] + bs[1]), hi = (uint16_t)(bs[2] + bs[3]);
-            buf[4 * j + p] = (int32_t)(lo | hi << 16);
+            o[p] = (int32_t)(lo | hi << 16);
         }
+        for (int k = 0; k < 8; k++) {
+            const int32_t m = xa[j].m[k];
+            const float f = (float)m;
+            if (fmt == 6) memcpy(o + 4 + k, &f, 4);
+            else o[4 + k] = m | m << 16;
+        }
+    }
     return buf;
 }
 
 /* rows: a multiple of 16; activation rows in runs of up to 16, each run over every tile. */
 ALWAYS_INLINE void k_tiles16(int fmt, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t kblocks,
                                const sw_a256 *xa, int64_t n, float *y, int64_t ldy) {
-    const int32_t *sums = fmt == 6 ? NULL : k_sums32(xa, n, kblocks);
-    if (fmt != 6 && !sums) { /* out of memory for the sums: the row kernels need none */
-        for (int64_t i = 0; i < n; i++)
-            k45_rows512(fmt == 5, 1, w, row_bytes, rows, kblocks, xa + i * kblocks, y + i * ldy, ldy);
+    const int32_t *sums = k_tile_act(fmt, xa, n, kblocks);
+    if (!sums) { /* out of memory for the table: the row kernels need none */
+        for (int64_t i = 0; i < n; i++) {
+            if (fmt == 6) q6_rows512(1, w, row_bytes, rows, kblocks, xa + i * kblocks, y + i * ldy, ldy);
+            else k45_rows512(fmt == 5, 1, w, row_bytes, rows, kblocks, xa + i * kblocks, y + i * ldy, ldy);
+        }
         return;
     }
     for (int64_t i0 = 0; i0 < n; i0 += 16) {
@@ -921,12 +964,12 @@ ALWAYS_INLINE void k_tiles16(int fmt, const uint8_t *w, size_t row_bytes, int64_
             const uint8_t *wt = w + r0 * row_bytes;
             const int ahead = r0 + 16 < rows;
             const sw_a256 *xi = xa + i0 * kblocks;
-            const int32_t *si = sums ? sums + 4 * i0 * kblocks : NULL;
+            const int32_t *si = sums + K_TILE_ACT * i0 * kblocks;
             float *yi = y + i0 * ldy + r0;
             switch (ni) {
 #define T16(k) \
     case k:                                                                          \
-        if (fmt == 6) q6_tile16(k, wt, row_bytes, kblocks, xi, kblocks, yi, ldy, ahead);   \
+        if (fmt == 6) q6_tile16(k, wt, row_bytes, kblocks, xi, si, kblocks, yi, ldy, ahead); \
         else k45_tile16(fmt == 5, k, wt, row_bytes, kblocks, xi, si, kblocks, yi, ldy, ahead); \
         break;
                 T16(1) T16(2) T16(3) T16(4) T16(5) T16(6) T16(7) T16(8)

@@ -47,11 +47,22 @@ typedef struct {
     int8_t q[32];
 } sw_a32;        /* 40 bytes, for the 32-weight formats */
 
+/* The K-quants' activation blocks: 256 values, each 32 of them (sub-block j) with its own
+ * scale d * m[j], m[j] = ceil(SW_A256_M amax_j / amax) in 1 .. SW_A256_M, d = amax / (127 SW_A256_M):
+ * x ~= d * m[j] * q. One scale per 256 (llama.cpp's Q8_K) leaves every sub-block beside an outlier
+ * channel a few levels: on the real SmolLM2 the Q6_K ffn_down's inputs alone cost +0.4% perplexity
+ * (docs/benchmarks/native-kernels.md). The sub-scales are small integers so that the kernels fold
+ * them into the weights' integer sub-scales (sc[j] m[j]) and still sum a block in integers.
+ * Bounds, with SW_A256_M 8: |m bsum| <= 8 * 16 * 127 and a pair of them <= 8 * 32 * 127 fit int16;
+ * Q6_K's block total <= 256 * 32 * 127 * 128 * 8 and the sum of its -32 terms fit int32. */
+enum { SW_A256_M = 8 };
 typedef struct {
     float d;
-    int16_t bsum[16]; /* sum of q[16 j .. 16 j + 15]: sub-block sums for the K-quants' mins */
+    int16_t bsum[16]; /* m[g / 2] * the sum of q[16 g .. 16 g + 15]: for the K-quants' mins and Q6_K's -32 */
+    uint8_t m[8];     /* sub-block j's scale is d * m[j] */
+    uint8_t m16[16];  /* m[g / 2] for each 16-weight group g (Q6_K's sub-blocks) */
     int8_t q[256];
-} sw_a256;            /* 292 bytes, for the 256-weight K-quants */
+} sw_a256;            /* 316 bytes, for the 256-weight K-quants */
 
 /* y[i * ldy + r] = sum over the row of W[r, :] . X[i, :], r < rows, i < n.
  * w: rows of `kblocks` weight blocks, `row_bytes` apart (the rank's slice, or a view into a
