@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 18
+VERSION = 19
 """Bumped when the measurements change meaning: a cache of another version is measured again
 (6: the quantized linear kernels; 7: the shared-memory and veth paths, point-to-point times;
 8: the native decode step's fixed costs, and each path's collectives inside a decode step;
@@ -87,7 +87,8 @@ collectives over direct TCP connections, shardwise.comm.tcp, as a tp group there
 16: across hosts, the native decode step's all-reduces too, handed to the tcp path; 17: the
 native step's all-reduce with its spill, as the per-op path's; 18: the decode probe's greedy
 choice as generate makes it, each rank's best and one all-gather, no logits gathered and no
-token broadcast)."""
+token broadcast; 19: the tcp path's waits retried for 2 ms, yielding, before select: its
+all-reduces inside a decode step)."""
 QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Rows of the quantized kernel probe: one sequence decoding up to a short prompt."""
 

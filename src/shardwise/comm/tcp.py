@@ -61,7 +61,13 @@ SPLIT_BYTES = 256 << 10
 
 _HEADER = struct.Struct("<qqq")  # call number, operation, payload bytes
 _OPS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "all_to_all": 5}
-_SPIN_S = 50e-6  # retries before a waiting rank sleeps in select (a small exchange's round trip)
+_SPIN_S = 50e-6  # retries back to back before a waiting rank yields its core between them
+_YIELD_S = float(os.environ.get("SHARDWISE_TCP_SPIN_US", "2000")) * 1e-6
+"""How long a waiting rank retries (yielding its core between tries: a peer on the same core
+runs) before it sleeps in select. A sleeping rank's wake-up is what a small exchange costs on a
+VM: the built-in model's decode across two namespace hosts at 1 Gbit/s took 2.00-5.32 ms a
+token (medians of 3 launches) with 50 us of retries and 1.43-1.74 ms with 2 ms (Intel Xeon model
+207, 2026-12-07, benchmarks/bench_links.py, docs/benchmarks/links.md)."""
 _TICK_S = 0.1  # select's longest sleep: how often a waiting rank looks at the clock
 _SETUP_S = 30.0
 _CLOSED = "closed its connection (its process ended or failed)"
@@ -214,6 +220,9 @@ class TcpCommunicator(Wrapped):
                 waiting_since = now
             waited = now - waiting_since
             if waited < _SPIN_S:
+                continue
+            if waited < _YIELD_S:
+                os.sched_yield()
                 continue
             if waited > self.timeout_s:
                 late = ", ".join(self._who(p) for p in sorted({*out, *into}))
