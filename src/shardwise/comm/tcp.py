@@ -22,6 +22,10 @@ exchange whole tensors (what a ring would send too); more ranks exchange whole t
 SPLIT_BYTES, and above it reduce-scatter, then all-gather, chunk by chunk (2 (n-1)/n of the
 bytes a rank sends, as a ring).
 
+A rank whose peers have not answered retries on its own thread for up to 2 ms (yielding its core
+after the first 50 us), then sleeps in select: a decode step's peers are rarely further apart,
+and a sleep's wake-up is slow on a VM (_YIELD_S).
+
 No wait is unbounded: a peer whose connection closes (its process ended: the kernel closes
 its sockets) fails the call at once, naming the rank; a peer that sends nothing within the
 communicator's timeout (a host cut off) fails it after the timeout. A rank whose call failed
@@ -65,9 +69,11 @@ _SPIN_S = 50e-6  # retries back to back before a waiting rank yields its core be
 _YIELD_S = float(os.environ.get("SHARDWISE_TCP_SPIN_US", "2000")) * 1e-6
 """How long a waiting rank retries (yielding its core between tries: a peer on the same core
 runs) before it sleeps in select. A sleeping rank's wake-up is what a small exchange costs on a
-VM: the built-in model's decode across two namespace hosts at 1 Gbit/s took 2.00-5.32 ms a
-token (medians of 3 launches) with 50 us of retries and 1.43-1.74 ms with 2 ms (Intel Xeon model
-207, 2026-12-07, benchmarks/bench_links.py, docs/benchmarks/links.md)."""
+VM: the built-in model's decode across two namespace hosts at 1 Gbit/s took 1.94-5.32 ms a
+token (medians of 3 launches; median 2.00 over 5 runs) with 50 us of retries and 1.43-2.00 ms
+(median 1.74 over 9 runs) with 2 ms (Intel Xeon model 207, 2026-12-07,
+docs/benchmarks/tcp_spin_ab_xeon207.txt). The yields cost
+nothing measurable there and let a rank that shares its core with the peer it waits for run it."""
 _TICK_S = 0.1  # select's longest sleep: how often a waiting rank looks at the clock
 _SETUP_S = 30.0
 _CLOSED = "closed its connection (its process ended or failed)"
