@@ -276,11 +276,14 @@ ALWAYS_INLINE void k45_rows_avx2(int q5, int ni, const uint8_t *w, size_t row_by
                 isum[i] = _mm256_setzero_si256();
                 sm[i] = k_sm16(sc, xa[i * kblocks + b].m);
             }
+#pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + qs_off + 32 * k));
+#pragma GCC unroll 2
                 for (int j = 2 * k; j < 2 * k + 2; j++) {
                     const __m256i q = k45_sub_avx2(q5, j, v, hk);
                     const __m256i sel = _mm256_set1_epi16((short)((2 * j + 1) << 8 | 2 * j));
+#pragma GCC unroll 4
                     for (int i = 0; i < ni; i++) {
                         const __m256i a = _mm256_loadu_si256((const __m256i *)(xa[i * kblocks + b].q + 32 * j));
                         const __m256i s = _mm256_shuffle_epi8(sm[i], sel);
@@ -354,15 +357,19 @@ ALWAYS_INLINE void q6_rows_avx2(int ni, const uint8_t *w, size_t row_bytes, int6
                 sm[i] = q6_sm16(blk, a); /* int16 sc[g] m16[g] */
                 da[i] = a->d;
             }
+#pragma GCC unroll 2
             for (int hf = 0; hf < 2; hf++) {
                 const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf));
                 const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf + 32));
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hf));
                 __m256i sh[4];
+#pragma GCC unroll 4
                 for (int i = 0; i < ni; i++)
                     sh[i] = _mm256_broadcastsi128_si256(hf ? _mm256_extracti128_si256(sm[i], 1) : _mm256_castsi256_si128(sm[i]));
+#pragma GCC unroll 4
                 for (int t = 0; t < 4; t++) {
                     const __m256i q = q6_sub_avx2(t, ql0, ql1, qh);
+#pragma GCC unroll 4
                     for (int i = 0; i < ni; i++) {
                         const int8_t *a = xa[i * kblocks + b].q + 128 * hf + 32 * t;
                         const __m256i av = _mm256_loadu_si256((const __m256i *)a);
