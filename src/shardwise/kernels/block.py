@@ -17,7 +17,8 @@ and answers `.shape`, `.dtype` and `.device` as the float weight did.
 
 The arithmetic (native or fallback, every ISA):
     y[i, r] = sum over blocks b of  dw[r, b] * da[i, b] * (q_w[r, b] . q_a[i, b])  (+ offsets)
-with the activations quantized symmetrically per block, d = amax / 127, round half to even.
+with the activations quantized symmetrically per block, d = amax / 127, round half to even
+(the K-quants' blocks of 256: each 32 with its own scale d m_j, m_j in 1 .. A256_M: fake_quantize).
 The PyTorch fallback computes the same thing in floats (dequantized weights times
 dequantized activation blocks), so both agree to fp32 rounding.
 """
