@@ -32,20 +32,6 @@ from shardwise.hf import load_pretrained
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def rounded(x: torch.Tensor, length: int, m_max: int) -> torch.Tensor:
-    """x (n, k) -> its values after 8-bit blocks of `length` (32: one scale; 256: sub-scales of
-    32 in 1 .. m_max, sw_a256's arithmetic, m_max 1 = one scale per 256)."""
-    if length == 32:
-        return block.fake_quantize(x, 32)
-    n, k = x.shape
-    xb = x.reshape(n, k // 256, 8, 32)
-    sub = xb.abs().amax(-1, keepdim=True)
-    amax = sub.amax(-2, keepdim=True)
-    m = torch.where(amax > 0, torch.ceil(m_max * sub / torch.where(amax > 0, amax, 1.0)), 1.0).clamp(1, m_max)
-    s = amax / float(127 * m_max) * m
-    return (torch.round(xb * torch.where(s > 0, 1.0 / s, torch.zeros_like(s))) * s).reshape(n, k)
-
-
 class Rounding:
     """Wraps kernels.block's dequantized-tile path: each tile's F.linear sees its input rounded
     by the scheme of the format it dequantized."""
@@ -64,7 +50,7 @@ class Rounding:
     def linear(self, x, w, bias=None):
         fmt, self._fmt = self._fmt, None
         if fmt in self.scheme:
-            x = rounded(x.contiguous(), *self.scheme[fmt])
+            x = block.fake_quantize(x.contiguous(), *self.scheme[fmt])
         return self._linear(x, w, bias)
 
 

@@ -89,18 +89,19 @@ def _fmt(name: str) -> Format:
     return FORMATS[name]
 
 
-def fake_quantize(x: torch.Tensor, block: int) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, block: int, m_max: int = A256_M) -> torch.Tensor:
     """x (n, k) float32 -> the activation blocks' values (n, k), what every kernel multiplies by
     (csrc/act.c, sw.h). Blocks of 32: d * round(x / d), d = amax / 127. Blocks of 256 (the
     K-quants'): each 32 of them (sub-block j) with the scale s_j = d * m_j, d = amax / (127 M),
-    m_j = ceil(M amax_j / amax) in 1 .. M (M = A256_M): s_j * round(x / s_j)."""
+    m_j = ceil(M amax_j / amax) in 1 .. M: s_j * round(x / s_j). M = m_max, the kernels'
+    A256_M (1: one scale per 256, llama.cpp's Q8_K; benchmarks/ppl_activation_blocks.py)."""
     n, k = x.shape
     if block == 256:
         xb = x.reshape(n, k // 256, 8, 32)
         sub = xb.abs().amax(-1, keepdim=True)  # (n, k / 256, 8, 1)
         amax = sub.amax(-2, keepdim=True)  # (n, k / 256, 1, 1)
-        d = amax / float(127 * A256_M)
-        m = torch.where(amax > 0, torch.ceil(A256_M * sub / torch.where(amax > 0, amax, 1.0)), 1.0).clamp(1, A256_M)
+        d = amax / float(127 * m_max)
+        m = torch.where(amax > 0, torch.ceil(m_max * sub / torch.where(amax > 0, amax, 1.0)), 1.0).clamp(1, m_max)
         s = d * m
         q = torch.round(xb * torch.where(s > 0, 1.0 / s, torch.zeros_like(s)))
         return (q * s).reshape(n, k)

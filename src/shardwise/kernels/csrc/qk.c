@@ -250,9 +250,8 @@ static inline __m256i k_sm16(uint64_t sc, const uint8_t *m) {
 }
 
 /* int16 sc[g] * m16[g], g < 16: Q6_K's sub-scales times the activation block's. */
-static inline __m256i q6_sm16(const uint8_t *blk, const sw_a256 *a) {
-    return _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))),
-                              _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)a->m16)));
+static inline __m256i q6_sm16(__m256i sc16, const sw_a256 *a) {
+    return _mm256_mullo_epi16(sc16, _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)a->m16)));
 }
 
 /* ni (<= 4) activation rows against every weight row: per block, sub-block j's weights are
@@ -354,7 +353,7 @@ ALWAYS_INLINE void q6_rows_avx2(int ni, const uint8_t *w, size_t row_bytes, int6
                 const sw_a256 *a = xa + i * kblocks + b;
                 const __m256i c = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), sc16);
                 isum[i] = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(c, 5));
-                sm[i] = q6_sm16(blk, a); /* int16 sc[g] m16[g] */
+                sm[i] = q6_sm16(sc16, a); /* int16 sc[g] m16[g] */
                 da[i] = a->d;
             }
 #pragma GCC unroll 2
@@ -597,7 +596,7 @@ ALWAYS_INLINE void q6_rows512(int ni, const uint8_t *w, size_t row_bytes, int64_
                 const sw_a256 *a = xa + i * kblocks + b;
                 const __m256i c = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), sc16);
                 isum[i] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(c, 5)));
-                sm[i] = _mm512_castsi256_si512(q6_sm16(blk, a)); /* int16 sc[g] m16[g]; the upper half never indexed */
+                sm[i] = _mm512_castsi256_si512(q6_sm16(sc16, a)); /* int16 sc[g] m16[g]; the upper half never indexed */
                 da[i] = a->d;
             }
             for (int hf = 0; hf < 2; hf++) {
@@ -707,7 +706,7 @@ ALWAYS_INLINE void q6_row1_vnni256(const uint8_t *w, size_t row_bytes, int64_t r
             const sw_a256 *a = xa + b;
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
             const __m256i c = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsum), sc16);
-            const __m256i sm = q6_sm16(blk, a); /* int16 sc[g] m16[g] */
+            const __m256i sm = q6_sm16(sc16, a); /* int16 sc[g] m16[g] */
             __m256i isum = _mm256_sub_epi32(zero, _mm256_slli_epi32(c, 5)); /* -32 sum_g sc[g] bsum[g] */
             for (int hf = 0; hf < 2; hf++) {
                 const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hf));
