@@ -11,7 +11,7 @@ and 2, beside llama.cpp on the same GGUF files and the weight-streaming ceiling,
 --quantize; a GGUF file takes none). Each configuration runs in fresh ranks (shardwise.launch,
 one thread each): load, a 32-token prompt, --warm decode steps, then --steps timed ones as
 generate() runs them (decode_step, rank 0's argmax, the token broadcast, tolist), at --batch
-prompts (1 by default; prompt i is the ids + 7 i).
+prompts (1 by default; prompt i is the ids + 7 i, modulo the vocabulary).
 Per rank, ms per step (medians of wall and thread time; the program's parts as means):
 
     wall, cpu      the whole step
@@ -70,7 +70,8 @@ def _rank(world, opts: dict) -> dict:
     tp = tp_only(world)
     model, report = load_pretrained(opts["model"], comm=tp, quantize=opts["quantize"])
     batch = opts["batch"]
-    ids = torch.tensor([[t + 7 * i for t in PROMPT] for i in range(batch)])  # prompt i = ids + 7 i
+    vocab = model.cfg.vocab_size  # the ids wrap around a vocabulary smaller than them (the built-in model's 512)
+    ids = torch.tensor([[(t + 7 * i) % vocab for t in PROMPT] for i in range(batch)])  # prompt i = ids + 7 i
     n = opts["warm"] + 2 * opts["steps"] + 1
     caches = model.new_caches(batch, len(PROMPT) + n)
     rows = []
