@@ -1,6 +1,6 @@
-/* How many 512-bit instructions a core issues a cycle, and whether vpdpbusd shares them with
- * the other vector work of the K-quant tiles (shifts, ands, shuffles, int->float conversions,
- * FMAs): the instruction budget behind the tiles' GMAC/s (docs/benchmarks/native-kernels.md).
+/* How fast a core issues 512-bit instructions, and whether vpdpbusd shares that rate with the
+ * other vector work of the K-quant tiles (shifts, adds, shuffles, int->float conversions, FMAs):
+ * the instruction budget behind the tiles' GMAC/s (docs/benchmarks/native-kernels.md).
  * Not part of the package.
  *
  *   gcc -O2 -o /tmp/zmm_ports benchmarks/zmm_ports.c && /tmp/zmm_ports
@@ -8,7 +8,7 @@
  * Twelve independent vpdpbusd chains a loop iteration, alone and then with twelve independent
  * instructions of one other kind beside them (their own chains: nothing waits on a vpdpbusd).
  * If vpdpbusd had ports of its own, the others would be free; if every zmm instruction shares
- * the same two, each one added costs as much as a vpdpbusd. Prints ns per vpdpbusd, the best of
+ * the same ones, each one added costs about as much as a vpdpbusd. Prints ns per vpdpbusd, the best of
  * 5 runs of thread CPU time each. */
 #include <immintrin.h>
 #include <stdio.h>
