@@ -148,6 +148,7 @@ K_BOUND = 0.015
 """Native K-quants against the same blocks dequantized to fp32, on these 1024 tokens."""
 
 
+@pytest.mark.full  # 28-32 s a case on an AVX2-only Zen 3: `make test` keeps the Q4_1 file's case above
 @pytest.mark.parametrize("scheme", ["q4_k", "q6_k"])
 def test_native_k_quants_keep_the_real_models_perplexity(text, scheme):
     """`--quantize q4_k` / `q6_k` (shardwise's own quantizer, from the file's dequantized Q4_1
