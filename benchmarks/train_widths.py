@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import platform
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +29,9 @@ import torch
 from shardwise.bench.measure import _train_s
 from shardwise.models.config import ModelConfig
 from shardwise.planner.cost import training_flops_per_token
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_native import _machine  # noqa: E402  (the CPU's model and SIMD flags, as every table records them)
 
 SHAPES = {  # name: (config, batch, tokens)
     "hidden 1024 (the calibration's probe)": (ModelConfig("llama", 4096, 1024, 2816, 2, 16, 4, 64), 2, 128),
@@ -44,11 +47,9 @@ def main() -> None:
     cal = json.loads((cache / "calibration.json").read_text())
     gemm = cal["gemm_tflops"]["float32"] * 1e12
     layer, step = cal["train_layer_overhead_us"] * 1e-6, cal["train_step_overhead_us"] * 1e-6
-    lines = Path("/proc/cpuinfo").read_text().splitlines()
-    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
-    print(
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {model} ({platform.machine()}), load {os.getloadavg()}"
-    )
+    m = _machine()
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()}")
+    print(f"CPU: {m['model']}, {m['cores']} cores; flags {' '.join(m['flags'])}; torch {m['torch']}")
     print(f"calibration of {cal.get('created')} (v{cal.get('version')}): fp32 matmul {gemm / 1e9:.1f} GFLOP/s, "
           f"train_efficiency {cal.get('train_efficiency'):.2f}, per layer {layer * 1e6:.0f} us, per micro-step {step * 1e6:.0f} us")  # fmt: skip
     for name, (cfg, batch, tokens) in SHAPES.items():
