@@ -60,7 +60,10 @@ def rank(world, shape: str, rounds: int) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     cfg = _config(shape)
     ids = torch.randint(0, cfg.vocab_size, (BATCH, TOKENS), generator=torch.Generator().manual_seed(0))
-    comms = {"tp1": world.split([[r] for r in range(world.size)], "solo"), "dry2": DryRunCommunicator(2, world.rank % 2)}
+    comms = {
+        "tp1": world.split([[r] for r in range(world.size)], "solo"),
+        "dry2": DryRunCommunicator(2, world.rank % 2),
+    }
     if world.size == 2:
         comms["tp2"] = ParallelDims(world_size=2, tp=2).build(world).tp
     models = {k: build_model(cfg, c, init_std=0.02) for k, c in comms.items()}
@@ -109,7 +112,9 @@ def main() -> None:
     m = _machine()
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"CPU: {m['model']}, {m['cores']} cores; flags {' '.join(m['flags'])}; torch {m['torch']}")
-    print(f"shape {a.shape} {SHAPES[a.shape]} (vocab, hidden, intermediate, layers, heads, kv), micro-batch {BATCH} x {TOKENS}")
+    print(
+        f"shape {a.shape} {SHAPES[a.shape]} (vocab, hidden, intermediate, layers, heads, kv), micro-batch {BATCH} x {TOKENS}"
+    )
     rounds: dict[str, list[float]] = {}
     for world, label in ((1, "alone"), (2, "busy")):
         res = launch(rank, world, args=(a.shape, a.rounds), backend="gloo", timeout_s=900)
