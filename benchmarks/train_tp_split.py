@@ -15,7 +15,8 @@ fall on all of them:
               the shared-memory all-reduce inside one host), every step after a barrier.
 
 Beside them, the planner's parts of the same micro-step (planner.predict._micro_batch, this
-host's calibration): tp=1's compute, alone and busy, and tp=2's compute and collectives. The
+host's calibration): tp=1's compute, tp=2's compute and collectives, and the factor it slows a
+core's training compute by while every core works (1 / busy_train). The
 ratios separate what the planner misses: how far a shard's compute is from half (dry2 alone /
 tp1 alone), what a core loses while the other works (busy / alone), and what the collectives
 cost beyond the shard's compute (tp2 - dry2 busy). docs/benchmarks/links.md cites its output.
@@ -33,11 +34,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_links import TRAIN_SHAPES  # noqa: E402
+
+_BUILTIN, _DATA, _ = TRAIN_SHAPES["builtin"]
 SHAPES = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads)
-    "builtin": (512, 256, 512, 4, 8, 4),  # bench_links.py's TRAIN_SHAPES["builtin"]
+    "builtin": tuple(
+        _BUILTIN[k]
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+    ),  # fmt: skip
     "h1024": (4096, 1024, 2816, 2, 16, 4),  # the calibration's training probe (measure._training_probe)
 }
-BATCH, TOKENS = 2, 128  # bench_links.py's micro-batch
+BATCH, TOKENS = _DATA["micro_batch_size"], _DATA["seq_len"]  # bench_links.py's micro-batch
 
 
 def _config(shape: str):
@@ -82,7 +89,9 @@ def rank(world, shape: str, rounds: int) -> dict[str, list[float]]:
 
 
 def planner_parts(shape: str) -> dict[str, float]:
-    """The planner's micro-step parts, ms: tp=1 compute alone and busy, tp=2 compute and collectives."""
+    """The planner's micro-step parts: tp=1's compute (one core working), tp=2's compute (every
+    core working) and collectives, ms; and the factor it slows a core's training compute by while
+    every core works (1 / busy_train, Device.train_flops)."""
     from shardwise.bench.calibrate import load_calibration
     from shardwise.planner.predict import Layout, _micro_batch
     from shardwise.planner.specs import TrainingWorkload
@@ -90,12 +99,14 @@ def planner_parts(shape: str) -> dict[str, float]:
     cfg, cal = _config(shape), load_calibration()
     wl = TrainingWorkload(global_batch=BATCH, micro_batch=BATCH, seq_len=TOKENS, precision="fp32", optimizer="adam")
     parts = {}
-    for name, devices, tp in (("tp1 alone", 1, 1), ("tp1 busy", 2, 1), ("tp2", 2, 2)):
-        f, b, _ = _micro_batch(cfg, cal.hosts(1, devices), Layout(tp, 1, 1), wl, layers=cfg.num_layers, first=True,
+    for name, tp in (("tp1", 1), ("tp2", 2)):
+        f, b, _ = _micro_batch(cfg, cal.hosts(1, tp), Layout(tp, 1, 1), wl, layers=cfg.num_layers, first=True,
                                last=True, stage=0, transfers=0)  # fmt: skip
         parts[f"{name} compute"] = (f.compute_s + b.compute_s) * 1e3
         if tp > 1:
             parts[f"{name} collectives"] = (f.comm_s + b.comm_s) * 1e3
+    dev = cal.hosts(1, 2).device
+    parts["busy factor"] = dev.train_flops("float32") / dev.train_flops("float32", busy=True)
     return parts
 
 
@@ -126,16 +137,17 @@ def main() -> None:
     print("\nmeasured ms a micro-step (the slower rank's), round by round; median")
     for k, v in rounds.items():
         print(f"  {k:11s} {' '.join(f'{x:7.1f}' for x in v)}   median {med[k]:7.1f}")
-    print("planner ms (this host's calibration)")
+    print("planner (this host's calibration): ms, and the busy factor")
     for k, v in plan.items():
-        print(f"  {k:22s} {v:7.1f}")
+        print(f"  {k:22s} {v:7.2f}")
     tp2_plan = plan["tp2 compute"] + plan["tp2 collectives"]
+    busy = plan["busy factor"]  # the planner's tp=2 compute has it; a shard alone would not
     rows = [
-        ("a shard's compute / tp=1's, alone", med["dry2 alone"] / med["tp1 alone"], plan["tp2 compute"] / plan["tp1 busy compute"]),
-        ("tp=1 busy / alone", med["tp1 busy"] / med["tp1 alone"], plan["tp1 busy compute"] / plan["tp1 alone compute"]),
-        ("a shard busy / alone", med["dry2 busy"] / med["dry2 alone"], plan["tp1 busy compute"] / plan["tp1 alone compute"]),
+        ("a shard's compute / tp=1's, alone", med["dry2 alone"] / med["tp1 alone"], plan["tp2 compute"] / busy / plan["tp1 compute"]),
+        ("tp=1 busy / alone", med["tp1 busy"] / med["tp1 alone"], busy),
+        ("a shard busy / alone", med["dry2 busy"] / med["dry2 alone"], busy),
         ("collectives, ms (tp2 - dry2 busy)", med["tp2"] - med["dry2 busy"], plan["tp2 collectives"]),
-        ("tp2 / tp1 alone", med["tp2"] / med["tp1 alone"], tp2_plan / plan["tp1 alone compute"]),
+        ("tp2 / tp1 alone", med["tp2"] / med["tp1 alone"], tp2_plan / plan["tp1 compute"]),
         ("tp2, ms", med["tp2"], tp2_plan),
     ]  # fmt: skip
     print(f"\n{'':36s} {'measured':>9s} {'planner':>9s}")
