@@ -3,13 +3,14 @@ of it the products at the calibrated matmul rate explain, and what is left per a
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/train_widths.py      # about 2 minutes
 
-The calibration's training probe (shardwise.bench.measure._training_probe) prices a forward and
-backward as its products at train_efficiency times the fp32 matmul rate, plus a fixed time per
-layer and per micro-step, all measured at hidden 1024 (and a tiny model for the fixed times).
+Up to calibration version 19 the training probe priced a forward and backward as its products
+at train_efficiency times the fp32 matmul rate, plus a fixed time per layer and per micro-step,
+all measured at hidden 1024 (and a tiny model for the fixed times); version 20
+(shardwise.bench.train_probe) adds the element-wise work per activation value (train_unsplit_ns).
 The element-wise work of a layer (norms, residual adds, the gated activation, attention's
 softmax, copies) grows with tokens x width while the products grow with tokens x width^2, so
 at a narrower width that split prices it lower. This runs the same forward and backward
-(measure._train_s: autograd, cross-entropy on every position, best of 5, twice) at hidden 1024,
+(train_probe.train_s: as shardwise.train runs a micro-step, best of 5, twice) at hidden 1024,
 512 and 256 and at the built-in model's shape (bench_links.py's TRAIN_SHAPES["builtin"], one
 micro-batch of 2 x 128), and prints for each: the step, its products at the calibrated rate,
 the step less the calibrated fixed times, and what is left after the products, per activation
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.bench.measure import _train_s
+from shardwise.bench.train_probe import train_s
 from shardwise.models.config import ModelConfig
 from shardwise.planner.cost import training_flops_per_token
 
@@ -53,7 +54,7 @@ def main() -> None:
     print(f"calibration of {cal.get('created')} (v{cal.get('version')}): fp32 matmul {gemm / 1e9:.1f} GFLOP/s, "
           f"train_efficiency {cal.get('train_efficiency'):.2f}, per layer {layer * 1e6:.0f} us, per micro-step {step * 1e6:.0f} us")  # fmt: skip
     for name, (cfg, batch, tokens) in SHAPES.items():
-        s = min(_train_s(cfg, batch, tokens, 5) for _ in range(2))
+        s = min(train_s(cfg, batch, tokens, 5) for _ in range(2))
         products = batch * tokens * training_flops_per_token(cfg, tokens, recompute=False) / gemm
         rest = s - cfg.num_layers * layer - step
         values = batch * tokens * cfg.num_layers * (2 * cfg.hidden_size + cfg.intermediate_size)

@@ -199,12 +199,13 @@ def test_calibration_carries_the_training_terms():
     from shardwise.bench.calibrate import VERSION
 
     measured = dict(train_efficiency=0.8, train_layer_overhead_us=500.0, train_step_overhead_us=400.0,
+                    train_tp_layer_overhead_us=700.0, train_tp_step_overhead_us=450.0, train_unsplit_ns=30.0,
                     busy_train=0.9, optimizer_gbps=6.0)  # fmt: skip
     cal = Calibration(**{**FAKE.__dict__, **measured})
     d = cal.cluster("gloo").device
     assert {k: getattr(d, k) for k in measured} == measured
     assert Calibration.from_json(cal.to_json()).cluster().device == d
-    assert VERSION >= 3  # files without the training terms (version 2) are measured again
+    assert VERSION >= 20  # files without the training terms (version 2; a shard's, 19) are measured again
     assert FAKE.cluster().device.train_layer_overhead_us is None  # not measured: the decode overheads
 
 

@@ -11,8 +11,10 @@ starts ranks). Measured (shardwise.bench.measure):
   batched decode step; the planner interpolates between them) and the fixed time per
   layer and per forward (a tiny model's decode step), on one core alone, then on every core at once
   (what a core keeps of its rates while the others work: busy_compute, busy_memory);
-- a training forward and backward on one core: its fixed time per layer and per
-  micro-step (a tiny model) and the share of the matmul FLOP/s it reaches (two layers
+- a training forward and backward on one core, as shardwise.train runs a micro-step: its
+  fixed time per layer and per micro-step (a tiny model; whole, and as one tp=2 rank's shard
+  on a dry-run communicator), its element-wise work per activation value (a model whose
+  products are small), and the share of the matmul FLOP/s it reaches (two layers
   of hidden 1024, 256 tokens): train_efficiency, for the planner's training steps; the
   same on every core at once (busy_train); and the bytes/s of an AdamW update of those
   weights (optimizer_gbps);
@@ -73,7 +75,7 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 19
+VERSION = 20
 """Bumped when the measurements change meaning: a cache of another version is measured again
 (6: the quantized linear kernels; 7: the shared-memory and veth paths, point-to-point times;
 8: the native decode step's fixed costs, and each path's collectives inside a decode step;
@@ -88,7 +90,9 @@ collectives over direct TCP connections, shardwise.comm.tcp, as a tp group there
 native step's all-reduce with its spill, as the per-op path's; 18: the decode probe's greedy
 choice as generate makes it, each rank's best and one all-gather, no logits gathered and no
 token broadcast; 19: the tcp path's waits retried for 2 ms, yielding, before select: its
-all-reduces inside a decode step)."""
+all-reduces inside a decode step; 20: the training probe as shardwise.train runs a micro-step
+(build_model, the vocab-parallel loss), its fixed times also for one tp=2 rank's shard, and
+the element-wise work a tp group does not split, train_unsplit_ns)."""
 QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Rows of the quantized kernel probe: one sequence decoding up to a short prompt."""
 
@@ -119,6 +123,14 @@ class Calibration:
     train_step_overhead_us: float | None = None
     """A training forward and backward on one core: the share of the matmul FLOP/s it reaches,
     and its fixed time per layer and per micro-step (measure._training_probe; version 3)."""
+    train_tp_layer_overhead_us: float | None = None
+    train_tp_step_overhead_us: float | None = None
+    """The same fixed times for one tp=2 rank's shard, its collectives answered by a dry-run
+    communicator (the region copies' autograd functions, the vocab-parallel loss; version 20)."""
+    train_unsplit_ns: float | None = None
+    """Nanoseconds per activation value (a token's hidden entry, per layer) of a training forward
+    and backward's element-wise work around its products, which a tp group does not split
+    (measure._small_steps; version 20). train_efficiency is fitted net of it."""
     busy_train: float | None = None
     """A core's speed at that training micro-step while every core runs it, as a fraction of
     its speed alone (None: as busy_compute)."""
@@ -226,6 +238,9 @@ class Calibration:
             train_efficiency=self.train_efficiency,
             train_layer_overhead_us=self.train_layer_overhead_us,
             train_step_overhead_us=self.train_step_overhead_us,
+            train_tp_layer_overhead_us=self.train_tp_layer_overhead_us,
+            train_tp_step_overhead_us=self.train_tp_step_overhead_us,
+            train_unsplit_ns=self.train_unsplit_ns,
             busy_train=self.busy_train,
             optimizer_gbps=self.optimizer_gbps,
             serve_step_us=self.serve_overheads.get("step_us", 0.0),
@@ -537,6 +552,9 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None, 
         train_efficiency=alone["train_efficiency"],
         train_layer_overhead_us=alone["train_layer_overhead_us"],
         train_step_overhead_us=alone["train_step_overhead_us"],
+        train_tp_layer_overhead_us=alone["train_tp_layer_overhead_us"],
+        train_tp_step_overhead_us=alone["train_tp_step_overhead_us"],
+        train_unsplit_ns=alone["train_unsplit_ns"],
         busy_train=min(1.0, alone["train_s"] / busy.get("train_s", alone["train_s"])),
         optimizer_gbps=alone["optimizer_gbps"],
         quantized_rows_tflops=q_alone,

@@ -99,7 +99,7 @@ def probe_rank(world: Communicator, opts: dict) -> dict:
       matrix products can run far below both its peak FLOP/s and its bandwidth;
     - fixed time per layer and per forward: a tiny model's decode step, 1 vs 5 layers;
     - with opts["training"]: the same for a training forward and backward, and the fraction
-      of the matmul FLOP/s such a micro-step reaches (_training_probe)."""
+      of the matmul FLOP/s such a micro-step reaches (train_probe.training_probe)."""
     torch.manual_seed(world.rank)
     out: dict = {"gemm_tflops": {}}
     rows = opts.get("rows", 128)
@@ -140,60 +140,10 @@ def probe_rank(world: Communicator, opts: dict) -> dict:
     out["layer_overhead_us"] = max(t5 - t1, 0.0) / 4 * 1e6
     out["step_overhead_us"] = max(t1 * 1e6 - out["layer_overhead_us"], 0.0)
     if opts.get("training"):
-        out |= _training_probe(opts["repeats"], out["gemm_tflops"]["float32"] * 1e12)
+        from shardwise.bench.train_probe import training_probe
+
+        out |= training_probe(opts["repeats"], out["gemm_tflops"]["float32"] * 1e12)
     return out
-
-
-def _train_s(cfg, batch: int, tokens: int, repeats: int, optimizer: bool = False) -> float | tuple[float, float]:
-    """Fastest forward + backward (cross-entropy on every position) of a DecoderLM of `cfg`;
-    with `optimizer`, also the fastest AdamW update of its parameters (torch's fused kernel, as
-    shardwise.train uses): (seconds, optimizer seconds)."""
-    from shardwise.models.decoder import DecoderLM
-
-    model = DecoderLM(cfg).train()
-    ids = torch.randint(0, cfg.vocab_size, (batch, tokens))
-
-    def step():
-        model.zero_grad(set_to_none=True)  # a first micro-batch: nothing to accumulate into
-        logits = model(ids)  # (B, T, V)
-        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
-
-    t = best_time(step, repeats)
-    if not optimizer:
-        return t
-    from shardwise.train.optim import fused_ok
-
-    params = list(model.parameters())
-    adamw = torch.optim.AdamW(params, lr=1e-6, fused=fused_ok(params))  # as shardwise.train builds it
-    return t, best_time(adamw.step, repeats)
-
-
-def _training_probe(repeats: int, gemm_flops: float) -> dict:
-    """A training micro-step on one core, fp32: the fixed time per layer and per micro-step of
-    a forward and backward (autograd's: a tiny model, 1 vs 5 layers, 8 tokens), the
-    fraction of the matmul FLOP/s that a forward and backward of layer-shaped weights reach
-    (two layers of hidden 1024, 256 tokens), less those fixed times, and the bytes/s of an
-    AdamW update of those weights (counted as one read and one write of its state)."""
-    from shardwise.models.config import ModelConfig
-    from shardwise.planner.cost import training_flops_per_token
-    from shardwise.planner.footprint import stage_params
-
-    tiny = [ModelConfig("llama", 256, 64, 128, n, 4, 2, 16) for n in (1, 5)]
-    t1, t5 = (_train_s(cfg, 1, 8, 5 * repeats) for cfg in tiny)
-    layer = max(t5 - t1, 0.0) / 4
-    step = max(t1 - layer, 0.0)
-    cfg = ModelConfig("llama", 4096, 1024, 2816, 2, 16, 4, 64)
-    t, update = _train_s(cfg, 2, 128, repeats, optimizer=True)
-    flops = 2 * 128 * training_flops_per_token(cfg, 128, recompute=False)
-    efficiency = min(1.0, flops / gemm_flops / max(t - 2 * layer - step, 1e-9))
-    return {
-        "train_layer_overhead_us": layer * 1e6,
-        "train_step_overhead_us": step * 1e6,
-        "train_efficiency": efficiency,
-        "train_s": t,
-        # AdamW in fp32 reads and writes weights, gradients and its two moments: 16 bytes a parameter
-        "optimizer_gbps": 2 * 16 * stage_params(cfg, 1) / update / 1e9,
-    }
 
 
 AFTER_COMPUTE_BIG = (65536, (0.3, 1.0, 3.0))

@@ -2,7 +2,8 @@
 
 Compute on a device is a roofline: max(FLOPs / achieved FLOP/s, bytes streamed / achieved
 memory bandwidth), plus a fixed overhead per layer and per forward (training: the FLOP/s a
-forward and backward reach, Device.train_efficiency, and their own fixed times, when measured). Collectives follow the
+forward and backward reach, Device.train_efficiency, their own fixed times and the element-wise
+work around the products, which a tp group does not split, when measured). Collectives follow the
 alpha-beta model of their link (specs.Link), plus what the link measured a collective to
 cost more after the burst of compute that precedes it (specs.Link.extra_after_s; the burst
 is the compute of a pass divided among its collectives). Nothing overlaps: communication
@@ -449,9 +450,18 @@ def _micro_batch(cfg: ModelConfig, cluster: Cluster, layout: Layout, wl: Trainin
     launches = EXPERT_LAUNCHES * experts_computed(cfg, tp, layers, None, **moe)  # every expert held
     flops_s = dev.train_flops(prec.compute, busy)
     if dev.train_layer_overhead_us is not None:  # measured for a forward and backward: 1/3 and 2/3 of it
-        overhead = ((layers + launches) * dev.train_layer_overhead_us + (dev.train_step_overhead_us or 0.0)) * 1e-6 / 3
+        layer_us, step_us = dev.train_layer_overhead_us, dev.train_step_overhead_us or 0.0
+        if tp > 1 and dev.train_tp_layer_overhead_us is not None:  # a shard's own: its region copies
+            layer_us, step_us = dev.train_tp_layer_overhead_us, dev.train_tp_step_overhead_us or 0.0
+        overhead = ((layers + launches) * layer_us + step_us) * 1e-6 / 3
     else:
         overhead = ((layers + launches) * dev.layer_overhead_us + dev.step_overhead_us) * 1e-6
+    # the element-wise work around the products (norms, residuals, region copies): every rank
+    # of a tp group does all of it (sequence parallelism: its 1/tp of the tokens), at the
+    # compute's pace while every device works; measured for a forward and backward: 1/3 a pass
+    values = tokens * cfg.hidden_size * layers / (tp if wl.sequence_parallel else 1)
+    pace = dev.train_flops(prec.compute) / flops_s
+    overhead += (dev.train_unsplit_ns or 0.0) * 1e-9 * values * pace / 3
 
     def compute(forwards: int, heads: int, reads: int, extra: float = 0.0) -> float:
         flops = forwards * layer_flops + heads * head_flops + extra

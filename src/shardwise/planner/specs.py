@@ -297,6 +297,16 @@ class Device:
     train_step_overhead_us: float | None = None
     """Fixed time of a training forward and backward per layer and per micro-step (autograd's
     bookkeeping, the loss), microseconds; None: the decode overheads above, once per pass."""
+    train_tp_layer_overhead_us: float | None = None
+    train_tp_step_overhead_us: float | None = None
+    """The same for one rank's shard at tp > 1 (its region copies' autograd functions, the
+    vocab-parallel loss: measured at tp=2 on this host); None: train_layer_overhead_us and
+    train_step_overhead_us at every tp."""
+    train_unsplit_ns: float | None = None
+    """Nanoseconds per activation value (a token's hidden entry, per layer) of a training forward
+    and backward's element-wise work around its products (norms, residuals, region copies),
+    which a tp group does not split: every rank does all of it (1/tp of it with sequence
+    parallelism). None: none counted apart (the presets: their efficiencies stand for it)."""
     busy_train: float | None = None
     """The speed of a training forward and backward while the node's other devices run one
     too, as a fraction of its speed alone (None: busy_compute)."""
@@ -336,7 +346,8 @@ class Device:
         for name in ("busy_train", "optimizer_gbps"):
             if getattr(self, name) is not None:
                 _check(self, positive=(name,))
-        for name in ("train_layer_overhead_us", "train_step_overhead_us"):
+        for name in ("train_layer_overhead_us", "train_step_overhead_us", "train_tp_layer_overhead_us",
+                     "train_tp_step_overhead_us", "train_unsplit_ns"):  # fmt: skip
             if getattr(self, name) is not None:
                 _check(self, nonneg=(name,))
         _check(self, nonneg=("layer_overhead_us", "step_overhead_us", "reserved_gib"))
