@@ -107,10 +107,10 @@ def _generate_rank(world: Communicator, opts: dict) -> dict:
         )
     if opts.get("auto"):  # transformers' module: driven through DecoderLM's calls
         model = AutoLM(model)
-    decode_layout(model, rows=len(opts["prompts"]))  # fp32 on CPU: the weight order measured fastest
     tp.wire = choose_wire(
         opts.get("comm_dtype", "auto"), tp, world, values=len(opts["prompts"]) * model.cfg.hidden_size
     )
+    decode_layout(model, rows=len(opts["prompts"]))  # fp32 on CPU: the weight order measured fastest
     log.debug("rank %d/%d holds %.1f MiB of parameters", world.rank, world.size, report.param_bytes / 2**20)
     if opts["fail_rank"] == world.rank:  # after loading, so the others are already in a collective
         raise RuntimeError(f"injected failure on rank {world.rank} (--debug-fail-rank)")

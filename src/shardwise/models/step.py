@@ -26,7 +26,7 @@ from torch import nn
 from shardwise.kernels import native, step
 from shardwise.kernels.decode import fused_ok
 
-__all__ = ["step_layers", "forget_programs"]
+__all__ = ["step_layers", "forget_programs", "refusal"]
 
 _COLUMN = {"QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear"}
 _ROW = {"RowParallelLinear"}
@@ -45,8 +45,9 @@ def _proj(mod, kinds: set[str], what: str):
     return w, mod.bias, mod.comm
 
 
-def _spec(layer, cache, hid: int) -> tuple[step.LayerSpec, object, list]:
-    """(the layer's spec, its tp group, (module, weight) pairs whose identity the program depends on)."""
+def _projections(layer) -> tuple[tuple, tuple, tuple, tuple]:
+    """The layer's qkv, o, up and down as (weight, bias, tp group), where the program runs its
+    kind of layer (Unsupported: why not)."""
     step.need(not layer.parallel_residual, "a parallel residual")
     step.need(layer.attn_post_norm is None and layer.mlp_post_norm is None, "sandwich norms")
     attn, mlp = layer.attn, layer.mlp
@@ -54,11 +55,34 @@ def _spec(layer, cache, hid: int) -> tuple[step.LayerSpec, object, list]:
     step.need(hasattr(mlp, "up") and getattr(mlp, "gated", False), "experts, or an MLP that is not gated")
     for n in (layer.attn_norm, layer.mlp_norm):
         step.need(n.kind == "rms" and not n.offset, f"a {n.kind} norm with offset {n.offset}")
-    wq, bq, g1 = _proj(attn.qkv, _COLUMN, "qkv")
-    wo, bo, g2 = _proj(attn.o, _ROW, "o")
-    wu, bu, g3 = _proj(mlp.up, _COLUMN, "up")
-    wd, bd, g4 = _proj(mlp.down, _ROW, "down")
-    step.need(g1 is g2 is g3 is g4, "projections on different groups")
+    parts = (_proj(attn.qkv, _COLUMN, "qkv"), _proj(attn.o, _ROW, "o"), _proj(mlp.up, _COLUMN, "up"),
+             _proj(mlp.down, _ROW, "down"))  # fmt: skip
+    step.need(parts[0][2] is parts[1][2] is parts[2][2] is parts[3][2], "projections on different groups")
+    return parts
+
+
+def refusal(model) -> str | None:
+    """Why the program would not run `model`'s decode steps, from its layers alone (their kind,
+    their projections, the tp group's wire; not the caches, which it checks at the step), or
+    None where it would."""
+    if not (step.enabled() and native.available()):
+        return "the native step is off (SHARDWISE_NATIVE_STEP=0) or not built"
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)) or not len(layers):
+        return "no decoder layers"
+    try:
+        for layer in layers if isinstance(layers, nn.ModuleList) else layers.values():
+            group = _projections(layer)[0][2]
+            step.need(group.size == 1 or group.wire == "fp32", f"the tp group's {group.wire} wire")
+    except (step.Unsupported, AttributeError) as e:
+        return str(e)
+    return None
+
+
+def _spec(layer, cache, hid: int) -> tuple[step.LayerSpec, object, list]:
+    """(the layer's spec, its tp group, (module, weight) pairs whose identity the program depends on)."""
+    attn, mlp = layer.attn, layer.mlp
+    (wq, bq, g1), (wo, bo, _), (wu, bu, _), (wd, bd, _) = _projections(layer)
     hd = attn.head_dim
     nq = wo.shape[1] // hd
     groups = getattr(attn.qkv, "kv_groups", None)

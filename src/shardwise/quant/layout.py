@@ -11,12 +11,19 @@ rows and more the column-major order loses by 10-20%. Measured by benchmarks/ben
 (docs/benchmarks/quantization.md): a decode step of the 30-layer, width-576 model
 takes 17% less CPU time for one sequence, 35% less for two.
 
-So for decoding one or two sequences at a time, each CPU fp32 projection weight with
+So for decoding one or two sequences at a time on that path, each CPU fp32 projection weight with
 out >= in is re-strided in place to column-major: the Parameter keeps its shape, values
 and name (state_dict, checkpoints and every shape check see the same tensor), only its
 strides change, one tensor at a time. Quantized weights (their own kernels), experts
 (stacked blocks), bf16 (no measured gain) and anything off the CPU are left alone. The
 layers call F.linear as before; MKL takes the strides as given.
+
+Where the native decode step runs the layers instead (shardwise.models.step.refusal: None),
+their weights stay row-major (the LM head, outside the step, is still re-strided): its fp32 kernel (csrc/f32.c) keeps each output's sum in registers over
+a row-major weight, where the column-major one adds into the output rows in memory eight
+inputs at a time; on the AMD Zen 3 (AVX2) of docs/benchmarks/links.md it streamed the
+built-in model's matrices at 40-59 GB/s row-major against 13-17 column-major from the cache,
+13-16 against 8-11 from memory, and `generate`'s step took 1.5-2.6 ms against 3.3-5.0.
 """
 
 from __future__ import annotations
@@ -60,10 +67,16 @@ def _wants_column_major(w) -> bool:
 @torch.no_grad()
 def decode_layout(model: nn.Module, rows: int) -> int:
     """Re-stride `model`'s CPU fp32 projection weights for products of `rows` rows: column-major
-    where that is measured faster (out >= in, rows <= MAX_COLUMN_MAJOR_ROWS), row-major
-    otherwise (undoing an earlier call). Returns how many weights changed order."""
+    where that is measured faster (out >= in, rows <= MAX_COLUMN_MAJOR_ROWS, the layers run by
+    PyTorch: the native decode step refuses the model), row-major otherwise (undoing an
+    earlier call). Call it after setting the tp group's wire (a compressed wire keeps the
+    step off). Returns how many weights changed order."""
+    from shardwise.models.step import refusal
+
     if rows < 1:
         raise ValueError(f"rows must be at least 1, got {rows}")
+    few = rows <= MAX_COLUMN_MAJOR_ROWS
+    columns = few and refusal(model) is not None  # the layers' projections on MKL
     changed = 0
     seen: set[int] = set()
     for module in model.modules():
@@ -73,7 +86,7 @@ def decode_layout(model: nn.Module, rows: int) -> int:
         if id(w) in seen or not _wants_column_major(w):
             continue
         seen.add(id(w))  # a tied head's weight is the embedding's: re-strided once
-        want = rows <= MAX_COLUMN_MAJOR_ROWS
+        want = columns or (few and isinstance(module, VocabParallelLMHead))  # the head is MKL's always
         if want == column_major(w):
             continue
         # (out, in) -> the same values in the other order; the old storage is freed on return

@@ -132,11 +132,11 @@ class _Engine:
             expert_parallel=opts.expert_parallel,
             quantize=opts.quantize,
         )
-        decode_layout(self.model, rows=opts.max_batch_size)  # fp32 on CPU: the order measured fastest
         from shardwise.planner.wire import choose_wire
 
         values = opts.max_batch_size * self.model.cfg.hidden_size  # a full decode step's all-reduce
         self.tp.wire = choose_wire(opts.comm_dtype, self.tp, world, values=values)
+        decode_layout(self.model, rows=opts.max_batch_size)  # fp32 on CPU: the order measured fastest
         if stage is not None:
             self.stages = StageForward(self.model, mesh)
             self.stage_text = stage[0].describe().replace(", loss", "")
