@@ -11,11 +11,11 @@ started by mpiexec can run it too).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from shardwise.bench.timing import best_time
 from shardwise.comm import Communicator, tp_only
 
 CACHE_HIDDEN = 384
@@ -36,23 +36,6 @@ __all__ = [
     "DECODE_CONFIG",
     "pipeline_step_rank",
 ]
-
-
-def best_time(fn: Callable[[], object], repeats: int, warmup: int = 1, sync: Communicator | None = None) -> float:
-    """Fastest seconds of fn() over `repeats` calls, after `warmup` calls; with `sync`, every
-    call starts after a barrier, so that all ranks run it at the same time.
-
-    NOTE: the fastest, not the median: on a shared machine other processes only ever add
-    time, and the planner predicts a machine that is not shared."""
-    times = []
-    for i in range(warmup + repeats):
-        if sync is not None and sync.size > 1:
-            sync.barrier()
-        t0 = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def _layers(dtype: torch.dtype, h: int = 1024, n: int = 6) -> list[torch.Tensor]:

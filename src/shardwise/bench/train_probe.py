@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.bench.measure import best_time
+from shardwise.bench.timing import best_time
 from shardwise.models.config import ModelConfig
 
 SMALL_ROUNDS = 5
