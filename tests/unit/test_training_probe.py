@@ -120,6 +120,10 @@ def test_the_fit_keeps_its_bounds_and_names_what_it_lacks():
     none = dict(TRUE, unsplit=-5e-9)
     rows = [(*r, 1, _time(none, *r)) for r in (tiny1, tiny5, flat, wide)]
     assert train_probe.fit_training(rows, GEMM)["train_unsplit_ns"] == 0.0
+    # steps faster than their products at the matmul probe's rate: every term at its bound
+    instant = train_probe.fit_training([(*r[:4], 1e-9) for r in rows], GEMM)
+    assert instant == {"train_efficiency": 1.0, "train_unsplit_ns": 0.0, "train_layer_overhead_us": 0.0,
+                       "train_step_overhead_us": 0.0}  # fmt: skip
     with pytest.raises(ValueError, match="4 micro-steps at tp=1 to fit 4 terms, got 3"):
         train_probe.fit_training(rows[:3], GEMM)
     with pytest.raises(ValueError, match="tp=2 micro-steps at 2 layer counts"):

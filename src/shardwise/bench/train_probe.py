@@ -96,6 +96,9 @@ def fit_training(rows: list[Row], gemm_flops: float) -> dict:
     fixed: dict[str, float] = {}
     while True:  # least squares over the free terms; pin one that breaks its bound, again
         free = [i for i, k in enumerate(cols) if k not in fixed]
+        if not free:  # every term at its bound
+            got = {}
+            break
         rest = t - sum((terms[:, i] * fixed[k] for i, k in enumerate(cols) if k in fixed), torch.zeros_like(t))
         sol = torch.linalg.lstsq(terms[:, free], rest[:, None]).solution[:, 0].tolist()
         got = dict(zip((cols[i] for i in free), sol, strict=True))
