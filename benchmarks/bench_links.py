@@ -22,7 +22,8 @@ the calibration's veth probes do (hostlinks):
   (the first allocates the optimizer's state), link bytes per step the difference over the
   extra steps.
 
-Beside each measurement, the planner's prediction for the same layout and rate (Predictor:
+Beside each measurement, the planner's prediction for the same layout and rate, decode with
+the wire format the run reported (`comm_dtype`: what --comm-dtype auto picked) (Predictor:
 this host's calibration, `shardwise plan --cluster this-host`, with the namespace hosts as
 Calibration.hosts describes them) and whether it is within 25% (issue 38's check). Writes
 JSON and a plot (measured and predicted ms against rate). The figures mean something only
@@ -115,12 +116,12 @@ class Predictor:
 
         return Layout(1, 2, 1) if name.startswith("pp=2") else Layout(2, 1, 1)
 
-    def decode_ms(self, name: str, hosts: int, per_host: int, rate: str, *, prompt: int) -> float:
+    def decode_ms(self, name: str, hosts: int, per_host: int, rate: str, *, prompt: int, wire: str = "fp32") -> float:
         from shardwise.planner.predict import predict_inference
 
         p = predict_inference(self.cfg, self.cluster(hosts, per_host, rate), self.layout(name), batch=1,
                               prompt_len=prompt, output_len=LONG, width=4, dtype="float32", quantize=self.quantize,
-                              comm_dtype="q8" if "q8" in name else "fp32")  # fmt: skip
+                              comm_dtype=wire)  # fmt: skip
         return p.decode.total_s * 1e3
 
     def step_ms(self, name: str, hosts: int, per_host: int, rate: str, train: dict) -> float:
@@ -291,7 +292,7 @@ def _measure(a: argparse.Namespace, cfg) -> None:
         for name, (n, per_host, flags) in layouts.items():
             if n == 1 and rows and any(r["layout"] == name for r in rows):
                 continue  # inside one host the link does not matter: once
-            launches, tokens = [], None
+            launches, tokens, wires = [], None, set()
             with netns.make_hosts(n, rate, pin=a.pin) as cluster:
                 for _ in range(a.launches):  # NOTE: gloo across a veth is fast or slow per launch
                     if a.train:
@@ -301,12 +302,14 @@ def _measure(a: argparse.Namespace, cfg) -> None:
                         long, sent_long = _generate(cluster, per_host, flags, LONG, model)
                         launches.append((long["decode_ms_per_token"], (sent_long - sent_short) / (LONG - SHORT)))
                         tokens = tokens or long["tokens"]
+                        wires.add(long.get("comm_dtype") or "fp32")  # what auto picked, where it did
             ms = [x for x, _ in launches]
             row = {"layout": name, "rate": rate if n > 1 else "loopback", "ms": statistics.median(ms),
                    "link_bytes": round(statistics.median(b for _, b in launches)), "launches_ms": ms,
                    "launches_link_bytes": [round(b) for _, b in launches]}  # fmt: skip
             if tokens is not None:
                 row["tokens"] = tokens
+                row["comm_dtype"] = "/".join(sorted(wires))  # the planner prices the wire that ran
             row.update(hosts=n, per_host=per_host)
             rows.append(row)
             print(f"{name:24s} {row['rate']:9s} {row['ms']:8.2f} ms/{unit} (launches: "
@@ -337,7 +340,10 @@ def _predict(a: argparse.Namespace, cfg) -> None:
         if train:
             row["predicted_ms"] = predictor.step_ms(name, n, per_host, rate, _shape()[1])
         else:
-            row["predicted_ms"] = predictor.decode_ms(name, n, per_host, rate, prompt=16)
+            wire = row.get("comm_dtype", "q8" if "q8" in name else "fp32")
+            if "/" in wire:  # launches that picked different formats: priced as the layout names it
+                wire = "q8" if "q8" in name else "fp32"
+            row["predicted_ms"] = predictor.decode_ms(name, n, per_host, rate, prompt=16, wire=wire)
         row["predicted_ms"] = float(row["predicted_ms"])  # a fresh calibration's fits are numpy floats
         row["predicted_over_measured"] = row["predicted_ms"] / row["ms"]
         row["within_25pct"] = bool(0.75 <= row["predicted_over_measured"] <= 1.25)

@@ -11,7 +11,7 @@ from helpers import tp_group
 from shardwise.comm import reduce_from_region
 from shardwise.comm.compress import BLOCK, chunk_len, compressed_all_reduce, error_bound, wire_bytes
 
-__all__ = ["compressed_case", "LENGTHS"]
+__all__ = ["compressed_case", "wire_times_case", "LENGTHS"]
 
 LENGTHS = (1, 7, 31, 33, 100, 576 * 3 + 5, 4099)
 """Element counts: below one block, around one, and not divisible by 2, 3, 4 or 32."""
@@ -78,3 +78,10 @@ def compressed_case(world) -> dict:
     finally:
         comm.wire = "fp32"
     return worst
+
+
+def wire_times_case(world) -> dict[str, float]:
+    """planner.wire.measure_wires on a tp group of the whole world (as choose_wire runs it)."""
+    from shardwise.planner.wire import measure_wires
+
+    return measure_wires(tp_group(world), 2048, repeats=2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases.compress import compressed_case
+from cases.compress import compressed_case, wire_times_case
 from shardwise.comm import LocalCommunicator
 from shardwise.comm.compress import BLOCK, compressed_all_reduce, decode, encode, error_bound, wire_bytes
 from shardwise.launch import launch
@@ -16,6 +16,16 @@ from shardwise.launch import launch
 def test_compressed_all_reduce_within_its_bound_on_gloo(rank_pool, world_size):
     worst = rank_pool.run(compressed_case, world_size)[0]
     assert 0 < worst["q8"] <= 1 and 0 < worst["bf16"] <= 1, worst  # the largest error / bound
+
+
+def test_each_wire_is_timed_at_the_steps_size_and_every_rank_gets_the_same_figures(rank_pool):
+    """choose_wire's measurement: one all-reduce of the step's size in each format, the
+    slowest rank's time, so that every rank picks the same format."""
+    from shardwise.comm.compress import WIRES
+
+    times = rank_pool.run(wire_times_case, 2)
+    assert times[0] == times[1], times
+    assert list(times[0]) == list(WIRES) and all(0 < s < 1 for s in times[0].values()), times
 
 
 def test_a_group_of_one_does_not_compress():

@@ -104,7 +104,8 @@ def add_comm_dtype_arg(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="what the tp group's all-reduces of activations carry: fp32 (exact), bf16, or q8 (8-bit "
         "blocks of 32 values with a scale, 1.125 bytes a value); auto (default): fp32, unless the tp "
-        "group spans hosts and the planner predicts compression wins on its measured link (docs/multihost.md)",
+        "group spans hosts and a compressed all-reduce of the step's size measures faster on its link "
+        "(docs/multihost.md)",
     )
 
 

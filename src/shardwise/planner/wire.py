@@ -12,8 +12,12 @@ link the two extra latencies and the codec cost more than the bytes saved; on a 
 (a tp group across hosts) the bytes win.
 
 At run time `auto` is fp32 unless this tp group spans hosts (the ranks' host labels, as
-shardwise.launch.hosts gathers them); then the group measures its link (a tiny and a 1 MiB
-all-reduce, the slowest rank's times) and takes the format predicted fastest here.
+shardwise.launch.hosts gathers them); then the group times one all-reduce of the step's size
+in each format (measure_wires: the slowest rank's, a pause before each as a step's compute
+leaves between two) and takes the fastest. Timed at the step's own size, not extrapolated
+from a large message: a shaped link (a token bucket) passes a message that fits its bucket
+at the speed of the wire beneath, so a 1 MiB probe's rate would price a decode step's 8 KiB
+all-reduces as slow as a long transfer and pick a compressed format where fp32 is faster.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 import torch
 
 from shardwise.comm import Communicator
-from shardwise.comm.compress import WIRES
+from shardwise.comm.compress import WIRES, compressed_all_reduce
 from shardwise.log import get_logger
 from shardwise.planner.specs import Link
 
@@ -35,7 +39,7 @@ __all__ = [
     "all_reduce_s",
     "encoded_decode_s",
     "best_wire",
-    "probe_link",
+    "measure_wires",
     "choose_wire",
 ]
 
@@ -47,7 +51,6 @@ CODEC_US = {"fp32": 0.0, "bf16": 23.0, "q8": 70.0}
 """Encoding and decoding one all-reduce, fixed part (microseconds; measured at 576 values)."""
 CODEC_NS = {"fp32": 0.0, "bf16": 0.7, "q8": 1.7}
 """... and per value (nanoseconds; the slope between 576 and 65536 values)."""
-_PROBE_VALUES = 1 << 18  # 1 MiB of fp32
 
 
 def all_reduce_s(link: Link, values: float, p: int, wire: str) -> float:
@@ -80,22 +83,31 @@ def best_wire(link: Link, values: float, p: int) -> tuple[str, dict[str, float]]
     return min(times, key=times.get), times
 
 
-def probe_link(tp: Communicator) -> Link:
-    """This group's link, measured: latency from a 1-value all-reduce, bus bandwidth from a
-    1 MiB one (best of a few each; the slowest rank's, so every rank gets the same Link)."""
+WIRE_GAP_S = 0.002
+"""Pause before each timed all-reduce in measure_wires: about what a decode layer's compute
+leaves between two all-reduces, so that a shaped link's token bucket refills as in a step."""
+
+
+def measure_wires(tp: Communicator, values: int, repeats: int = 5) -> dict[str, float]:
+    """Seconds of one all-reduce of `values` fp32 values on `tp` in each wire format: the
+    fastest of `repeats` (after one untimed), each after WIRE_GAP_S; the slowest rank's, so
+    that every rank gets the same figures and picks the same format."""
+    x = torch.randn(values, generator=torch.Generator().manual_seed(tp.rank))
     times = []
-    for n, repeats in ((1, 5), (_PROBE_VALUES, 3)):
-        x = torch.zeros(n)
+    for wire in WIRES:
         best = math.inf
-        for _ in range(repeats):
+        for i in range(repeats + 1):
+            time.sleep(WIRE_GAP_S)
             t0 = time.perf_counter()
-            tp.all_reduce(x)
-            best = min(best, time.perf_counter() - t0)
+            if wire == "fp32":
+                tp.all_reduce(x.clone())
+            else:
+                compressed_all_reduce(x, tp, wire)
+            if i:
+                best = min(best, time.perf_counter() - t0)
         times.append(best)
-    small, big = tp.all_reduce(torch.tensor(times, dtype=torch.float64), op="max").tolist()
-    p = tp.size
-    busbw = 2 * (p - 1) / p * _PROBE_VALUES * 4 / max(big - small, 1e-9) / 1e9
-    return Link("probed", busbw_gbps=busbw, latency_us=small * 1e6 / math.ceil(math.log2(p)))
+    worst = tp.all_reduce(torch.tensor(times, dtype=torch.float64), op="max").tolist()
+    return dict(zip(WIRES, worst, strict=True))
 
 
 def choose_wire(requested: str, tp: Communicator, world: Communicator, *, values: int) -> str:
@@ -115,13 +127,12 @@ def choose_wire(requested: str, tp: Communicator, world: Communicator, *, values
     hosts = gather_hosts(world, ext.host)
     if len({hosts.labels[r] for r in tp.members}) == 1:
         return "fp32"
-    link = probe_link(tp)
-    wire, times = best_wire(link, values, tp.size)
+    times = measure_wires(tp, values)
+    wire = min(times, key=times.get)
     if tp.rank == 0:
         shown = ", ".join(f"{w} {s * 1e3:.3f} ms" for w, s in times.items())
         log.info(
-            "tp group %s spans hosts; its link measured %.3f GB/s, %.0f us: an all-reduce of %d values "
-            "predicted %s -> --comm-dtype %s",
-            list(tp.members), link.busbw_gbps, link.latency_us, values, shown, wire,
+            "tp group %s spans hosts; an all-reduce of %d values measured %s -> --comm-dtype %s",
+            list(tp.members), values, shown, wire,
         )  # fmt: skip
     return wire
