@@ -21,9 +21,10 @@ layers call F.linear as before; MKL takes the strides as given.
 Where the native decode step runs the layers instead (shardwise.models.step.refusal: None),
 their weights stay row-major (the LM head, outside the step, is still re-strided): its fp32 kernel (csrc/f32.c) keeps each output's sum in registers over
 a row-major weight, where the column-major one adds into the output rows in memory eight
-inputs at a time; on the AMD Zen 3 (AVX2) of docs/benchmarks/links.md it streamed the
-built-in model's matrices at 40-59 GB/s row-major against 13-17 column-major from the cache,
-13-16 against 8-11 from memory, and `generate`'s step took 1.5-2.6 ms against 3.3-5.0.
+inputs at a time; on the AMD Zen 3 (AVX2) of docs/benchmarks/links.md it streamed one row
+through the built-in model's matrices at 40-65 GB/s row-major against 25 column-major, through
+1B-sized ones at 17-35 against 13-20, and `generate`'s step took 0.9-2.0 ms against 1.3-3.5
+(benchmarks/bench_fp32_order.py).
 """
 
 from __future__ import annotations
