@@ -35,9 +35,14 @@ def test_shared_memory_and_veth_paths_are_measured_and_make_hosts_for_the_planne
     assert all(links[n]["native_all_reduce"]["us"] > 0 for n in ("shm", "veth")), links
     assert all(d["us"] > 0 and d["burst_us"] > 0 and d["spill_us"] >= 0 for o in ops.values() for d in o.values())
     # across hosts, pp=2's decode step: one message between the stages (measure.pipeline_step_rank)
-    hop = links["veth"]["decode_hop"]
+    # at three stage sizes (measure.PP_HOP_CONFIGS), by how long each message's receiver waited
+    hops = links["veth"]["decode_hop"]
     assert links["veth"]["launches"] == 2 and len(links["veth"]["per_launch"]["decode_pp_step_us"]) == 2
-    assert hop["hop_us"] > 0 and hop["step_us"] > hop["alone_us"] > 0 and "decode_hop" not in links["shm"], hop
+    assert len(links["veth"]["per_launch"]["decode_pp_512_step_us"]) == 2
+    assert [h["bytes"] for h in sorted(hops, key=lambda h: h["bytes"])] == [256, 1024, 2048], hops
+    assert [h["idle_us"] for h in hops] == sorted(h["idle_us"] for h in hops) and "decode_hop" not in links["shm"]
+    assert all(h["hop_us"] >= 0 and h["step_us"] > h["alone_us"] == pytest.approx(2 * h["idle_us"]) for h in hops)
+    hop = min(hops, key=lambda h: h["bytes"])
     # NOTE: no order between the two paths' 4 KiB all-reduces: over direct TCP the link's (tens of
     # us) may beat the shared memory's on a loaded machine (CI, 2026-12-07: 172 against 186 us)
     gloo = {**links["veth"], "send_us": None}  # any gloo link will do for the cluster's other operations
@@ -45,6 +50,6 @@ def test_shared_memory_and_veth_paths_are_measured_and_make_hosts_for_the_planne
                       layer_overhead_us=100.0, step_overhead_us=100.0, links={"gloo": gloo, **links})  # fmt: skip
     cl = cal.hosts(2, 1, rate_gbps=0.0125, bucket_bytes=netns.bucket_bytes("100mbit"))
     assert cl.inter.send_us == links["veth"]["send_us"] and cl.intra.via is not None
-    assert cl.inter.decode_hop == (hop["bytes"], hop["hop_us"] * 1e-6)
+    assert (hop["idle_us"] * 1e-6, hop["bytes"], hop["hop_us"] * 1e-6) in cl.inter.decode_hop
     ours = f"{netns.PREFIX}{os.getpid()}c"  # this process's namespaces: all deleted
     assert ours not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -71,12 +71,13 @@ def test_the_decode_probes_records():
                           "native": {"native": True, "step_us": 1.0, "ops": {"all_reduce": {**op, "us": 2.0}}}})  # fmt: skip
     # the burst: the step's time less its collectives', over them: (1 us - 9 x 8 us) floored at 0
     assert rec == {"decode": [{"op": "all_reduce", "bytes": 256.0, "us": 8.0, "burst_us": 0.0, "spill_us": 0.0}],
-                   "native_all_reduce": {"bytes": 256.0, "us": 2.0, "spill_us": 0.0}}  # fmt: skip
+                   "native_all_reduce": {"bytes": 256.0, "us": 2.0, "spill_us": 0.0, "step_us": 1.0,
+                                         "inside_us": 18.0, "calls": 9, "layers": 4}}  # fmt: skip
     # with the step alone measured: the native step's time beyond its calls and that, per call, on its all-reduce
     native = {"native": True, "step_us": 100.0, "ops": {"all_reduce": {**op, "us": 2.0}}}
     rec = _decode_record({"alone": {"step_us": 46.0}, "native": native})
     assert rec["native_all_reduce"] == pytest.approx(
-        {"bytes": 256.0, "us": 2.0 + 4.0, "spill_us": 4.0}
+        {"bytes": 256.0, "us": 2.0 + 4.0, "spill_us": 4.0, "step_us": 100.0, "inside_us": 18.0, "calls": 9, "layers": 4}
     )  # (100 - 18 - 46) / 9
     refused = {"native": False, "step_us": 1.0, "ops": {"all_reduce": op}}  # the native step did not run
     assert "native_all_reduce" not in _decode_record({"native": refused})
@@ -159,17 +160,18 @@ def test_a_pipelines_decode_messages_are_priced_as_its_measured_hop():
     # pp=2: the stages take turns, so the hidden state's send and the token's broadcast are a
     # ping-pong; the calibration's pipeline step (measure.pipeline_step_rank) prices each message
     probe = {"bytes": 256, "hop_us": 250.0, "step_us": 700.0, "alone_us": 200.0}
-    assert _decode_record({"pp": probe})["decode_hop"] == probe
-    veth = {**VETH, "decode_hop": probe}
+    assert _decode_record({"pp": probe})["decode_hop"] == [probe]
+    veth = {**VETH, "decode_hop": [probe]}  # before v21: one probe, its idle not recorded
     cal = dataclasses.replace(CAL, links={**CAL.links, "veth": veth})
     cfg = _cfg()
     across = cal.hosts(2, 1, rate_gbps=1.25, bucket_bytes=125_000)
-    assert across.inter.decode_hop == pytest.approx((256, 250e-6))
+    assert len(across.inter.decode_hop) == 1 and across.inter.decode_hop[0] == pytest.approx((0.0, 256, 250e-6))
     p = predict_inference(cfg, across, Layout(1, 2, 1), **KW)
     byop = {c.op: c for c in p.collectives}
     beyond = (cfg.hidden_size * 4 - 256) / 1e9  # the hidden state's bytes beyond the probe's, at the bus bandwidth
     assert byop["send"].seconds == pytest.approx(250e-6 + beyond, rel=1e-6)
-    assert byop["broadcast"].seconds == pytest.approx(250e-6, rel=1e-6)  # not the tp step's broadcast (800 us)
+    # not the tp step's broadcast (800 us); 8 bytes, 248 fewer than the probe's message
+    assert byop["broadcast"].seconds == pytest.approx(250e-6 - 248 / 1e9, rel=1e-6)
     # without the figure (an older calibration): the idle send plus the after-compute extra, the tp broadcast
     old = predict_inference(cfg, CAL.hosts(2, 1, rate_gbps=1.25, bucket_bytes=125_000), Layout(1, 2, 1), **KW)
     old_byop = {c.op: c for c in old.collectives}
@@ -182,7 +184,40 @@ def test_a_pipelines_decode_messages_are_priced_as_its_measured_hop():
     assert shaped.hop_s(1024) == pytest.approx(250e-6 + 768 / 1e9 + 1024 / 1e6)
     assert CAL.link("veth").hop_s(1024) is None
     with pytest.raises(PlannerError, match="decode_hop"):
-        Link("x", 1.0, 1.0, decode_hop=(256.0, 0.0))
+        Link("x", 1.0, 1.0, decode_hop=((0.0, 256.0, 0.0),))
+
+
+def test_a_pipeline_message_costs_more_the_longer_its_receiver_waited():
+    # v21: the pipeline probe at three stage sizes; a rank that waited longer resumes slower
+    probes = [{"bytes": b, "hop_us": h, "step_us": 2 * h + 2 * i, "alone_us": 2 * i, "idle_us": i}
+              for b, h, i in ((1024, 1400.0, 600.0), (256, 700.0, 300.0), (2048, 1800.0, 4000.0))]  # fmt: skip
+    rec = _decode_record({k: p for k, p in zip(("pp_256", "pp", "pp_512"), probes, strict=True)})["decode_hop"]
+    assert [h["idle_us"] for h in rec] == [300.0, 600.0, 4000.0]  # by idle
+    link = dataclasses.replace(CAL, links={**CAL.links, "veth": {**VETH, "decode_hop": rec}}).link("veth")
+    want = ((300e-6, 256, 700e-6), (600e-6, 1024, 1400e-6), (4000e-6, 2048, 1800e-6))
+    assert [pytest.approx(w) for w in want] == list(link.decode_hop)
+    bw = 1e9  # VETH's bus bandwidth: each point's bytes come off its fixed part, the message's go on
+    assert link.hop_s(256, 300e-6) == pytest.approx(700e-6)
+    assert link.hop_s(1024, 600e-6) == pytest.approx(1400e-6)
+    assert link.hop_s(256, 100e-6) == pytest.approx(700e-6)  # below the shortest wait: its figure
+    assert link.hop_s(2048, 1.0) == pytest.approx(1800e-6)  # beyond the longest: its figure
+    mid = link.hop_s(0, (300e-6 * 600e-6) ** 0.5)  # half way in log(idle)
+    assert mid == pytest.approx((700e-6 - 256 / bw + 1400e-6 - 1024 / bw) / 2)
+    # the planner: each message at its receiver's wait, the other stage's compute
+    cfg = _cfg()
+    rec = [{"bytes": 256, "hop_us": h, "idle_us": i} for h, i in ((500.0, 1e3), (1000.0, 1e4), (2000.0, 1e5))]
+    cal = dataclasses.replace(CAL, links={**CAL.links, "veth": {**VETH, "decode_hop": rec}})
+    across = cal.hosts(2, 1, rate_gbps=1.25, bucket_bytes=125_000)
+    p = predict_inference(cfg, across, Layout(1, 2, 1), **KW)
+    byop = {c.op: c for c in p.collectives}
+    first, last = (s - c for s, c in zip(p.stage_s, (byop["send"].seconds, byop["broadcast"].seconds), strict=True))
+    assert byop["send"].seconds == pytest.approx(across.inter.hop_s(cfg.hidden_size * 4, first), rel=1e-6)
+    assert byop["broadcast"].seconds == pytest.approx(across.inter.hop_s(8, last), rel=1e-6)
+    # a smaller stage: a shorter wait, a cheaper message (here, both within the probes' waits)
+    small = dataclasses.replace(cfg, vocab_size=1024, num_layers=2)
+    short = predict_inference(small, across, Layout(1, 2, 1), **KW)
+    assert 1e-3 < short.stage_s[1] < p.stage_s[1] < 0.1, (short.stage_s, p.stage_s)
+    assert {c.op: c for c in short.collectives}["broadcast"].seconds < byop["broadcast"].seconds
 
 
 def test_the_veths_probes_are_the_median_launch_not_the_fastest():
@@ -204,7 +239,7 @@ def test_the_veths_probes_are_the_median_launch_not_the_fastest():
     assert m["decode"]["per_op"]["step_us"] == 18000.0 and m["decode"]["pp"]["hop_us"] == 300.0
     rec = _record(m)
     assert rec["launches"] == 3 and rec["per_launch"]["idle_4k_us"] == pytest.approx([500.0, 2200.0, 600.0])
-    assert rec["decode_hop"]["hop_us"] == 300.0 and rec["points"][0]["latency_us"] == pytest.approx(600.0)
+    assert rec["decode_hop"][0]["hop_us"] == 300.0 and rec["points"][0]["latency_us"] == pytest.approx(600.0)
 
 
 def test_across_hosts_over_tcp_decode_runs_the_native_step_unless_the_wire_is_encoded():
@@ -223,3 +258,58 @@ def test_across_hosts_over_tcp_decode_runs_the_native_step_unless_the_wire_is_en
     fixed = (80.0 - 10.0) * cfg.num_layers + (100.0 - 60.0)
     assert q8.decode.compute_s == pytest.approx(op_by_op.decode.compute_s, rel=1e-6)
     assert q8.decode.compute_s - p.decode.compute_s == pytest.approx(fixed * 1e-6, rel=0.05)
+
+
+def test_a_tp_groups_rank_pays_its_own_native_fixed_times():
+    # v21: the native step's fixed times measured on a rank of a tp=2 group inside the host
+    # (measure.decode_shard_rank, its collectives' calls taken out) price tp > 1; tp=1 keeps one core's
+    cfg = _cfg()
+    tp_cal = dataclasses.replace(CAL, native_tp_layer_overhead_us=25.0, native_tp_step_overhead_us=200.0)
+    dev = tp_cal.cluster().device
+    assert dev.native_overheads_us(1) == (10.0, 60.0) and dev.native_overheads_us(2) == (25.0, 200.0)
+    assert CAL.cluster().device.native_overheads_us(2) == (10.0, 60.0)  # not measured: one core's
+    for tp, extra in ((1, 0.0), (2, (200.0 - 60.0 + cfg.num_layers * (25.0 - 10.0)) * 1e-6)):
+        before = predict_inference(cfg, CAL.hosts(1, 2), Layout(tp, 1, 1), **KW).decode
+        after = predict_inference(cfg, tp_cal.hosts(1, 2), Layout(tp, 1, 1), **KW).decode
+        assert after.compute_s - before.compute_s == pytest.approx(extra, abs=1e-12), tp
+        assert after.comm_s == pytest.approx(before.comm_s), tp
+    with pytest.raises(PlannerError, match="native_tp_step_overhead_us"):
+        dataclasses.replace(dev, native_tp_step_overhead_us=-1.0)
+
+
+def test_the_calibration_measures_a_tp_ranks_native_fixed_times(monkeypatch):
+    # _native_step_overheads: one core's at 1 and 5 layers, then a tp=2 rank's (2 cores), each
+    # the faster launch's step less its collectives' calls
+    import shardwise.bench.calibrate as calibrate
+    import shardwise.launch as launch_mod
+
+    def fake(fn, ranks, args=()):
+        layers = args[0]["layers"]
+        fixed = {1: (400.0, 800.0), 5: (440.0, 1000.0)}[layers][ranks - 1]
+        return [{"native": True, "step_us": fixed + 100.0 * (ranks - 1), "fixed_us": fixed, "ops": {}}]
+
+    monkeypatch.setattr(launch_mod, "launch", fake)
+    got = calibrate._native_step_overheads(lambda m: None, lambda: None, 2)
+    assert got == pytest.approx({"native_layer_overhead_us": 10.0, "native_step_overhead_us": 390.0,
+                                 "native_tp_layer_overhead_us": 50.0, "native_tp_step_overhead_us": 750.0})  # fmt: skip
+    one = calibrate._native_step_overheads(lambda m: None, lambda: None, 1)
+    assert set(one) == {"native_layer_overhead_us", "native_step_overhead_us"}
+
+
+def test_the_native_all_reduce_carries_what_the_step_took_beyond_a_tp_ranks_fixed_times():
+    # v21: the probe's native step less its collectives' calls and a tp rank's fixed times at its
+    # layers, shared among the calls (across hosts the step stops and resumes at each all-reduce)
+    native = {"bytes": 256.0, "us": 150.0, "spill_us": 0.0, "step_us": 2700.0, "inside_us": 1720.0, "calls": 10,
+              "layers": 4}  # fmt: skip
+    links = {**CAL.links, "veth": {**VETH, "native_all_reduce": native}}
+    cal = dataclasses.replace(CAL, links=links, native_tp_step_overhead_us=700.0, native_tp_layer_overhead_us=10.0)
+    beyond = 2700.0 - 1720.0 - 700.0 - 4 * 10.0  # 240 us over 10 calls
+    assert cal.link("veth").native_all_reduce == pytest.approx((256.0, (150.0 + beyond / 10) * 1e-6))
+    # nothing beyond: the call alone; no tp figures or an older record: the figure as recorded
+    fast = dataclasses.replace(cal, native_tp_step_overhead_us=2000.0)
+    assert fast.link("veth").native_all_reduce == pytest.approx((256.0, 150e-6))
+    older = dataclasses.replace(
+        CAL, links={**CAL.links, "veth": {**VETH, "native_all_reduce": {"bytes": 256.0, "us": 170.0}}}
+    )
+    assert older.link("veth").native_all_reduce == pytest.approx((256.0, 170e-6))
+    assert dataclasses.replace(cal, native_tp_step_overhead_us=None).link("veth").native_all_reduce[1] == 150e-6

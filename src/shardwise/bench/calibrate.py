@@ -75,7 +75,7 @@ __all__ = [
 ]
 
 COMM_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-VERSION = 20
+VERSION = 21
 """Bumped when the measurements change meaning: a cache of another version is measured again
 (6: the quantized linear kernels; 7: the shared-memory and veth paths, point-to-point times;
 8: the native decode step's fixed costs, and each path's collectives inside a decode step;
@@ -92,7 +92,9 @@ choice as generate makes it, each rank's best and one all-gather, no logits gath
 token broadcast; 19: the tcp path's waits retried for 2 ms, yielding, before select: its
 all-reduces inside a decode step; 20: the training probe as shardwise.train runs a micro-step
 (build_model, the vocab-parallel loss), its fixed times also for one tp=2 rank's shard, and
-the element-wise work a tp group does not split, train_unsplit_ns)."""
+the element-wise work a tp group does not split, train_unsplit_ns; 21: across hosts, pp=2's
+decode message at three stage sizes, by how long its receiver waited, and the native decode
+step's fixed costs on a rank of a tp=2 group inside the host)."""
 QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Rows of the quantized kernel probe: one sequence decoding up to a short prompt."""
 
@@ -162,6 +164,10 @@ class Calibration:
     """A decode step's fixed time per layer and per step where its layers run as one native
     call (shardwise.kernels.step; measure.decode_step_rank, 1 vs 5 layers, one core); None:
     the native step does not run here."""
+    native_tp_layer_overhead_us: float | None = None
+    native_tp_step_overhead_us: float | None = None
+    """The same on a tp=2 group inside this host, less its collectives' calls
+    (measure.decode_shard_rank); None: one core, or not measured."""
     cache_gbps: float | None = None
     """One row through weights that stay in the last-level cache (measure.probe_rank), one core
     alone; None: not measured (version < 9)."""
@@ -198,11 +204,25 @@ class Calibration:
             (pt["burst_us"] * 1e-6, max(0.0, pt["per_call_us"] * 1e-6 - idle_big)) for pt in big
         ) if idle_big is not None else ()  # fmt: skip
         native = v.get("native_all_reduce")
-        hop = v.get("decode_hop")
+        hops = v.get("decode_hop") or ()
+        hops = [hops] if isinstance(hops, dict) else hops  # before v21: one probe, its idle not recorded
         return Link(f"{name} (measured)", v["busbw_gbps"], v["latency_us"], pts, after, send_us=v.get("send_us"),
-                    decode=decode, native_all_reduce=None if native is None else (native["bytes"], native["us"] * 1e-6),
+                    decode=decode, native_all_reduce=None if native is None else (native["bytes"], self._native_us(native) * 1e-6),
                     after_compute_big=after_big, after_big_bytes=big_bytes if after_big else 0,
-                    decode_hop=None if hop is None else (hop["bytes"], hop["hop_us"] * 1e-6))  # fmt: skip
+                    decode_hop=tuple((h.get("idle_us", 0.0) * 1e-6, h["bytes"], h["hop_us"] * 1e-6) for h in hops))  # fmt: skip
+
+    def _native_us(self, native: dict) -> float:
+        """One all-reduce inside the native decode step (hostlinks' "native_all_reduce"): its
+        call, plus its share of what the probe's step took beyond its collectives' calls and a
+        tp rank's fixed times at its layers (native_tp_*: across hosts the step stops at each
+        all-reduce to hand it to the tcp path, and resumes after it, outside the call's clock;
+        on the Zen 3 VM of 2026-12-07 the probe's step less its calls was ~1.0 ms across the
+        veth, 0.76 inside the host). Where either is missing, the figure as recorded."""
+        fixed = self.native_tp_step_overhead_us, self.native_tp_layer_overhead_us
+        if None in fixed or "step_us" not in native:
+            return native["us"]
+        beyond = native["step_us"] - native["inside_us"] - fixed[0] - native["layers"] * fixed[1]
+        return native["us"] - native.get("spill_us", 0.0) + max(0.0, beyond) / max(native["calls"], 1)
 
     def intra_link(self, link: str = "gloo", *, shm: bool = True) -> Link:
         """The link between two ranks of this host: backend `link`'s, under the shared-memory
@@ -250,6 +270,8 @@ class Calibration:
             busy_quantized_rows_tflops=_by_rows(self.busy_quantized_rows_tflops),
             native_layer_overhead_us=self.native_layer_overhead_us,
             native_step_overhead_us=self.native_step_overhead_us,
+            native_tp_layer_overhead_us=self.native_tp_layer_overhead_us,
+            native_tp_step_overhead_us=self.native_tp_step_overhead_us,
             cache_gbps=self.cache_gbps,
             busy_cache=self.busy_cache,
             cache_bytes=self.cache_bytes,
@@ -525,7 +547,7 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None, 
     from shardwise.bench.serve_probe import serving_overheads
 
     serve = serving_overheads(log=log) or {}
-    native = _native_step_overheads(log, quiet)
+    native = _native_step_overheads(log, quiet, devices)
     links, unavailable = _measure_links(devices, backends or ["gloo", "mpi"], 10 * repeats, 3, log, quiet, flops)
     if devices > 1:
         from shardwise.bench.hostlinks import measure_paths
@@ -570,25 +592,34 @@ def calibrate(*, backends: list[str] | None = None, repeats: int = 5, log=None, 
     )
 
 
-def _native_step_overheads(log, quiet) -> dict:
+def _native_step_overheads(log, quiet, devices: int = 1) -> dict:
     """The native decode step's fixed times per layer and per step on one core: the decode
     probe (measure.decode_step_rank) at 1 and 5 layers, the faster of two launches each; {}
-    where the native step does not run."""
-    from shardwise.bench.measure import decode_step_rank
+    where the native step does not run. With 2 cores or more, the same for a rank of a tp=2
+    group inside this host less its collectives' calls (measure.decode_shard_rank): a rank of
+    a group does more besides them (the split head, the greedy choice's gather, the group's
+    bookkeeping; on the Zen 3 VM of 2026-12-07 0.65-0.89 ms a step of the probe's model
+    against 0.3-0.55 alone)."""
+    from shardwise.bench.measure import decode_shard_rank
     from shardwise.launch import launch
 
-    log("calibrating: the native decode step's fixed costs on one core")
-    best = {}
-    for layers in (1, 5):
-        runs = []
-        for _ in range(2):
-            quiet()
-            runs.append(launch(decode_step_rank, 1, args=({"layers": layers},))[0])
-        if not all(r["native"] for r in runs):
-            return {}
-        best[layers] = min(r["step_us"] for r in runs)
-    layer = max(best[5] - best[1], 0.0) / 4
-    return {"native_layer_overhead_us": layer, "native_step_overhead_us": max(best[1] - layer, 0.0)}
+    out = {}
+    for ranks, prefix in ((1, "native"), (2, "native_tp")):
+        if ranks > devices:
+            break
+        log(f"calibrating: the native decode step's fixed costs on {ranks} core{'s' * (ranks > 1)}")
+        best = {}
+        for layers in (1, 5):
+            runs = []
+            for _ in range(2):
+                quiet()
+                runs.append(launch(decode_shard_rank, ranks, args=({"layers": layers},))[0])
+            if not all(r["native"] for r in runs):
+                return out
+            best[layers] = min(r["fixed_us"] for r in runs)
+        layer = max(best[5] - best[1], 0.0) / 4
+        out |= {f"{prefix}_layer_overhead_us": layer, f"{prefix}_step_overhead_us": max(best[1] - layer, 0.0)}
+    return out
 
 
 def load_calibration(*, recalibrate: bool = False, path: Path | None = None, log=None) -> Calibration:

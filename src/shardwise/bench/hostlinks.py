@@ -11,7 +11,8 @@ and inside the native step too, where the shared memory's all-reduces are C call
 path's are the step handing each back to Python; across hosts with the q8 wire too, its all-reduces an all_to_all and an all_gather of 8-bit blocks),
 and across hosts the message of pp=2's decode step (measure.pipeline_step_rank: the two stages
 take turns, so the hidden state's send and the token's broadcast are a ping-pong with compute
-between, priced from none of the above):
+between, priced from none of the above; at three stage sizes, as a message costs more the
+longer its receiver waited for it):
 
 - "shm": 2 local ranks, their world wrapped by shardwise.comm.shm (what a tp group inside one
   host uses by default); every other operation is the gloo link's.
@@ -75,7 +76,7 @@ def path_rank(world: Communicator, opts: dict) -> dict:
         from shardwise.comm.tcp import across_hosts
 
         comm = across_hosts(world, mode=opts.get("tcp", "auto"))
-    from shardwise.bench.measure import decode_step_rank, pipeline_step_rank
+    from shardwise.bench.measure import PP_HOP_CONFIGS, decode_step_rank, pipeline_step_rank
 
     idle = idle_all_reduces(comm, SIZES, opts.get("repeats", 50))
     after = after_compute_rank(comm, {"flops": opts["flops"]})["points"]
@@ -90,7 +91,8 @@ def path_rank(world: Communicator, opts: dict) -> dict:
         "shm"
     ):  # across hosts: with the tp all-reduces as 8-bit blocks too (--comm-dtype q8), and pp=2's step
         decode["q8"] = decode_step_rank(comm, {"native": False, "wire": "q8"})
-        decode["pp"] = pipeline_step_rank(world, {})
+        for key, config in PP_HOP_CONFIGS.items():  # stages of several sizes: a hop costs more after a longer wait
+            decode[key] = pipeline_step_rank(world, {"config": config})
     return {"idle": idle, "after": after, "after_big": after_big, "send_us": send_probe(world), "decode": decode}
 
 
@@ -131,10 +133,14 @@ def _decode_record(decode: dict) -> dict:
     its calls; each call's time includes its share of what the step's compute took beyond
     that, "spill_us"), with the q8 wire's ops as "q8 all_to_all", "q8
     all_gather", "q8 broadcast" where measured; "native_all_reduce": {"bytes",
-    "us", "spill_us"} of the all-reduces inside the native step, where it ran (its spill as the
-    per-op path's, over the native step); "decode_hop": {"bytes",
-    "hop_us", "step_us", "alone_us"} of pp=2's decode step (measure.pipeline_step_rank: one
-    message between two stages that take turns), where measured."""
+    "us", "spill_us", "step_us", "inside_us", "calls", "layers"} of the all-reduces inside the
+    native step, where it ran (its spill as the per-op path's, over the native step; the step,
+    its collectives' calls and their time, for the calibration to price against a tp rank's
+    fixed times, calibrate.Calibration.link); "decode_hop": [{"bytes",
+    "hop_us", "step_us", "alone_us", "idle_us"}, ...] of pp=2's decode step
+    (measure.pipeline_step_rank: one message between two stages that take turns), one per stage
+    size (measure.PP_HOP_CONFIGS), by idle_us, where measured."""
+    from shardwise.bench.measure import DECODE_CONFIG
     from shardwise.planner.wire import CODEC_US
 
     out = {"decode": []}
@@ -158,9 +164,11 @@ def _decode_record(decode: dict) -> dict:
                            "spill_us": spill} for op, v in ops.items()]  # fmt: skip
     if not out["decode"]:
         del out["decode"]
-    pp = decode.get("pp")
-    if pp is not None:
-        out["decode_hop"] = {k: pp[k] for k in ("bytes", "hop_us", "step_us", "alone_us")}
+    hops = [decode[k] for k in sorted(decode) if k == "pp" or k.startswith("pp_")]
+    if hops:
+        keys = ("bytes", "hop_us", "step_us", "alone_us", "idle_us")
+        out["decode_hop"] = sorted(({k: pp[k] for k in keys if k in pp} for pp in hops),
+                                   key=lambda h: h.get("idle_us", 0.0))  # fmt: skip
     native = decode.get("native")
     if native and native["native"] and "all_reduce" in native["ops"]:
         # as the per-op path's: what the step took beyond its calls and the same step alone (the
@@ -171,7 +179,9 @@ def _decode_record(decode: dict) -> dict:
         inside = sum(v["calls"] * v["us"] for v in ops.values())
         spill = 0.0 if alone is None else max(0.0, native["step_us"] - inside - alone) / max(calls, 1)
         ar = ops["all_reduce"]
-        out["native_all_reduce"] = {"bytes": ar["bytes"], "us": ar["us"] + spill, "spill_us": spill}
+        out["native_all_reduce"] = {"bytes": ar["bytes"], "us": ar["us"] + spill, "spill_us": spill,
+                                    "step_us": native["step_us"], "inside_us": inside, "calls": calls,
+                                    "layers": DECODE_CONFIG[4]}  # fmt: skip
     return out
 
 

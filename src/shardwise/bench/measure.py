@@ -33,7 +33,9 @@ __all__ = [
     "training_rank",
     "best_time",
     "decode_step_rank",
+    "decode_shard_rank",
     "DECODE_CONFIG",
+    "PP_HOP_CONFIGS",
     "pipeline_step_rank",
 ]
 
@@ -253,6 +255,14 @@ def training_rank(world: Communicator, opts: dict) -> dict:
 DECODE_CONFIG = ("llama", 256, 64, 128, 4, 4, 2, 16)
 """The decode probe's model (ModelConfig's leading fields: a tiny llama of 4 layers, hidden 64):
 its step is fixed costs and collectives, as a small model's decode step is."""
+PP_HOP_CONFIGS = {
+    "pp": DECODE_CONFIG,
+    "pp_256": ("llama", 512, 256, 512, 4, 8, 4, 32),
+    "pp_512": ("llama", 512, 512, 2048, 4, 8, 4, 64),
+}
+"""pipeline_step_rank's models across the veth (hostlinks): stages of ~0.3, ~0.6 and ~4 ms on
+the Zen 3 VM of 2026-12-07 (the built-in model's shape is the second), whose messages cost 0.7,
+1.4 and 1-2 ms each there: the longer a stage waits, the slower it resumes."""
 
 
 def decode_step_rank(world: Communicator, opts: dict) -> dict:
@@ -269,7 +279,8 @@ def decode_step_rank(world: Communicator, opts: dict) -> dict:
     are heavy-tailed (most calls ~0.5-1 ms, some 3-5 ms): the median of a step with ~10 calls
     follows the sum of their means, and the median call would leave the tail out.
 
-    opts["layers"]: the model's layers (default DECODE_CONFIG's). opts["wire"]: the tp group's
+    opts["config"]: the model (ModelConfig's leading fields; DECODE_CONFIG by default);
+    opts["layers"]: its layers (default the config's). opts["wire"]: the tp group's
     all-reduce format (planner.wire; q8: each all-reduce is an all_to_all and an all_gather of
     encoded chunks, shardwise.comm.compress), fp32 by default.
 
@@ -287,7 +298,7 @@ def decode_step_rank(world: Communicator, opts: dict) -> dict:
     from shardwise.sharding import parallelize
 
     torch.manual_seed(0)  # every rank the same weights, then its shard of them
-    fields = list(DECODE_CONFIG)
+    fields = list(opts.get("config", DECODE_CONFIG))
     fields[4] = opts.get("layers", fields[4])
     cfg = ModelConfig(*fields)
     model = parallelize(DecoderLM(cfg), FAMILIES["llama"].plan(cfg), comm=world).eval()
@@ -325,21 +336,35 @@ def decode_step_rank(world: Communicator, opts: dict) -> dict:
     return {"native": ran, "step_us": every[0] * 1e6, "ops": ops}
 
 
+def decode_shard_rank(world: Communicator, opts: dict) -> dict:
+    """decode_step_rank on a tp group inside one host, as `generate` runs it there (its world
+    wrapped in the shared-memory all-reduce, shardwise.comm.shm), every rank at once; with
+    "fixed_us": the step less its collectives' calls (their spin for the slower rank
+    included), what a rank of the group spends besides its collectives."""
+    from shardwise.comm.shm import intra_host
+
+    out = decode_step_rank(intra_host(world, mode="on") if world.size > 1 else world, opts)
+    inside = sum(v["calls"] * v["us"] for v in out["ops"].values())
+    return {**out, "fixed_us": max(out["step_us"] - inside, 0.0)}
+
+
 def pipeline_step_rank(world: Communicator, opts: dict) -> dict:
     """A decode step as `shardwise generate --tp 1 --pp 2` runs it over `world` (2 ranks, one
-    stage each; DECODE_CONFIG, random weights, batch 1): stage 0's layers, its hidden state
+    stage each; opts["config"]'s model, DECODE_CONFIG by default, random weights, batch 1): stage 0's layers, its hidden state
     sent to stage 1, stage 1's layers, head and argmax, and the token broadcast over the world
     (shardwise.engine.pipeline). Then each stage's same step alone, one rank at a time (the
     other waits at a barrier), as the two run in the pipeline: one after the other.
 
         {"step_us": median step, "alone_us": the stages' median steps alone, summed,
          "messages": 2, "bytes": the hidden state's bytes, "hop_us": (step - alone) / messages,
-         "native": bool, "ops": {op: {"calls", "bytes", "us"}}}
+         "idle_us": alone / 2, "native": bool, "ops": {op: {"calls", "bytes", "us"}}}
 
     hop_us is one message of the pipeline's decode step, each stage's resuming after its wait
     included: the stage-to-stage send and the token broadcast are one message each way between
     two ranks that take turns, a ping-pong with compute between (not the all-reduce probes' case,
-    where both ranks compute, then meet). The slower rank's figures."""
+    where both ranks compute, then meet). The slower rank's figures. idle_us: how long each
+    message's receiver waited for it, the other stage's compute (their mean): on a VM a rank
+    that waited longer resumes slower (each hop costs more behind a bigger stage; PP_HOP_CONFIGS)."""
     import statistics
 
     from shardwise.comm import ParallelDims
@@ -353,7 +378,7 @@ def pipeline_step_rank(world: Communicator, opts: dict) -> dict:
     from shardwise.sharding import parallelize
 
     torch.manual_seed(0)
-    cfg = ModelConfig(*DECODE_CONFIG)
+    cfg = ModelConfig(*opts.get("config", DECODE_CONFIG))
     mesh = ParallelDims(world_size=world.size, tp=1, pp=world.size).build(world)
     # as load_pretrained builds a stage: the whole model parallelized (tp=1), then cut
     model = parallelize(DecoderLM(cfg), FAMILIES["llama"].plan(cfg), comm=mesh.tp)
@@ -401,4 +426,5 @@ def pipeline_step_rank(world: Communicator, opts: dict) -> dict:
     step, alone_sum = every[:, 0].max().item(), every[:, 1].sum().item()
     ops = {op: {"calls": v[0][0], "us": sum(s for _, s in v) / sum(n for n, _ in v) * 1e6} for op, v in per_op.items()}
     return {"step_us": step * 1e6, "alone_us": alone_sum * 1e6, "messages": 2, "bytes": cfg.hidden_size * 4,
-            "hop_us": max(0.0, step - alone_sum) / 2 * 1e6, "native": ran, "ops": ops}  # fmt: skip
+            "hop_us": max(0.0, step - alone_sum) / 2 * 1e6, "idle_us": alone_sum / world.size * 1e6, "native": ran,
+            "ops": ops}  # fmt: skip

@@ -183,14 +183,15 @@ def native_step_runs(cfg: ModelConfig, cluster: Cluster, tp: int, *, tokens: int
 
 
 def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s: float = 0.0, *,
-           wire: str = "fp32", width: int = 4, decode: str = "") -> Collective:  # fmt: skip
+           wire: str = "fp32", width: int = 4, decode: str = "", idle_s: float = 0.0) -> Collective:  # fmt: skip
     """`c` with its link and seconds: each call's alpha-beta time, plus what the link adds
     after `burst_s` of compute. The link is the one the group's span crosses, or the one under
     it for what it does not carry (specs.Link.carrier: a shared-memory all-reduce's gloo).
     `wire`: a tp all-reduce's format on the wire (planner.wire; fp32: one all-reduce of its
     values of `width` bytes). decode: in a decode step, "per_op" or "native" (the layers as one
     native call: its all-reduces in C): the link's decode figures where measured
-    (specs.Link.decode_s), in place of the idle time and the after-compute extra."""
+    (specs.Link.decode_s), in place of the idle time and the after-compute extra. idle_s: a
+    pipeline's decode message's receiver waited this long for it (specs.Link.hop_s)."""
     each = c.bytes / c.calls
     if c.op == "all_reduce" and wire != "fp32":  # an all_to_all and an all_gather of the encoded chunks
         from shardwise.planner.wire import all_reduce_s, encoded_decode_s
@@ -205,7 +206,7 @@ def _timed(c: Collective, cluster: Cluster, group_size: int, span: int, burst_s:
     # stage back to the first at pp=2) are a ping-pong between stages that take turns: the
     # link's pipeline figure where measured, not an all-reduce's extra after compute
     pipelined = c.op == "send" or (c.op == "broadcast" and c.group == "world" and group_size == 2)
-    hop = link.hop_s(each) if decode and pipelined else None
+    hop = link.hop_s(each, idle_s) if decode and pipelined else None
     if hop is not None:
         return Collective(c.op, c.group, c.calls, c.bytes, link.name, hop * c.calls)
     measured = link.decode_s(c.op, each, group_size, native=decode == "native", burst_s=burst_s) if decode else None
@@ -330,7 +331,7 @@ def _stage_forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, stage: 
         flops, nbytes = flops - done, nbytes - streamed * width
     rate = dev.flops_at(batch * tokens, dtype, busy)  # rows through every matmul
     fixed = layers + EXPERT_LAUNCHES * experts_computed(cfg, tp, layers, batch * tokens, **ep)
-    per_layer = dev.native_layer_overhead_us if native else dev.layer_overhead_us
+    per_layer = dev.native_overheads_us(tp)[0] if native else dev.layer_overhead_us
     # NOTE: the weights of every rank of the replica on this node (at most devices_per_node) stay
     # in its last-level cache between steps when they fit (stream_bytes_per_s)
     node_bytes = nbytes * min(cluster.devices_per_node, tp * pp)
@@ -362,12 +363,16 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
             cfg, cluster, tp, tokens=tokens, batch=batch, width=width, quantize=quantize
         )
     dev = cluster.device
-    step_s = (dev.native_step_overhead_us if native else dev.step_overhead_us) * 1e-6
-    compute, raw, per_stage = step_s, [], []
+    step_s = (dev.native_overheads_us(tp)[1] if native else dev.step_overhead_us) * 1e-6
+    compute, raw, per_stage = 0.0, [], []
     for stage, layers in enumerate(split):
         t, r = _stage_forward(cfg, cluster, tp, pp, stage, layers=layers, batch=batch, tokens=tokens,
                               context=context, width=width, dtype=dtype, busy=busy,
                               expert_parallel=expert_parallel, quantize=quantize, native=native)  # fmt: skip
+        # NOTE: every stage's rank runs a forward call of its own (prelude, the native call, its
+        # message), one after the other: the step's fixed time is each stage's (at pp=2 the stages
+        # alone measured 617 us a step for the probe's model, against 451 for it whole; 2026-12-07)
+        t += step_s
         compute += t
         raw += r
         per_stage.append((t, r))
@@ -379,13 +384,17 @@ def _forward(cfg: ModelConfig, cluster: Cluster, tp: int, pp: int, *, batch: int
         return _forward(cfg, cluster, tp, pp, batch=batch, tokens=tokens, context=context, width=width, dtype=dtype,
                         busy=busy, expert_parallel=expert_parallel, quantize=quantize, comm_dtype=wire, native=False)  # fmt: skip
     decode = ("native" if native else "per_op") if tokens == 1 else ""
+    # NOTE: a pipeline's message waits out the other stages' compute on its receiver (the next
+    # stage; the token's broadcast: the first), which resumes the slower the longer it waited
+    stage_t = [t for t, _ in per_stage]
+    idle = [sum(stage_t) - stage_t[min(i + 1, len(stage_t) - 1)] for i, (_, r) in enumerate(per_stage) for _ in r]
+    idle += [sum(stage_t) - stage_t[0]] * (len(raw) - len(idle))
     timed = [_timed(c, cluster, size, span, burst, wire=wire if c.group == "tp" else "fp32", width=width,
-                    decode=decode) for c, size, span in raw]  # fmt: skip
+                    decode=decode, idle_s=w) for (c, size, span), w in zip(raw, idle, strict=True)]  # fmt: skip
     stage_s, i = [], 0
     for t, r in per_stage:
         stage_s.append(t + sum(c.seconds for c in timed[i : i + len(r)]))
         i += len(r)
-    stage_s[0] += step_s
     stage_s[-1] += sum(c.seconds for c in timed[i:])  # the sampled tokens' broadcast, after the last stage
     colls = merge(timed)
     return Timing(compute, sum(c.seconds for c in colls)), colls, stage_s

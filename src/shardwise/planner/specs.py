@@ -132,12 +132,14 @@ class Link:
     """Measured (bytes, seconds) of one all-reduce inside the native decode step
     (shardwise.kernels.step: the shared-memory protocol in C, no Python call); None: the
     native step's all-reduces do not run over this link."""
-    decode_hop: tuple[float, float] | None = None
-    """Measured (bytes, seconds) of one message of a pipeline's decode step over this link
-    (shardwise.bench.measure.pipeline_step_rank: pp=2, the stages taking turns, so the hidden
-    state's send and the sampled token's broadcast are a ping-pong with a stage's compute
-    between; each message's time includes the receiving stage's resuming after its wait). None:
-    not measured (send_us and the after-compute extra price it)."""
+    decode_hop: tuple[tuple[float, float, float], ...] = ()
+    """Measured (idle seconds, bytes, seconds) of one message of a pipeline's decode step over
+    this link (shardwise.bench.measure.pipeline_step_rank: pp=2, the stages taking turns, so the
+    hidden state's send and the sampled token's broadcast are a ping-pong with a stage's compute
+    between; each message's time includes the receiving stage's resuming after its wait), one
+    point per stage size: idle is how long the receiver waited (the other stage's compute), and
+    a rank that waited longer resumes slower. Empty: not measured (send_us and the after-compute
+    extra price it)."""
 
     def __post_init__(self) -> None:
         _check(self, positive=("busbw_gbps",), nonneg=("latency_us", "bucket_bytes"))
@@ -150,8 +152,10 @@ class Link:
             )
         if self.send_us is not None:
             _check(self, nonneg=("send_us",))
-        if self.decode_hop is not None and (self.decode_hop[0] < 0 or self.decode_hop[1] <= 0):
-            raise PlannerError(f"Link {self.name}: decode_hop needs bytes >= 0 and seconds > 0, got {self.decode_hop}")
+        if any(len(h) != 3 or h[0] < 0 or h[1] < 0 or h[2] <= 0 for h in self.decode_hop):
+            raise PlannerError(
+                f"Link {self.name}: decode_hop needs (idle >= 0, bytes >= 0, seconds > 0) points, got {self.decode_hop}"
+            )
         if self.rate_gbps is not None:
             _check(self, positive=("rate_gbps",))
         if any(n <= 0 or s <= 0 for n, s in self.points):
@@ -245,14 +249,17 @@ class Link:
         extra = max(0.0, nbytes - measured_bytes) * moved
         return sec + extra / (self.busbw_gbps * 1e9) + self._wait_s(nbytes * moved)
 
-    def hop_s(self, nbytes: float) -> float | None:
-        """Seconds of one message of `nbytes` between two pipeline stages in a decode step
-        (decode_hop), plus the bytes beyond the measured message's at the bus bandwidth and
-        beyond the bucket at the rate; None where not measured."""
-        if self.decode_hop is None:
+    def hop_s(self, nbytes: float, idle_s: float = 0.0) -> float | None:
+        """Seconds of one message of `nbytes` between two pipeline stages in a decode step, its
+        receiver having waited `idle_s` for it (decode_hop: each point's time less its bytes at
+        the bus bandwidth, linear in log(idle) between the points, the nearest end's outside),
+        plus its bytes at the bus bandwidth and beyond the bucket at the rate; None where not
+        measured."""
+        if not self.decode_hop:
             return None
-        measured_bytes, sec = self.decode_hop
-        return sec + max(0.0, nbytes - measured_bytes) / (self.busbw_gbps * 1e9) + self._wait_s(nbytes)
+        bw = self.busbw_gbps * 1e9
+        fixed = _extra(tuple((idle, max(sec - n / bw, 0.0)) for idle, n, sec in self.decode_hop), max(idle_s, 1e-9))
+        return fixed + nbytes / bw + self._wait_s(nbytes)
 
     def send_s(self, nbytes: float) -> float:
         """Seconds for one point-to-point transfer (pipeline stage boundary)."""
@@ -332,6 +339,11 @@ class Device:
     """A decode step's fixed time per layer and per step where its layers run as one native call
     (shardwise.kernels.step), in place of layer_overhead_us and step_overhead_us; None: no
     native step (the presets; a host without it)."""
+    native_tp_layer_overhead_us: float | None = None
+    native_tp_step_overhead_us: float | None = None
+    """The same for a rank of a tp group (its collectives' calls not included: the split head,
+    the greedy choice's gather, the group's bookkeeping, every rank at once); None: the figures
+    of one rank alone price it."""
     cache_gbps: float | None = None
     """Bytes/s of one row through weights held in the last-level cache (measured on this host);
     None: every weight streams from memory (the presets)."""
@@ -353,7 +365,8 @@ class Device:
         _check(self, nonneg=("layer_overhead_us", "step_overhead_us", "reserved_gib"))
         if self.cache_gbps is not None:
             _check(self, positive=("cache_gbps", "busy_cache"), nonneg=("cache_bytes",))
-        for name in ("native_layer_overhead_us", "native_step_overhead_us"):
+        for name in ("native_layer_overhead_us", "native_step_overhead_us", "native_tp_layer_overhead_us",
+                     "native_tp_step_overhead_us"):  # fmt: skip
             if getattr(self, name) is not None:
                 _check(self, nonneg=(name,))
         for dtype, v in self.peak_tflops.items():
@@ -424,6 +437,13 @@ class Device:
 
     def bytes_per_s(self, busy: bool = False) -> float:
         return self.mem_bw_gbps * 1e9 * self.mem_efficiency * (self.busy_memory if busy else 1.0)
+
+    def native_overheads_us(self, tp: int) -> tuple[float, float]:
+        """(per layer, per step) fixed time of a native decode step on a rank of a tp group of
+        `tp`: a tp group's figures where measured, else one rank's alone."""
+        if tp > 1 and self.native_tp_layer_overhead_us is not None and self.native_tp_step_overhead_us is not None:
+            return self.native_tp_layer_overhead_us, self.native_tp_step_overhead_us
+        return self.native_layer_overhead_us or 0.0, self.native_step_overhead_us or 0.0
 
     def stream_bytes_per_s(self, node_bytes: float, busy: bool = False) -> float:
         """Bytes/s of a forward that streams weights a step, when the node's devices hold
