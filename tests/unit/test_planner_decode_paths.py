@@ -201,6 +201,8 @@ def test_a_pipeline_message_costs_more_the_longer_its_receiver_waited():
     assert link.hop_s(1024, 600e-6) == pytest.approx(1400e-6)
     assert link.hop_s(256, 100e-6) == pytest.approx(700e-6)  # below the shortest wait: its figure
     assert link.hop_s(2048, 1.0) == pytest.approx(1800e-6)  # beyond the longest: its figure
+    noisy = dataclasses.replace(link, decode_hop=(*link.decode_hop[:2], (4000e-6, 2048, 500e-6)))
+    assert noisy.hop_s(1024, 1.0) == pytest.approx(1400e-6)  # never cheaper after a longer wait
     mid = link.hop_s(0, (300e-6 * 600e-6) ** 0.5)  # half way in log(idle)
     assert mid == pytest.approx((700e-6 - 256 / bw + 1400e-6 - 1024 / bw) / 2)
     # the planner: each message at its receiver's wait, the other stage's compute

@@ -254,11 +254,18 @@ class Link:
         receiver having waited `idle_s` for it (decode_hop: each point's time less its bytes at
         the bus bandwidth, linear in log(idle) between the points, the nearest end's outside),
         plus its bytes at the bus bandwidth and beyond the bucket at the rate; None where not
-        measured."""
+        measured; each point at least any shorter wait's."""
         if not self.decode_hop:
             return None
         bw = self.busbw_gbps * 1e9
-        fixed = _extra(tuple((idle, max(sec - n / bw, 0.0)) for idle, n, sec in self.decode_hop), max(idle_s, 1e-9))
+        # NOTE: a longer wait never makes the message cheaper: a point below a shorter wait's is
+        # the probe's noise (its hop is the step less the stages alone, both ~12 ms at the
+        # largest stage), so each point is at least every shorter wait's
+        pts, most = [], 0.0
+        for idle, n, sec in sorted(self.decode_hop):
+            most = max(most, sec - n / bw)
+            pts.append((idle, most))
+        fixed = _extra(tuple(pts), max(idle_s, 1e-9))
         return fixed + nbytes / bw + self._wait_s(nbytes)
 
     def send_s(self, nbytes: float) -> float:
