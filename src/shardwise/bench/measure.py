@@ -260,9 +260,11 @@ PP_HOP_CONFIGS = {
     "pp_256": ("llama", 512, 256, 512, 4, 8, 4, 32),
     "pp_512": ("llama", 512, 512, 2048, 4, 8, 4, 64),
 }
-"""pipeline_step_rank's models across the veth (hostlinks): stages of ~0.3, ~0.6 and ~4 ms on
-the Zen 3 VM of 2026-12-07 (the built-in model's shape is the second), whose messages cost 0.7,
-1.4 and 1-2 ms each there: the longer a stage waits, the slower it resumes."""
+"""pipeline_step_rank's models across the veth (hostlinks; the built-in model's shape is the
+second). On the Zen 3 VM of 2026-12-07 (calibration v21, two runs 23:45 and 00:05 UTC) their
+stages took 0.31-0.36, 0.61-0.64 and 4.1-6.1 ms alone, and a message between them 0.39-0.42,
+1.32-1.48 and 0.50-1.53 ms: the longer its receiver waited, the slower it resumed (the
+largest stage's figure is the difference of two ~12 ms steps, the noisiest)."""
 
 
 def decode_step_rank(world: Communicator, opts: dict) -> dict:
