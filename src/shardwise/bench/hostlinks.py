@@ -140,7 +140,7 @@ def _decode_record(decode: dict) -> dict:
     "hop_us", "step_us", "alone_us", "idle_us"}, ...] of pp=2's decode step
     (measure.pipeline_step_rank: one message between two stages that take turns), one per stage
     size (measure.PP_HOP_CONFIGS), by idle_us, where measured."""
-    from shardwise.bench.measure import DECODE_CONFIG
+    from shardwise.bench.measure import DECODE_CONFIG, calls_us
     from shardwise.planner.wire import CODEC_US
 
     out = {"decode": []}
@@ -149,7 +149,7 @@ def _decode_record(decode: dict) -> dict:
             continue
         ops = decode[path]["ops"]
         calls = sum(v["calls"] for v in ops.values())
-        inside = sum(v["calls"] * v["us"] for v in ops.values())
+        inside = calls_us(ops)
         alone = decode.get("alone", {}).get("step_us")
         if alone is None:  # older probes: the compute between two collectives, the step less theirs
             burst, spill = max(0.0, decode[path]["step_us"] - inside) / max(calls, 1), 0.0
@@ -164,7 +164,7 @@ def _decode_record(decode: dict) -> dict:
                            "spill_us": spill} for op, v in ops.items()]  # fmt: skip
     if not out["decode"]:
         del out["decode"]
-    hops = [decode[k] for k in sorted(decode) if k == "pp" or k.startswith("pp_")]
+    hops = [v for k, v in decode.items() if k == "pp" or k.startswith("pp_")]
     if hops:
         keys = ("bytes", "hop_us", "step_us", "alone_us", "idle_us")
         out["decode_hop"] = sorted(({k: pp[k] for k in keys if k in pp} for pp in hops),
@@ -176,7 +176,7 @@ def _decode_record(decode: dict) -> dict:
         # among its calls and added to the all-reduce's
         ops, alone = native["ops"], decode.get("alone", {}).get("step_us")
         calls = sum(v["calls"] for v in ops.values())
-        inside = sum(v["calls"] * v["us"] for v in ops.values())
+        inside = calls_us(ops)
         spill = 0.0 if alone is None else max(0.0, native["step_us"] - inside - alone) / max(calls, 1)
         ar = ops["all_reduce"]
         out["native_all_reduce"] = {"bytes": ar["bytes"], "us": ar["us"] + spill, "spill_us": spill,

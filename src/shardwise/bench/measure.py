@@ -34,6 +34,7 @@ __all__ = [
     "best_time",
     "decode_step_rank",
     "decode_shard_rank",
+    "calls_us",
     "DECODE_CONFIG",
     "PP_HOP_CONFIGS",
     "pipeline_step_rank",
@@ -338,6 +339,12 @@ def decode_step_rank(world: Communicator, opts: dict) -> dict:
     return {"native": ran, "step_us": every[0] * 1e6, "ops": ops}
 
 
+def calls_us(ops: dict) -> float:
+    """The time a decode probe's step spent inside its collectives' calls (decode_step_rank's
+    "ops": each op's calls x its mean call), us."""
+    return sum(v["calls"] * v["us"] for v in ops.values())
+
+
 def decode_shard_rank(world: Communicator, opts: dict) -> dict:
     """decode_step_rank on a tp group inside one host, as `generate` runs it there (its world
     wrapped in the shared-memory all-reduce, shardwise.comm.shm), every rank at once; with
@@ -346,8 +353,7 @@ def decode_shard_rank(world: Communicator, opts: dict) -> dict:
     from shardwise.comm.shm import intra_host
 
     out = decode_step_rank(intra_host(world, mode="on") if world.size > 1 else world, opts)
-    inside = sum(v["calls"] * v["us"] for v in out["ops"].values())
-    return {**out, "fixed_us": max(out["step_us"] - inside, 0.0)}
+    return {**out, "fixed_us": max(out["step_us"] - calls_us(out["ops"]), 0.0)}
 
 
 def pipeline_step_rank(world: Communicator, opts: dict) -> dict:
