@@ -216,8 +216,8 @@ class Calibration:
         call, plus its share of what the probe's step took beyond its collectives' calls and a
         tp rank's fixed times at its layers (native_tp_*: across hosts the step stops at each
         all-reduce to hand it to the tcp path, and resumes after it, outside the call's clock;
-        on the Zen 3 VM of 2026-12-07 the probe's step less its calls was ~1.0 ms across the
-        veth, 0.76 inside the host). Where either is missing, the figure as recorded."""
+        on the Zen 3 VM of 2026-12-08 the veth probe's step less its calls was 0.93-0.98 ms,
+        a tp rank's fixed times inside the host 0.66-0.76). Where either is missing, the figure as recorded."""
         fixed = self.native_tp_step_overhead_us, self.native_tp_layer_overhead_us
         if None in fixed or "step_us" not in native:
             return native["us"]
@@ -598,8 +598,7 @@ def _native_step_overheads(log, quiet, devices: int = 1) -> dict:
     where the native step does not run. With 2 cores or more, the same for a rank of a tp=2
     group inside this host less its collectives' calls (measure.decode_shard_rank): a rank of
     a group does more besides them (the split head, the greedy choice's gather, the group's
-    bookkeeping; on the Zen 3 VM of 2026-12-07 0.65-0.89 ms a step of the probe's model
-    against 0.3-0.55 alone)."""
+    bookkeeping; on the Zen 3 VM of 2026-12-08, 661-761 us a step against 249-399 alone)."""
     from shardwise.bench.measure import decode_shard_rank
     from shardwise.launch import launch
 
